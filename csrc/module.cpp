@@ -1,0 +1,42 @@
+// The Python extension module sageattention2._C. Importing it registers the ops
+// (TORCH_LIBRARY in ops.cpp); it also reports what this build contains.
+#include <cuda_runtime_api.h>
+#include <torch/extension.h>
+
+#include <sstream>
+#include <string>
+#include <vector>
+
+#ifndef SAGE_ARCH_LIST
+#define SAGE_ARCH_LIST ""
+#endif
+
+namespace {
+
+std::vector<std::string> split_archs(const std::string& list) {
+  std::vector<std::string> out;
+  std::stringstream ss(list);
+  for (std::string item; std::getline(ss, item, ',');)
+    if (!item.empty()) out.push_back(item);
+  return out;
+}
+
+pybind11::dict build_info() {
+  pybind11::dict info;
+  const int v = CUDART_VERSION;
+  info["cuda_version"] = std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+  const auto archs = split_archs(SAGE_ARCH_LIST);
+  info["archs"] = archs;
+  pybind11::dict kernels;
+  // Every family is compiled for every arch of the build until an arch-specific one exists.
+  kernels["preprocess (smoothing_stats, quantize_q, quantize_kv)"] = archs;
+  info["kernels"] = kernels;
+  return info;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "sageattention2 CUDA kernels; the ops live under torch.ops.sageattention2";
+  m.def("build_info", &build_info, "CUDA version and archs this extension was compiled for");
+}

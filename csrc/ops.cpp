@@ -1,0 +1,61 @@
+// The op layer: schemas of the sageattention2 ops, their CUDA implementations, and Meta
+// implementations (output shapes only) through which torch.compile and FakeTensor trace.
+#include <torch/library.h>
+
+#include "preprocess.h"
+
+namespace sageattention2 {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_meta(
+    const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v, bool smooth_v) {
+  auto o = allocate_smoothing_stats(q, k, v, smooth_v);
+  return {o.q_mean, o.k_mean, o.v_mean, o.v_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q_meta(
+    const at::Tensor& q, const std::optional<at::Tensor>& q_mean, int64_t block_q, int64_t warps,
+    const std::string& qk_dtype, bool smooth_block, double /*scale_multiplier*/) {
+  auto o = allocate_quantize_q(q, q_mean, block_q, warps, qk_dtype, smooth_block);
+  return {o.codes, o.scales, o.block_mean};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_meta(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double /*delta_s_multiplier*/) {
+  auto o = allocate_quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype);
+  return {o.k_codes, o.k_scales, o.v_codes, o.delta_s};
+}
+
+}  // namespace
+}  // namespace sageattention2
+
+TORCH_LIBRARY(sageattention2, m) {
+  // docs/DESIGN.md "Ops" documents every argument and output.
+  m.def(
+      "smoothing_stats(Tensor? q, Tensor? k, Tensor? v, bool smooth_v) "
+      "-> (Tensor q_mean, Tensor k_mean, Tensor v_mean, Tensor v_scale)");
+  m.def(
+      "quantize_q(Tensor q, Tensor? q_mean, int block_q, int warps, str qk_dtype, "
+      "bool smooth_block, float scale_multiplier) "
+      "-> (Tensor q_codes, Tensor q_scale, Tensor q_block_mean)");
+  m.def(
+      "quantize_kv(Tensor k, Tensor? v, Tensor? k_mean, Tensor? v_mean, Tensor? v_scale, "
+      "Tensor? q_mean, int block_k, str qk_dtype, float delta_s_multiplier) "
+      "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s)");
+}
+
+TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
+  m.impl("smoothing_stats", &sageattention2::smoothing_stats_cuda);
+  m.impl("quantize_q", &sageattention2::quantize_q_cuda);
+  m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
+}
+
+TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
+  m.impl("smoothing_stats", &sageattention2::smoothing_stats_meta);
+  m.impl("quantize_q", &sageattention2::quantize_q_meta);
+  m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
+}

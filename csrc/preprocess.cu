@@ -1,0 +1,57 @@
+// Kernel launches of the preprocessing (no ATen here: see preprocess_params.h). The one
+// dtype x QK-type switch of the preprocessing lives in this file.
+#include "preprocess_kernels.cuh"
+
+namespace sageattention2 {
+namespace {
+
+template <typename Fn>
+void dispatch_input_dtype(InputDtype dtype, Fn&& fn) {
+  if (dtype == InputDtype::kFloat16) fn(__half{});
+  else fn(__nv_bfloat16{});
+}
+
+template <typename Kernel>
+cudaError_t allow_dynamic_smem(Kernel kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
+}
+
+}  // namespace
+
+cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dtype, cudaStream_t stream) {
+  dispatch_input_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    smoothing_stats_partial_kernel<T><<<dim3(p.chunks, jobs), kPreprocessThreads, 0, stream>>>(p);
+  });
+  smoothing_stats_finalize_kernel<<<jobs, kPreprocessThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool int4, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.geometry.block_q), p.q.heads, p.q.batch);
+  const size_t smem = static_cast<size_t>(p.geometry.block_q) * p.q.head_dim * 2;
+  cudaError_t status = cudaSuccess;
+  dispatch_input_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = int4 ? quantize_q_kernel<T, true> : quantize_q_kernel<T, false>;
+    status = allow_dynamic_smem(kernel, smem);
+    if (status == cudaSuccess) kernel<<<grid, kPreprocessThreads, smem, stream>>>(p);
+  });
+  return status != cudaSuccess ? status : cudaGetLastError();
+}
+
+cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.block_k), p.k.heads, p.k.batch);
+  const size_t smem = static_cast<size_t>(p.block_k) * kv_tile_pitch(p.k.head_dim) * 2;
+  cudaError_t status = cudaSuccess;
+  dispatch_input_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = int4 ? quantize_kv_kernel<T, true> : quantize_kv_kernel<T, false>;
+    status = allow_dynamic_smem(kernel, smem);
+    if (status == cudaSuccess) kernel<<<grid, kPreprocessThreads, smem, stream>>>(p);
+  });
+  return status != cudaSuccess ? status : cudaGetLastError();
+}
+
+}  // namespace sageattention2

@@ -1,0 +1,376 @@
+// Preprocessing kernels (paper Fig. 3, steps 1-3): smoothing statistics, per-thread
+// quantization of Q and K, the Delta-S vector, and FP8 V in the layout of the PV MMA.
+// The data contract they implement is docs/DESIGN.md.
+#pragma once
+
+#include <cstdint>
+
+#include "geometry.h"
+#include "preprocess_params.h"
+#include "ptx.cuh"
+#include "quant_math.cuh"
+
+namespace sageattention2 {
+
+template <typename T>
+__device__ __forceinline__ const T* row_ptr(const BhndView& v, int b, int h, int64_t n) {
+  return static_cast<const T*>(v.data) + b * v.stride_b + h * v.stride_h + n * v.stride_n;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Smoothing statistics: per-channel means over tokens (Q, K, V) and V's per-channel range.
+// One launch covers up to three tensors; its CTAs each reduce a chunk of rows of one
+// (tensor, batch, head) "job", and a second tiny launch folds the chunks in a fixed order so
+// the result is the same bit for bit on every run.
+// ---------------------------------------------------------------------------------------------
+
+
+__device__ __forceinline__ int stats_source_of_job(const StatsParams& p, int job) {
+  int s = 0;
+  while (s + 1 < p.num_sources && job >= p.sources[s + 1].first_job) ++s;
+  return s;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kPreprocessThreads)
+    smoothing_stats_partial_kernel(const __grid_constant__ StatsParams p) {
+  __shared__ float red_sum[kPreprocessThreads * kElemsPerVector];
+  __shared__ float red_max[kPreprocessThreads * kElemsPerVector];
+  __shared__ float red_min[kPreprocessThreads * kElemsPerVector];
+
+  const int job = blockIdx.y;
+  const StatsSource& src = p.sources[stats_source_of_job(p, job)];
+  const int local = job - src.first_job;
+  const int b = local / src.view.heads, h = local % src.view.heads;
+  const int head_dim = src.view.head_dim;
+  const RowTiling tiling = row_tiling(head_dim);
+  const int row_lane = threadIdx.x / tiling.threads_per_row;
+  const int vec = threadIdx.x % tiling.threads_per_row;
+  const bool active = row_lane < tiling.rows_per_pass;
+
+  const int64_t row_begin = blockIdx.x * p.rows_per_chunk;
+  const int64_t row_end = row_begin + p.rows_per_chunk < src.view.tokens ? row_begin + p.rows_per_chunk : src.view.tokens;
+
+  float sum[8], mx[8], mn[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) sum[i] = 0.0f, mx[i] = -INFINITY, mn[i] = INFINITY;
+
+  if (active) {
+    for (int64_t r = row_begin + row_lane; r < row_end; r += tiling.rows_per_pass) {
+      float x[8];
+      widen8<T>(ptx::ld_global_nc_v4(row_ptr<T>(src.view, b, h, r) + vec * kElemsPerVector), x);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        sum[i] += x[i];
+        mx[i] = fmaxf(mx[i], x[i]);
+        mn[i] = fminf(mn[i], x[i]);
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const int slot = row_lane * head_dim + vec * kElemsPerVector + i;
+      red_sum[slot] = sum[i];
+      red_max[slot] = mx[i];
+      red_min[slot] = mn[i];
+    }
+  }
+  __syncthreads();
+
+  const int64_t out_base = (static_cast<int64_t>(job) * p.chunks + blockIdx.x) * kMaxHeadDim;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float s = 0.0f, hi = -INFINITY, lo = INFINITY;
+    for (int lane = 0; lane < tiling.rows_per_pass; ++lane) {  // fixed order: deterministic
+      s += red_sum[lane * head_dim + d];
+      hi = fmaxf(hi, red_max[lane * head_dim + d]);
+      lo = fminf(lo, red_min[lane * head_dim + d]);
+    }
+    p.partial_sum[out_base + d] = s;
+    if (src.track_range) {
+      p.partial_max[out_base + d] = hi;
+      p.partial_min[out_base + d] = lo;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kPreprocessThreads)
+    smoothing_stats_finalize_kernel(const __grid_constant__ StatsParams p) {
+  const int job = blockIdx.x;
+  const StatsSource& src = p.sources[stats_source_of_job(p, job)];
+  const int head_dim = src.view.head_dim;
+  const int64_t in_base = static_cast<int64_t>(job) * p.chunks * kMaxHeadDim;
+  const int64_t out_base = static_cast<int64_t>(job - src.first_job) * head_dim;
+  const int used_chunks = static_cast<int>(ceil_div(src.view.tokens, p.rows_per_chunk));
+
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float s = 0.0f, hi = -INFINITY, lo = INFINITY;
+    for (int c = 0; c < used_chunks; ++c) {
+      s += p.partial_sum[in_base + c * kMaxHeadDim + d];
+      if (src.track_range) {
+        hi = fmaxf(hi, p.partial_max[in_base + c * kMaxHeadDim + d]);
+        lo = fminf(lo, p.partial_min[in_base + c * kMaxHeadDim + d]);
+      }
+    }
+    const float mean = s / static_cast<float>(src.view.tokens);
+    if (src.mean_out != nullptr) src.mean_out[out_base + d] = mean;
+    if (src.track_range) {
+      // max_n |V[n] - m| == max(max_n V - m, m - min_n V) exactly: float subtraction of a
+      // constant is monotonic and fl(m - v) == -fl(v - m) under round-to-nearest-even.
+      const float shift = src.smooth ? mean : 0.0f;
+      src.scale_out[out_base + d] = quant_scale(fmaxf(hi - shift, shift - lo), kFp8E4M3Max);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-thread quantization of a 16-byte vector of 8 channels (DESIGN.md arithmetic), stored as
+// 8 INT8 bytes or 4 bytes of packed INT4.
+// ---------------------------------------------------------------------------------------------
+
+template <bool kInt4>
+struct IntCodes {
+  static constexpr int kQmax = kInt4 ? 7 : 127;
+  static constexpr int kBytesPer8 = kInt4 ? 4 : 8;
+
+  __device__ static __forceinline__ void store(int8_t* dst, const float (&x)[8], float inv) {
+    int q[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = quantize_to_int(x[i], inv, kQmax);
+    if constexpr (kInt4) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(pack_int4x2(q[2 * i], q[2 * i + 1])) << (8 * i);
+      *reinterpret_cast<uint32_t*>(dst) = w;
+    } else {
+      uint2 w = make_uint2(0, 0);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        w.x |= static_cast<uint32_t>(q[i] & 0xFF) << (8 * i);
+        w.y |= static_cast<uint32_t>(q[4 + i] & 0xFF) << (8 * i);
+      }
+      *reinterpret_cast<uint2*>(dst) = w;
+    }
+  }
+  __device__ static __forceinline__ void store_zero(int8_t* dst) {
+    if constexpr (kInt4) *reinterpret_cast<uint32_t*>(dst) = 0u;
+    else *reinterpret_cast<uint2*>(dst) = make_uint2(0, 0);
+  }
+};
+
+// Non-negative floats order like their bit patterns, so a shared-memory atomicMax on the bits
+// is an exact (and order-independent, hence deterministic) max of |x|.
+__device__ __forceinline__ void atomic_max_abs(unsigned* slot, float abs_value) {
+  atomicMax(slot, __float_as_uint(abs_value));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Q: one CTA per (Q block, head, batch). Reads the block once into shared memory, smooths it
+// (head mean, or the block's own mean: paper Eq. 2), takes per-thread group maxima (Eq. 8) and
+// writes codes plus scales already multiplied by sm_scale * log2(e) (so the attention kernel
+// uses exp2 with no extra multiply).
+// ---------------------------------------------------------------------------------------------
+
+
+template <typename T, bool kInt4>
+__global__ void __launch_bounds__(kPreprocessThreads)
+    quantize_q_kernel(const __grid_constant__ QuantizeQParams p) {
+  using Codes = IntCodes<kInt4>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* tile = reinterpret_cast<T*>(smem_raw);  // [block_q][D]
+  __shared__ float mean[kMaxHeadDim];
+  __shared__ float group_inv[64];
+  __shared__ unsigned group_amax[64];
+
+  const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int head_dim = p.q.head_dim, vecs = head_dim / kElemsPerVector;
+  const int block_q = p.geometry.block_q, groups = p.geometry.groups_per_block();
+  const int64_t row0 = static_cast<int64_t>(qb) * block_q;
+  const int valid = static_cast<int>(p.q.tokens - row0 < block_q ? p.q.tokens - row0 : block_q);
+  const int64_t bh = static_cast<int64_t>(b) * p.q.heads + h;
+  const int64_t blocks = p.padded_tokens / block_q;
+
+  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    *reinterpret_cast<uint4*>(tile + r * head_dim + c * kElemsPerVector) =
+        ptx::ld_global_nc_v4(row_ptr<T>(p.q, b, h, row0 + r) + c * kElemsPerVector);
+  }
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) group_amax[g] = 0u;
+  __syncthreads();
+
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float m = 0.0f;
+    if (p.head_mean != nullptr) {
+      m = p.head_mean[bh * head_dim + d];
+    } else if (p.smooth_block) {
+      float s = 0.0f;
+      for (int r = 0; r < valid; ++r) s += widen1<T>(tile[r * head_dim + d]);
+      m = s / static_cast<float>(valid);
+      p.block_mean[(bh * blocks + qb) * head_dim + d] = m * p.scale_multiplier;
+    }
+    mean[d] = m;
+  }
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    float x[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * head_dim + c * kElemsPerVector), x);
+    float a = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
+    atomic_max_abs(&group_amax[p.geometry.group_of_row(r)], a);
+  }
+  __syncthreads();
+
+  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+    const float scale = quant_scale(__uint_as_float(group_amax[g]), static_cast<float>(Codes::kQmax));
+    group_inv[g] = quant_inverse(scale);
+    p.scales[(bh * blocks + qb) * groups + g] = scale * p.scale_multiplier;
+  }
+  __syncthreads();
+
+  const int code_dim = kInt4 ? head_dim / 2 : head_dim;
+  for (int i = threadIdx.x; i < block_q * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    int8_t* dst = p.codes + (bh * p.padded_tokens + row0 + r) * code_dim + c * Codes::kBytesPer8;
+    if (r >= valid) {
+      Codes::store_zero(dst);
+      continue;
+    }
+    float x[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * head_dim + c * kElemsPerVector), x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] -= mean[c * kElemsPerVector + e];
+    Codes::store(dst, x, group_inv[p.geometry.group_of_row(r)]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// K and V: one CTA per (KV block, kv head, batch). K is smoothed by its token mean, quantized
+// per thread (4 groups per block), and the key's exact Delta-S = q_mean . (K_j - k_mean) is
+// taken from the same registers; then V is smoothed (optional), quantized per channel to FP8
+// and written transposed in the key order of the PV MMA (DESIGN.md).
+// ---------------------------------------------------------------------------------------------
+
+
+
+template <typename T>
+__device__ __forceinline__ void load_kv_tile(T* tile, const BhndView& view, int b, int h, int64_t row0,
+                                             int valid) {
+  const int head_dim = view.head_dim, vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
+  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    *reinterpret_cast<uint4*>(tile + r * pitch + c * kElemsPerVector) =
+        ptx::ld_global_nc_v4(row_ptr<T>(view, b, h, row0 + r) + c * kElemsPerVector);
+  }
+}
+
+template <typename T, bool kInt4>
+__global__ void __launch_bounds__(kPreprocessThreads)
+    quantize_kv_kernel(const __grid_constant__ QuantizeKVParams p) {
+  using Codes = IntCodes<kInt4>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* tile = reinterpret_cast<T*>(smem_raw);  // [block_k][pitch], K first, then V
+  __shared__ float mean[kMaxHeadDim];
+  __shared__ float channel_inv[kMaxHeadDim];
+  __shared__ float group_inv[kKGroupsPerBlock];
+  __shared__ unsigned group_amax[kKGroupsPerBlock];
+
+  const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  const int head_dim = p.k.head_dim, vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
+  const int block_k = p.block_k;
+  const int64_t row0 = static_cast<int64_t>(kb) * block_k;
+  const int valid = static_cast<int>(p.k.tokens - row0 < block_k ? p.k.tokens - row0 : block_k);
+  const int64_t bh = static_cast<int64_t>(b) * p.k.heads + h;
+  const int64_t blocks = p.padded_tokens / block_k;
+
+  // ---- K ----
+  load_kv_tile<T>(tile, p.k, b, h, row0, valid);
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+    mean[d] = p.k_mean != nullptr ? p.k_mean[bh * head_dim + d] : 0.0f;
+  if (threadIdx.x < kKGroupsPerBlock) group_amax[threadIdx.x] = 0u;
+  __syncthreads();
+
+  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    float x[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
+    float a = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
+    atomic_max_abs(&group_amax[k_group_of_key(r)], a);
+  }
+  __syncthreads();
+
+  if (threadIdx.x < kKGroupsPerBlock) {
+    const float scale = quant_scale(__uint_as_float(group_amax[threadIdx.x]), static_cast<float>(Codes::kQmax));
+    group_inv[threadIdx.x] = quant_inverse(scale);
+    p.k_scales[(bh * blocks + kb) * kKGroupsPerBlock + threadIdx.x] = scale;
+  }
+  __syncthreads();
+
+  const int code_dim = kInt4 ? head_dim / 2 : head_dim;
+  for (int i = threadIdx.x; i < block_k * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    int8_t* dst = p.k_codes + (bh * p.padded_tokens + row0 + r) * code_dim + c * Codes::kBytesPer8;
+    if (r >= valid) {
+      Codes::store_zero(dst);
+      continue;
+    }
+    float x[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] -= mean[c * kElemsPerVector + e];
+    Codes::store(dst, x, group_inv[k_group_of_key(r)]);
+  }
+
+  if (p.q_mean != nullptr) {
+    // Delta-S_j = q_mean . gamma(K_j) from the unquantized smoothed key: exact in float32.
+    const int group_size = p.q_heads / p.k.heads;
+    for (int i = threadIdx.x; i < group_size * block_k; i += blockDim.x) {
+      const int hq = h * group_size + i / block_k, r = i % block_k;
+      float s = 0.0f;
+      if (r < valid) {
+        const float* qm = p.q_mean + (static_cast<int64_t>(b) * p.q_heads + hq) * head_dim;
+        for (int c = 0; c < vecs; ++c) {
+          float x[8];
+          widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s = fmaf(__ldg(qm + c * kElemsPerVector + e), x[e] - mean[c * kElemsPerVector + e], s);
+        }
+        s *= p.delta_s_multiplier;
+      }
+      p.delta_s[(static_cast<int64_t>(b) * p.q_heads + hq) * p.padded_tokens + row0 + r] = s;
+    }
+  }
+  if (!p.has_v) return;
+  __syncthreads();  // the tile is reused for V
+
+  // ---- V ----
+  load_kv_tile<T>(tile, p.v, b, h, row0, valid);
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    mean[d] = p.v_mean != nullptr ? p.v_mean[bh * head_dim + d] : 0.0f;
+    channel_inv[d] = quant_inverse(p.v_scale[bh * head_dim + d]);
+  }
+  __syncthreads();
+
+  const int slabs = block_k / 16;
+  for (int i = threadIdx.x; i < head_dim * slabs; i += blockDim.x) {
+    const int d = i / slabs, slab = i % slabs;
+    uint32_t words[4];
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      float x[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int key = v_key_of_slot(slab * 16 + w * 4 + e);
+        x[e] = key < valid ? (widen1<T>(tile[key * pitch + d]) - mean[d]) * channel_inv[d] : 0.0f;
+      }
+      words[w] = static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(x[0], x[1])) |
+                 (static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(x[2], x[3])) << 16);
+    }
+    *reinterpret_cast<uint4*>(p.v_codes + (bh * head_dim + d) * p.padded_tokens + row0 + slab * 16) =
+        make_uint4(words[0], words[1], words[2], words[3]);
+  }
+}
+
+}  // namespace sageattention2

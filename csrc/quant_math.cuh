@@ -1,0 +1,46 @@
+// The bit-level quantizer arithmetic of docs/DESIGN.md, shared by host and device code.
+//
+// Host-callable so GoogleTest checks it against hand-made values; the reference in
+// sageattention2/reference.py follows the same steps in torch float32.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#if defined(__CUDACC__)
+#define SAGE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define SAGE_HOST_DEVICE inline
+#endif
+
+namespace sageattention2 {
+
+inline constexpr float kInt8Max = 127.0f;
+inline constexpr float kInt4Max = 7.0f;
+inline constexpr float kFp8E4M3Max = 448.0f;  // largest finite E4M3 (paper 3.3)
+
+// scale = amax / qmax, IEEE division (no fast-math anywhere in this project).
+SAGE_HOST_DEVICE float quant_scale(float amax, float qmax) { return amax / qmax; }
+
+// An all-zero group gets scale 0 and codes 0 rather than 0 * inf = NaN.
+SAGE_HOST_DEVICE float quant_inverse(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
+
+// rint (round half to even, the default rounding mode) of x * inv, clamped to [-qmax, qmax].
+SAGE_HOST_DEVICE int quantize_to_int(float x, float inv, int qmax) {
+#if defined(__CUDA_ARCH__)
+  int q = __float2int_rn(x * inv);
+#else
+  int q = static_cast<int>(std::nearbyint(x * inv));
+#endif
+  return q > qmax ? qmax : (q < -qmax ? -qmax : q);
+}
+
+// INT4 operands of mma.m16n8k64.s4 are read along K from the low nibble up: channel 2c in the
+// low nibble, 2c+1 in the high nibble, two's complement.
+SAGE_HOST_DEVICE uint8_t pack_int4x2(int low, int high) {
+  return static_cast<uint8_t>((low & 0xF) | ((high & 0xF) << 4));
+}
+SAGE_HOST_DEVICE int unpack_int4_low(uint8_t byte) { return static_cast<int8_t>(byte << 4) >> 4; }
+SAGE_HOST_DEVICE int unpack_int4_high(uint8_t byte) { return static_cast<int8_t>(byte) >> 4; }
+
+}  // namespace sageattention2

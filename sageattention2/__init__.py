@@ -1,0 +1,10 @@
+"""SageAttention2: quantized attention (INT8/INT4 QK^T, FP8 PV) for PyTorch.
+
+``sageattn`` is a drop-in replacement for ``torch.nn.functional.scaled_dot_product_attention``;
+``kernel_plan()`` says what it runs on a device; ``python -m sageattention2 info`` reports the
+build.
+"""
+from ._version import __version__
+from .api import SageAttentionFallbackWarning, kernel_plan, sageattn
+
+__all__ = ["SageAttentionFallbackWarning", "__version__", "kernel_plan", "sageattn"]

@@ -1,0 +1,467 @@
+"""The public entry point, :func:`sageattn`, and :func:`kernel_plan`.
+
+Every call goes through one validation step, :func:`_validate`, which checks the arguments,
+turns q/k/v into canonical ``[B, H, N, D]`` views (no copies) and resolves the quantization
+plan into an :class:`AttentionCall`. :func:`_unsupported_reason` then says whether the quantized
+kernels can serve the call; when they cannot, the call runs exact
+``F.scaled_dot_product_attention`` (or raises, with ``strict=True``).
+"""
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from dataclasses import dataclass
+from typing import Literal, Union, cast
+
+import torch
+from torch import Tensor
+
+from . import ops
+
+__all__ = ["AttentionCall", "SageAttentionFallbackWarning", "kernel_plan", "sageattn"]
+
+TensorLayout = Literal["HND", "NHD"]
+QKQuant = Literal["auto", "int8", "int4"]
+SmoothQ = Union[bool, Literal["auto", "head", "block"]]
+
+TENSOR_LAYOUTS: tuple[str, ...] = ("HND", "NHD")
+QK_QUANTS: tuple[str, ...] = ("auto", *ops.QK_DTYPES)
+SMOOTH_Q_MODES: tuple[str, ...] = ("auto", "head", "block")
+
+_INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16)
+_MAX_HEAD_DIM = 256
+_HEAD_DIM_MULTIPLE = 8
+
+# The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still
+# reaches the exact kernel while F.scaled_dot_product_attention is patched to sageattn.
+_exact_sdpa = torch._C._nn.scaled_dot_product_attention
+
+
+class SageAttentionFallbackWarning(UserWarning):
+    """sageattn computed a call with exact ``F.scaled_dot_product_attention``."""
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """A validated :func:`sageattn` call: canonical views and the resolved plan.
+
+    ``q``, ``k``, ``v`` are ``[B, H, N, D]`` views of the inputs (a 3-D input gets B = 1, an NHD
+    input is permuted); ``attn_mask`` is as given (it broadcasts against ``[B, Hq, Nq, Nk]``).
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    attn_mask: Tensor | None
+    dropout_p: float
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+    tensor_layout: TensorLayout
+    input_ndim: int
+    qk_quant: Literal["int8", "int4"]
+    smooth_q: Literal["head", "block", "none"]
+    smooth_k: bool
+    smooth_v: bool
+    return_lse: bool
+    strict: bool
+
+    @property
+    def head_dim(self) -> int:
+        return self.q.shape[-1]
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.v.shape[-1]
+
+    @property
+    def is_empty(self) -> bool:
+        """No output elements, or no keys (each query then attends to nothing: output 0)."""
+        b, h, n_q, _ = self.q.shape
+        return b * h * n_q * self.head_dim_v == 0 or self.k.shape[2] == 0
+
+    def input_rank(self, t: Tensor) -> Tensor:
+        """Drop the batch dimension that a 3-D input was given (a view)."""
+        return t.squeeze(0) if self.input_ndim == 3 else t
+
+    def result(self, out: Tensor, lse: Tensor | None) -> Tensor | tuple[Tensor, Tensor]:
+        """What sageattn returns, from out ``[B, H, Nq, Dv]`` and float32 lse ``[B, H, Nq]``: out
+        as a view in the layout and rank of the inputs, lse in their rank."""
+        if self.tensor_layout == "NHD":
+            out = out.transpose(1, 2)
+        out = self.input_rank(out)
+        if not self.return_lse:
+            return out
+        assert lse is not None
+        return out, self.input_rank(lse)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+
+def _flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def _real(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
+    return float(value)
+
+
+def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
+    if not isinstance(value, str) or value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
+    return value
+
+
+def _smooth_q_mode(value: object) -> Literal["head", "block", "none"]:
+    """Resolve smooth_q: False -> "none"; True and "auto" -> "head"; "head"/"block" as named."""
+    if isinstance(value, bool):
+        return "head" if value else "none"
+    if isinstance(value, str) and value in SMOOTH_Q_MODES:
+        return "head" if value == "auto" else cast(Literal["head", "block"], value)
+    raise ValueError(f"smooth_q must be True, False, 'auto', 'head' or 'block'; got {value!r}")
+
+
+def _to_bhnd(t: Tensor, layout: str) -> Tensor:
+    if t.dim() == 3:
+        t = t.unsqueeze(0)
+    return t.transpose(1, 2) if layout == "NHD" else t
+
+
+def _validate(
+    q: object,
+    k: object,
+    v: object,
+    attn_mask: object,
+    dropout_p: object,
+    is_causal: object,
+    scale: object,
+    enable_gqa: object,
+    tensor_layout: object,
+    qk_quant: object,
+    smooth_k: object,
+    smooth_q: object,
+    smooth_v: object,
+    return_lse: object,
+    strict: object,
+) -> AttentionCall:
+    """Check every argument of :func:`sageattn` and build the :class:`AttentionCall`."""
+    layout = cast(TensorLayout, _choice("tensor_layout", tensor_layout, TENSOR_LAYOUTS))
+    qk = _choice("qk_quant", qk_quant, QK_QUANTS)
+    smooth_q_mode = _smooth_q_mode(smooth_q)
+    p = _real("dropout_p", dropout_p)
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout_p must be in [0, 1), got {p}")
+    if scale is not None:
+        scale = _real("scale", scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"scale must be finite or None, got {scale}")
+    causal = _flag("is_causal", is_causal)
+    gqa = _flag("enable_gqa", enable_gqa)
+
+    names = {"HND": "[B, H, N, D] or [H, N, D]", "NHD": "[B, N, H, D] or [N, H, D]"}[layout]
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _INPUT_DTYPES:
+            raise TypeError(
+                f"{name} must be float16, bfloat16, float32 or float64, got {t.dtype}"
+            )
+        if t.dim() not in (3, 4):
+            raise ValueError(
+                f"{name} must be 3-D or 4-D ({names} for tensor_layout={layout!r}), "
+                f"got shape {tuple(t.shape)}"
+            )
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
+        if t.dim() != q.dim():
+            raise ValueError(f"{name} is {t.dim()}-D but q is {q.dim()}-D; they must match")
+
+    qc, kc, vc = (_to_bhnd(t, layout) for t in (q, k, v))
+    b, h_q, n_q, d = qc.shape
+    _, h_kv, n_kv, d_k = kc.shape
+    if kc.shape[0] != b or vc.shape[0] != b:
+        raise ValueError(
+            f"q, k and v must have the same batch size, got {b}, {kc.shape[0]}, {vc.shape[0]}"
+        )
+    if vc.shape[1] != h_kv:
+        raise ValueError(f"k and v must have the same number of heads, got {h_kv} and "
+                         f"{vc.shape[1]}")
+    if vc.shape[2] != n_kv:
+        raise ValueError(f"k and v must have the same sequence length, got {n_kv} and "
+                         f"{vc.shape[2]}")
+    if d_k != d:
+        raise ValueError(f"q and k must have the same head_dim, got {d} and {d_k}")
+    if h_q != h_kv:
+        if not gqa:
+            raise ValueError(
+                f"q has {h_q} heads but k and v have {h_kv}; pass enable_gqa=True for "
+                "grouped-query attention"
+            )
+        if h_kv == 0 or h_q % h_kv != 0:
+            raise ValueError(
+                f"enable_gqa=True needs q's number of heads ({h_q}) to be a multiple of k's and "
+                f"v's ({h_kv})"
+            )
+
+    if attn_mask is not None:
+        if not isinstance(attn_mask, Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got "
+                            f"{type(attn_mask).__name__}")
+        if causal:
+            raise ValueError("attn_mask and is_causal=True are mutually exclusive")
+        if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
+            raise TypeError(f"attn_mask must be bool, float32 or q's dtype ({q.dtype}), got "
+                            f"{attn_mask.dtype}")
+        if attn_mask.device != q.device:
+            raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
+        target = (b, h_q, n_q, n_kv)[4 - q.dim():]
+        if attn_mask.dim() > len(target) or any(
+            m not in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))
+        ):
+            raise ValueError(
+                f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to the attention "
+                f"shape {target} ([..., H_q, N_q, N_kv], whatever the tensor_layout)"
+            )
+
+    return AttentionCall(
+        q=qc, k=kc, v=vc, attn_mask=attn_mask, dropout_p=p, is_causal=causal, scale=scale,
+        enable_gqa=gqa, tensor_layout=layout, input_ndim=q.dim(),
+        qk_quant=cast(Literal["int8", "int4"], "int8" if qk == "auto" else qk),
+        smooth_q=smooth_q_mode, smooth_k=_flag("smooth_k", smooth_k),
+        smooth_v=_flag("smooth_v", smooth_v), return_lse=_flag("return_lse", return_lse),
+        strict=_flag("strict", strict),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# What the quantized kernels can serve
+# ------------------------------------------------------------------------------------------------
+
+
+def _device_reason(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"the quantized kernels need CUDA tensors, got {device.type}"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is available"
+    return None
+
+
+def _build_reason() -> str | None:
+    if not ops.HAS_EXTENSION:
+        return "the sageattention2._C extension is not available"
+    return "the attention kernels are not built yet"
+
+
+def _unsupported_reason(call: AttentionCall) -> str | None:
+    """Why the quantized path cannot serve ``call``, or ``None`` when it can. The single place
+    that decides between the quantized kernels and the exact fallback."""
+    reason = _device_reason(call.q.device)
+    if reason is not None:
+        return reason
+    if call.q.dtype not in _KERNEL_DTYPES:
+        return f"the quantized kernels need float16 or bfloat16 inputs, got {call.q.dtype}"
+    if call.dropout_p > 0.0:
+        return "the quantized kernels have no dropout (dropout_p > 0)"
+    if call.attn_mask is not None:
+        return "the quantized kernels take no attn_mask"
+    d = call.head_dim
+    if not (0 < d <= _MAX_HEAD_DIM and d % _HEAD_DIM_MULTIPLE == 0):
+        return (f"the quantized kernels need a head_dim that is a multiple of "
+                f"{_HEAD_DIM_MULTIPLE} in [{_HEAD_DIM_MULTIPLE}, {_MAX_HEAD_DIM}], got {d}")
+    if call.head_dim_v != d:
+        return (f"the quantized kernels need v's head_dim to be q's and k's, got {call.head_dim_v} "
+                f"and {d}")
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
+        return "the inputs require grad and the quantized kernels have no backward"
+    return _build_reason()
+
+
+_warned_reasons: set[str] = set()
+
+
+def _warn_fallback_once(reason: str) -> None:
+    if reason in _warned_reasons:
+        return
+    _warned_reasons.add(reason)
+    warnings.warn(
+        f"sageattn is computing exact F.scaled_dot_product_attention instead of quantized "
+        f"attention: {reason}. This warning is shown once per reason; pass strict=True to raise.",
+        SageAttentionFallbackWarning,
+        stacklevel=3,  # the caller of sageattn
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Execution
+# ------------------------------------------------------------------------------------------------
+
+
+def _empty(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
+    b, h, n_q, _ = call.q.shape
+    out = call.q.new_zeros((b, h, n_q, call.head_dim_v))
+    lse = call.q.new_full((b, h, n_q), -math.inf, dtype=torch.float32) if call.return_lse else None
+    return call.result(out, lse)
+
+
+def _exact(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
+    # SDPA sees the inputs' own rank (it takes another CPU path for 3-D inputs than for 4-D).
+    out = _exact_sdpa(
+        call.input_rank(call.q), call.input_rank(call.k), call.input_rank(call.v),
+        attn_mask=call.attn_mask, dropout_p=call.dropout_p, is_causal=call.is_causal,
+        scale=call.scale, enable_gqa=call.enable_gqa,
+    )
+    if call.input_ndim == 3:
+        out = out.unsqueeze(0)
+    lse = None
+    if call.return_lse:
+        from .reference import exact_attention
+
+        _, lse = exact_attention(
+            call.q, call.k, call.v, attn_mask=call.attn_mask, is_causal=call.is_causal,
+            scale=call.scale, enable_gqa=call.enable_gqa, return_lse=True,
+        )
+        lse = lse.to(torch.float32)
+    return call.result(out, lse)
+
+
+def sageattn(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    tensor_layout: TensorLayout = "HND",
+    qk_quant: QKQuant = "auto",
+    smooth_k: bool = True,
+    smooth_q: SmoothQ = "auto",
+    smooth_v: bool = False,
+    return_lse: bool = False,
+    strict: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Quantized attention (SageAttention2), a drop-in for ``F.scaled_dot_product_attention``.
+
+    The parameters up to ``enable_gqa`` are SDPA's, in SDPA's order (SDPA takes ``scale`` and
+    ``enable_gqa`` by keyword only; sageattn also positionally), so
+    ``F.scaled_dot_product_attention = sageattn`` works, and so does
+    :func:`sageattention2.integrations.patch_sdpa`.
+
+    Args:
+        q, k, v: float16/bfloat16 (quantized path) or float32/float64 (exact fallback) tensors on
+            one device. 4-D ``[B, H, N, D]`` or 3-D ``[H, N, D]`` with ``tensor_layout="HND"``;
+            ``[B, N, H, D]`` or ``[N, H, D]`` with ``"NHD"``. All three have the same rank and
+            batch size; k and v the same heads and length; q and k the same head_dim (v's may
+            differ, which only the fallback serves).
+        attn_mask: bool (True = attend) or additive float mask broadcasting to
+            ``[..., H_q, N_q, N_kv]`` (always in this order, whatever ``tensor_layout``).
+            Served by the fallback only.
+        dropout_p: in ``[0, 1)``; > 0 is served by the fallback only (applied as SDPA does).
+        is_causal: causal mask aligned to the top-left, as SDPA: query i sees keys j <= i (also
+            when N_q != N_kv). Exclusive with ``attn_mask``.
+        scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
+        enable_gqa: allow fewer k/v heads than q heads (H_q a multiple of H_kv); as in SDPA,
+            unequal head counts without it are an error.
+        tensor_layout: ``"HND"`` or ``"NHD"`` (see q, k, v). The output uses the same layout.
+        qk_quant: ``"int8"``, ``"int4"`` or ``"auto"`` (currently INT8) for Q and K.
+        smooth_k: subtract K's per-head mean before quantizing (exact: softmax is invariant to it).
+        smooth_q: ``"head"`` (one mean per head; the default via ``"auto"`` or ``True``),
+            ``"block"`` (the paper's per-Q-block mean) or ``False``.
+        smooth_v: subtract V's per-channel mean before FP8 quantization (added back to the output).
+        return_lse: also return the float32 log-sum-exp of the scaled scores (natural log),
+            ``[B, H_q, N_q]`` (``[H_q, N_q]`` for 3-D inputs) in either layout; ``-inf`` for a
+            query that sees no key.
+        strict: raise ``NotImplementedError`` instead of falling back to exact attention.
+
+    Returns:
+        The attention output with q's shape except the last dimension, ``D_v`` (a view in the
+        input layout), in q's dtype; ``(out, lse)`` with ``return_lse=True``.
+
+    Fallback: a call the quantized kernels cannot serve (CPU tensors, float32/float64, dropout,
+    any attn_mask, an unsupported head_dim, differing v head_dim, inputs requiring grad while
+    grad is enabled; and, for now, every call: the attention kernels are not built yet) is
+    computed by exact ``F.scaled_dot_product_attention`` with the same arguments, in the input
+    dtype, with a :class:`SageAttentionFallbackWarning` the first time each reason occurs.
+    ``strict=True`` raises ``NotImplementedError`` naming the reason instead. The lse of the
+    fallback is computed exactly (float64 reference, cast to float32).
+
+    Empty inputs (B, H, N_q or D_v zero) return a correctly shaped empty output without computing
+    anything; with no keys (N_kv = 0) the output is zeros (what SDPA returns on CPU) and lse is
+    ``-inf``. Neither falls back, warns nor raises with ``strict=True``; the empty output does not
+    track autograd.
+
+    NaN/Inf: the fallback behaves exactly like SDPA (a NaN in q row i poisons output row i; a NaN
+    or Inf in k or v poisons every output row that attends to that key). The quantized path
+    shares one scale per quantization group, computed from the group's max |x|, so a NaN or Inf
+    poisons its whole group: in q, every row of its Q group (docs/DESIGN.md), and with smooth_q
+    every row of its Q block ("block") or head ("head", the default); in k, every key of its K
+    group, and with smooth_k (the default) every key of the head, hence every output row of the
+    head; in v, that channel of every key (V is scaled per channel), hence that output channel of
+    every row of the head. Inputs are not checked for non-finite values.
+    """
+    call = _validate(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+        tensor_layout, qk_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
+    )
+    if call.is_empty:
+        return _empty(call)
+    reason = _unsupported_reason(call)
+    if reason is None:  # unreachable until the attention kernels exist
+        raise NotImplementedError("sageattn: no quantized attention kernel is available")
+    if call.strict:
+        raise NotImplementedError(
+            f"sageattn(strict=True): the quantized kernels cannot serve this call: {reason}"
+        )
+    _warn_fallback_once(reason)
+    return _exact(call)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel plan
+# ------------------------------------------------------------------------------------------------
+
+
+def _resolve_device(device: torch.device | str | int | None) -> torch.device:
+    if device is None:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() \
+            else torch.device("cpu")
+    if isinstance(device, int):
+        return torch.device("cuda", device)
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def kernel_plan(device: torch.device | str | int | None = None) -> str:
+    """What :func:`sageattn` runs for float16/bfloat16 inputs on ``device`` (default: the current
+    CUDA device, else the CPU), and which preprocessing kernels the extension has for it."""
+    dev = _resolve_device(device)
+    reason = _device_reason(dev) or _build_reason()
+    plan = f"exact SDPA fallback ({reason})" if reason else "quantized SageAttention2 kernels"
+    info = ops.build_info()
+    if dev.type != "cuda" or not torch.cuda.is_available() or info is None:
+        return plan
+    major, minor = torch.cuda.get_device_capability(dev)
+    arch = f"sm_{major}{minor}"
+    kernels = ops.kernels_for_capability((major, minor))
+    if not kernels:
+        built = ", ".join(info.archs) or "no architectures"
+        return f"{plan}; no preprocessing kernels compiled for {arch} (built for {built})"
+    listed = ", ".join(f"{family} [{', '.join(archs)}]" for family, archs in kernels.items())
+    return f"{plan}; preprocessing kernels for {arch}: {listed}"

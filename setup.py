@@ -1,0 +1,91 @@
+"""Build of the sageattention2 CUDA extension (torch.utils.cpp_extension).
+
+Install with ``pip install --no-build-isolation .`` in an environment that already has torch.
+TORCH_CUDA_ARCH_LIST narrows the archs (default "8.0;8.9;9.0a"); MAX_JOBS parallelises nvcc.
+SAGEATTENTION2_SKIP_CUDA=1 installs the pure-Python package only (reference and fallbacks).
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+ROOT = Path(__file__).parent
+DEFAULT_ARCHS = "8.0;8.9;9.0a"
+
+
+def read_version() -> str:
+    scope: dict[str, str] = {}
+    exec((ROOT / "sageattention2" / "_version.py").read_text(), scope)
+    return scope["__version__"]
+
+
+def arch_flags(arch_list: str) -> tuple[list[str], list[str]]:
+    """nvcc -gencode flags and arch names for entries like "8.0", "8.9", "9.0a", "9.0+PTX"."""
+    flags, names = [], []
+    for entry in arch_list.replace(",", ";").replace(" ", ";").split(";"):
+        entry = entry.strip()
+        if not entry:
+            continue
+        ptx = entry.endswith("+PTX")
+        entry = entry.removesuffix("+PTX")
+        suffix = "a" if entry.endswith("a") else ""
+        num = entry.removesuffix("a").replace(".", "")
+        # The -gencode form is needed for sm_90a: it assembles wgmma/setmaxnreg in one pass.
+        flags.append(f"-gencode=arch=compute_{num}{suffix},code=sm_{num}{suffix}")
+        if ptx:
+            flags.append(f"-gencode=arch=compute_{num}{suffix},code=compute_{num}{suffix}")
+        names.append(f"sm_{num}{suffix}")
+    return flags, names
+
+
+def extensions() -> tuple[list, dict]:
+    if os.environ.get("SAGEATTENTION2_SKIP_CUDA") == "1":
+        return [], {}
+    from torch.utils.cpp_extension import BuildExtension, CUDAExtension
+
+    arch_list = os.environ.get("TORCH_CUDA_ARCH_LIST") or DEFAULT_ARCHS
+    gencode, names = arch_flags(arch_list)
+    # torch adds no arch flags of its own when the nvcc flags already name an arch.
+    csrc = ROOT / "csrc"
+    sources = sorted(str(p.relative_to(ROOT)) for p in csrc.glob("*.c*") if p.suffix in (".cpp", ".cu"))
+    define = [f'-DSAGE_ARCH_LIST="{",".join(names)}"']
+    class BuildExtensionUnifyingTemplates(BuildExtension):
+        """Links without -Bsymbolic-functions (a default of Debian/Ubuntu Python builds).
+
+        With it, our .so binds its calls to the weak copies of libstdc++ templates that the host
+        compiler emitted into it (e.g. std::ostream::_M_insert<long>), instead of the runtime
+        libstdc++'s. When the compiler's headers and the runtime libstdc++ differ (the H100
+        image builds with /opt/gcc against the system libstdc++), formatting the first integer of
+        an error message then crashed. Without the flag the dynamic linker unifies them.
+        """
+
+        def build_extensions(self) -> None:
+            for attr in ("linker_so", "linker_so_cxx"):
+                flags = getattr(self.compiler, attr, None)
+                if isinstance(flags, list):
+                    setattr(self.compiler, attr, [f for f in flags if "Bsymbolic" not in f])
+            super().build_extensions()
+
+    ext = CUDAExtension(
+        name="sageattention2._C",
+        sources=sources,
+        include_dirs=[str(csrc)],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17", *define],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *gencode, *define],
+        },
+    )
+    return [ext], {"build_ext": BuildExtensionUnifyingTemplates}
+
+
+ext_modules, cmdclass = extensions()
+
+setup(
+    name="sageattention2",
+    version=read_version(),
+    packages=find_packages(include=["sageattention2", "sageattention2.*"]),
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+)

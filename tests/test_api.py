@@ -1,0 +1,621 @@
+"""CPU tests of the public API (sageattn, kernel_plan, patch_sdpa, the CLI) and of the op layer.
+
+The op tests (opcheck, torch.compile) need the compiled extension and skip without it; they run
+the ops on CPU tensors through the CPU implementations that call the reference.
+"""
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sageattention2
+from sageattention2 import SageAttentionFallbackWarning, api, ops, sageattn
+from sageattention2.integrations import patch_sdpa
+
+REPO = Path(__file__).resolve().parents[1]
+ORIGINAL_SDPA = F.scaled_dot_product_attention
+
+
+@pytest.fixture(autouse=True)
+def _fresh_fallback_warnings() -> Iterator[None]:
+    """Every test starts as if no fallback warning had been shown yet."""
+    api._warned_reasons.clear()
+    yield
+    api._warned_reasons.clear()
+
+
+def qkv(
+    b: int | None = 2,
+    hq: int = 4,
+    hkv: int | None = None,
+    nq: int = 9,
+    nk: int | None = None,
+    d: int = 16,
+    dv: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    layout: str = "HND",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v; ``b=None`` gives 3-D tensors."""
+    hkv = hq if hkv is None else hkv
+    nk = nq if nk is None else nk
+    dv = d if dv is None else dv
+    gen = torch.Generator().manual_seed(0)
+
+    def make(h: int, n: int, dim: int) -> torch.Tensor:
+        shape = (h, n, dim) if layout == "HND" else (n, h, dim)
+        if b is not None:
+            shape = (b, *shape)
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    return make(hq, nq, d), make(hkv, nk, d), make(hkv, nk, dv)
+
+
+def hnd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t.transpose(-3, -2) if layout == "NHD" else t
+
+
+def sdpa_in_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                   **kwargs: Any) -> torch.Tensor:
+    return hnd(ORIGINAL_SDPA(hnd(q, layout), hnd(k, layout), hnd(v, layout), **kwargs), layout)
+
+
+def quiet_sageattn(*args: Any, **kwargs: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SageAttentionFallbackWarning)
+        return sageattn(*args, **kwargs)
+
+
+def fallback_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, SageAttentionFallbackWarning)]
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation
+# ------------------------------------------------------------------------------------------------
+
+Q, K, V = qkv()
+META_V = torch.empty(V.shape, device="meta")
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "error", "match"),
+    [
+        ((Q.tolist(), K, V), {}, TypeError, r"^q must be a torch\.Tensor, got list"),
+        ((Q, None, V), {}, TypeError, r"^k must be a torch\.Tensor"),
+        ((Q, K, 3.0), {}, TypeError, r"^v must be a torch\.Tensor"),
+        ((Q.int(), K.int(), V.int()), {}, TypeError, r"^q must be float16, bfloat16.*torch\.int32"),
+        ((Q, K.double(), V), {}, TypeError,
+         r"^k has dtype torch\.float64 but q has torch\.float32"),
+        ((Q, K, V.half()), {}, TypeError, r"^v has dtype"),
+        ((Q, K, META_V), {}, ValueError, r"^v is on meta but q is on cpu"),
+        ((Q[0, 0], K[0, 0], V[0, 0]), {}, ValueError, r"^q must be 3-D or 4-D"),
+        ((Q[None], K[None], V[None]), {}, ValueError, r"^q must be 3-D or 4-D.*\[B, H, N, D\]"),
+        ((Q, K, V), {"tensor_layout": "NHD", "q": Q[0, 0]}, ValueError,
+         r"^q must be 3-D or 4-D \(\[B, N, H, D\] or \[N, H, D\]"),
+        ((Q, K[0], V), {}, ValueError, r"^k is 3-D but q is 4-D"),
+        ((Q, K[:1], V[:1]), {}, ValueError, r"same batch size"),
+        ((Q, K, V[:, :2]), {"enable_gqa": True}, ValueError, r"^k and v must have the same number "
+                                                             r"of heads"),
+        ((Q, K[:, :2], V[:, :2]), {}, ValueError, r"^q has 4 heads but k and v have 2; pass "
+                                                  r"enable_gqa=True"),
+        ((Q, K[:, :3], V[:, :3]), {"enable_gqa": True}, ValueError,
+         r"^enable_gqa=True needs q's number of heads \(4\) to be a multiple"),
+        ((Q, K[..., :8], V), {}, ValueError, r"^q and k must have the same head_dim, got 16 and 8"),
+        ((Q, K, V[:, :, :5]), {}, ValueError, r"^k and v must have the same sequence length"),
+        ((Q, K, V), {"tensor_layout": "BHND"}, ValueError,
+         r"^tensor_layout must be one of 'HND', 'NHD'; got 'BHND'"),
+        ((Q, K, V), {"tensor_layout": None}, ValueError, r"^tensor_layout must be one of"),
+        ((Q, K, V), {"qk_quant": "fp8"}, ValueError,
+         r"^qk_quant must be one of 'auto', 'int8', 'int4'; got 'fp8'"),
+        ((Q, K, V), {"smooth_q": "token"}, ValueError,
+         r"^smooth_q must be True, False, 'auto', 'head' or 'block'; got 'token'"),
+        ((Q, K, V), {"smooth_q": 1}, ValueError, r"^smooth_q must be"),
+        ((Q, K, V), {"is_causal": True, "attn_mask": torch.ones(9, 9, dtype=torch.bool)},
+         ValueError, r"^attn_mask and is_causal=True are mutually exclusive"),
+        ((Q, K, V), {"dropout_p": 1.0}, ValueError, r"^dropout_p must be in \[0, 1\), got 1.0"),
+        ((Q, K, V), {"dropout_p": -0.1}, ValueError, r"^dropout_p must be in \[0, 1\)"),
+        ((Q, K, V), {"dropout_p": math.nan}, ValueError, r"^dropout_p must be in \[0, 1\)"),
+        ((Q, K, V), {"dropout_p": "0.1"}, TypeError, r"^dropout_p must be a real number"),
+        ((Q, K, V), {"scale": "1"}, TypeError, r"^scale must be a real number"),
+        ((Q, K, V), {"scale": math.inf}, ValueError, r"^scale must be finite or None"),
+        ((Q, K, V), {"attn_mask": [[True]]}, TypeError, r"^attn_mask must be a torch\.Tensor or "
+                                                        r"None"),
+        ((Q, K, V), {"attn_mask": torch.ones(9, 9, dtype=torch.int64)}, TypeError,
+         r"^attn_mask must be bool, float32 or q's dtype"),
+        ((Q, K, V), {"attn_mask": torch.ones(9, 9, device="meta")}, ValueError,
+         r"^attn_mask is on meta but q is on cpu"),
+        ((Q, K, V), {"attn_mask": torch.ones(9, 8, dtype=torch.bool)}, ValueError,
+         r"^attn_mask of shape \(9, 8\) does not broadcast to the attention shape \(2, 4, 9, 9\)"),
+        ((Q, K, V), {"attn_mask": torch.ones(3, 4, 9, 9, dtype=torch.bool)}, ValueError,
+         r"^attn_mask of shape"),
+        ((Q[0], K[0], V[0]), {"attn_mask": torch.ones(1, 4, 9, 9, dtype=torch.bool)}, ValueError,
+         r"^attn_mask of shape \(1, 4, 9, 9\) does not broadcast to the attention shape "
+         r"\(4, 9, 9\)"),
+        ((Q, K, V), {"is_causal": 1}, TypeError, r"^is_causal must be a bool, got int"),
+        ((Q, K, V), {"enable_gqa": "yes"}, TypeError, r"^enable_gqa must be a bool"),
+        ((Q, K, V), {"smooth_k": None}, TypeError, r"^smooth_k must be a bool"),
+        ((Q, K, V), {"smooth_v": 0}, TypeError, r"^smooth_v must be a bool"),
+        ((Q, K, V), {"return_lse": "no"}, TypeError, r"^return_lse must be a bool"),
+        ((Q, K, V), {"strict": 1.0}, TypeError, r"^strict must be a bool"),
+    ],
+)
+def test_invalid_arguments(args: tuple[Any, ...], kwargs: dict[str, Any],
+                           error: type[Exception], match: str) -> None:
+    kwargs = dict(kwargs)
+    if "q" in kwargs:  # replace q positionally
+        args = (kwargs.pop("q"), *args[1:])
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(error, match=match):
+            sageattn(*args, **kwargs)
+    assert not fallback_warnings(record)  # validation happens before any fallback
+
+
+def test_smooth_q_and_qk_quant_resolution() -> None:
+    q, k, v = qkv()
+    common = (q, k, v, None, 0.0, False, None, False, "HND")
+    resolve = lambda qk, sq: api._validate(*common, qk, True, sq, False, False, False)  # noqa: E731
+    assert resolve("auto", "auto").qk_quant == "int8"
+    assert resolve("int4", True).qk_quant == "int4"
+    assert [resolve("int8", m).smooth_q for m in ("auto", True, False, "head", "block")] == [
+        "head", "head", "none", "head", "block"]
+
+
+def test_canonical_views_do_not_copy() -> None:
+    q, k, v = qkv(layout="NHD")
+    call = api._validate(q, k, v, None, 0.0, False, None, False, "NHD", "auto", True, "auto",
+                         False, False, False)
+    assert call.q.shape == (2, 4, 9, 16)
+    assert call.q.data_ptr() == q.data_ptr() and call.q._base is q
+    call3 = api._validate(q[0], k[0], v[0], None, 0.0, False, None, False, "NHD", "auto", True,
+                          "auto", False, False, False)
+    assert call3.q.shape == (1, 4, 9, 16) and call3.q.data_ptr() == q.data_ptr()
+
+
+# ------------------------------------------------------------------------------------------------
+# The exact fallback equals SDPA
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("batch", [2, None], ids=["4d", "3d"])
+def test_fallback_equals_sdpa(dtype: torch.dtype, layout: str, batch: int | None) -> None:
+    q, k, v = qkv(b=batch, dtype=dtype, layout=layout)
+    out = quiet_sageattn(q, k, v, tensor_layout=layout)
+    assert out.shape == q.shape and out.dtype == dtype
+    assert torch.equal(out, sdpa_in_layout(q, k, v, layout))
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(shape=dict(hkv=2), kwargs=dict(enable_gqa=True)),
+        dict(shape=dict(hkv=1, b=None), kwargs=dict(enable_gqa=True)),
+        dict(shape=dict(nq=5, nk=13), kwargs=dict(is_causal=True)),
+        dict(shape=dict(nq=13, nk=5), kwargs=dict(is_causal=True)),
+        dict(shape=dict(hkv=2, nq=7, nk=11), kwargs=dict(is_causal=True, enable_gqa=True)),
+        dict(shape=dict(nq=5, nk=7), kwargs=dict(scale=0.3)),
+        dict(shape=dict(dv=24), kwargs={}),
+        dict(shape=dict(d=12), kwargs={}),
+        dict(shape=dict(nq=5, nk=7), mask=((5, 7), torch.bool)),
+        dict(shape=dict(nq=5, nk=7), mask=((2, 1, 5, 7), "q")),
+        dict(shape=dict(nq=5, nk=7, dtype=torch.bfloat16), mask=((4, 5, 7), torch.float32)),
+        dict(shape=dict(nq=5, nk=7, b=None), mask=((4, 1, 7), torch.bool)),
+    ],
+    ids=["gqa", "gqa-3d", "causal-nq<nk", "causal-nq>nk", "causal-gqa", "scale", "dv!=d",
+         "head_dim-12", "bool-mask", "float-mask", "f32-mask-bf16", "mask-3d"],
+)
+def test_fallback_features_equal_sdpa(layout: str, case: dict[str, Any]) -> None:
+    q, k, v = qkv(layout=layout, **case["shape"])
+    kwargs = dict(case.get("kwargs", {}))
+    if "mask" in case:
+        shape, mask_dtype = case["mask"]
+        gen = torch.Generator().manual_seed(1)
+        if mask_dtype is torch.bool:
+            mask = torch.rand(shape, generator=gen) > 0.3
+        else:
+            mask = torch.randn(shape, generator=gen)
+            mask = mask.to(q.dtype if mask_dtype == "q" else mask_dtype)
+        kwargs["attn_mask"] = mask
+    out = quiet_sageattn(q, k, v, tensor_layout=layout, **kwargs)
+    assert torch.equal(out, sdpa_in_layout(q, k, v, layout, **kwargs))
+
+
+def test_positional_arguments_follow_sdpa() -> None:
+    q, k, v = qkv(hkv=2, nq=5, nk=7)
+    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(2)) > 0.5
+    expected = ORIGINAL_SDPA(q, k, v, mask, 0.0, False, scale=0.5, enable_gqa=True)
+    # SDPA's first six parameters are positional; sageattn also takes scale and enable_gqa so.
+    assert torch.equal(quiet_sageattn(q, k, v, mask, 0.0, False, 0.5, True), expected)
+
+
+def test_dropout_matches_sdpa() -> None:
+    q, k, v = qkv()
+    torch.manual_seed(3)
+    out = quiet_sageattn(q, k, v, dropout_p=0.25)
+    torch.manual_seed(3)
+    assert torch.equal(out, ORIGINAL_SDPA(q, k, v, dropout_p=0.25))
+
+
+def test_fallback_supports_autograd() -> None:
+    q, k, v = (t.requires_grad_() for t in qkv(nq=5))
+    quiet_sageattn(q, k, v, is_causal=True).sum().backward()
+    grads = [t.grad for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    ORIGINAL_SDPA(q, k, v, is_causal=True).sum().backward()
+    assert all(torch.equal(g, t.grad) for g, t in zip(grads, (q, k, v)))
+
+
+# ------------------------------------------------------------------------------------------------
+# return_lse
+# ------------------------------------------------------------------------------------------------
+
+
+def lse_float64(q: torch.Tensor, k: torch.Tensor, scale: float | None = None,
+                is_causal: bool = False, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """log-sum-exp of the scaled, masked scores; q [B, Hq, Nq, D], k [B, Hkv, Nk, D]."""
+    k = k.double().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    s = q.double() @ k.transpose(-1, -2) * (scale if scale is not None else q.shape[-1] ** -0.5)
+    if is_causal:
+        allowed = torch.ones(s.shape[-2:], dtype=torch.bool).tril()
+        s = s.masked_fill(~allowed, -math.inf)
+    if mask is not None:
+        s = s.masked_fill(~mask, -math.inf) if mask.dtype == torch.bool else s + mask.double()
+    return torch.logsumexp(s, dim=-1)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize(
+    "shape,kwargs",
+    [
+        (dict(), dict()),
+        (dict(hkv=2, nq=6, nk=10, dtype=torch.bfloat16), dict(enable_gqa=True, is_causal=True)),
+        (dict(nq=10, nk=6), dict(is_causal=True, scale=0.7)),
+        (dict(b=None, nq=6, nk=10), dict()),
+        (dict(nq=4, nk=6), dict(mask=True)),
+    ],
+    ids=["plain", "gqa-causal-bf16", "causal-nq>nk", "3d", "mask-with-empty-row"],
+)
+def test_return_lse(layout: str, shape: dict[str, Any], kwargs: dict[str, Any]) -> None:
+    q, k, v = qkv(layout=layout, **shape)
+    kwargs = dict(kwargs)
+    mask = None
+    if kwargs.pop("mask", False):
+        mask = torch.rand(4, 6, generator=torch.Generator().manual_seed(4)) > 0.5
+        mask[1] = False  # a query that sees no key
+        kwargs["attn_mask"] = mask
+    out, lse = quiet_sageattn(q, k, v, tensor_layout=layout, return_lse=True, **kwargs)
+    assert torch.equal(out, quiet_sageattn(q, k, v, tensor_layout=layout, **kwargs))
+    q4, k4 = (hnd(t, layout) for t in (q, k))
+    if shape.get("b", 2) is None:
+        q4, k4 = q4[None], k4[None]
+    expected = lse_float64(q4, k4, kwargs.get("scale"), kwargs.get("is_causal", False), mask)
+    if shape.get("b", 2) is None:
+        expected = expected[0]
+    assert lse.dtype == torch.float32 and lse.shape == expected.shape
+    torch.testing.assert_close(lse, expected.float(), rtol=1e-6, atol=1e-6)
+    if mask is not None:
+        assert torch.isneginf(lse[:, :, 1]).all() and not hnd(out, layout)[:, :, 1].any()
+
+
+# ------------------------------------------------------------------------------------------------
+# Fallback warning, strict
+# ------------------------------------------------------------------------------------------------
+
+
+def test_fallback_warns_once_per_reason() -> None:
+    q, k, v = qkv()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            sageattn(q, k, v)
+        sageattn(q.double(), k.double(), v.double(), is_causal=True)  # same first reason: cpu
+        messages = fallback_warnings(record)
+        assert len(messages) == 1
+        assert "need CUDA tensors, got cpu" in messages[0] and "strict=True" in messages[0]
+        assert record[0].filename == __file__  # points at the caller
+        meta = [torch.empty(t.shape, device="meta") for t in (q, k, v)]
+        sageattn(*meta)
+        sageattn(*meta)
+        messages = fallback_warnings(record)
+    assert len(messages) == 2
+    assert messages[1].endswith("got meta. This warning is shown once per reason; pass "
+                                "strict=True to raise.")
+
+
+def test_strict_raises_with_reason() -> None:
+    q, k, v = qkv()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with pytest.raises(NotImplementedError, match=r"strict=True.*need CUDA tensors, got cpu$"):
+            sageattn(q, k, v, strict=True)
+    assert not fallback_warnings(record)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "shape", "kwargs", "reason"),
+    [
+        (torch.float32, {}, {}, "float16 or bfloat16 inputs, got torch.float32"),
+        (torch.float64, {}, {}, "got torch.float64"),
+        (torch.float16, {}, {"dropout_p": 0.1}, "no dropout (dropout_p > 0)"),
+        (torch.bfloat16, {}, {"attn_mask": torch.ones(9, 9, dtype=torch.bool)}, "no attn_mask"),
+        (torch.float16, {"d": 12}, {}, "head_dim that is a multiple of 8 in [8, 256], got 12"),
+        (torch.float16, {"d": 264}, {}, "got 264"),
+        (torch.float16, {"dv": 32}, {}, "v's head_dim to be q's and k's, got 32 and 16"),
+        (torch.float16, {}, {"requires_grad": True}, "require grad"),
+        (torch.float16, {}, {}, None),
+    ],
+)
+def test_unsupported_reasons(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
+                             shape: dict[str, Any], kwargs: dict[str, Any],
+                             reason: str | None) -> None:
+    """The reasons after the device check, in order (pretending the CPU were a CUDA device)."""
+    monkeypatch.setattr(api, "_device_reason", lambda device: None)
+    q, k, v = qkv(dtype=dtype, **shape)
+    kwargs = dict(kwargs)
+    if kwargs.pop("requires_grad", False):
+        q.requires_grad_()
+    call = api._validate(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False,
+                         None, False, "HND", "auto", True, "auto", False, False, False)
+    expected = reason or ("attention kernels are not built yet" if ops.HAS_EXTENSION
+                          else "extension is not available")
+    assert expected in str(api._unsupported_reason(call))
+    if kwargs == {} and q.requires_grad:
+        with torch.no_grad():  # without grad tracking the quantized path could serve it
+            assert "require grad" not in str(api._unsupported_reason(call))
+
+
+# ------------------------------------------------------------------------------------------------
+# Empty tensors
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize(
+    "shape",
+    [dict(b=0), dict(hq=0), dict(nq=0), dict(nk=0), dict(nq=0, nk=0), dict(dv=0),
+     dict(b=None, nk=0), dict(hq=4, hkv=2, nk=0)],
+    ids=["b0", "h0", "nq0", "nk0", "nq0-nk0", "dv0", "3d-nk0", "gqa-nk0"],
+)
+@pytest.mark.parametrize("is_causal", [False, True])
+def test_empty_inputs(layout: str, shape: dict[str, Any], is_causal: bool) -> None:
+    q, k, v = qkv(layout=layout, **shape)
+    gqa = q.shape[-3 if layout == "HND" else -2] != k.shape[-3 if layout == "HND" else -2]
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out, lse = sageattn(q, k, v, is_causal=is_causal, enable_gqa=gqa, tensor_layout=layout,
+                            return_lse=True, strict=True)
+    assert not fallback_warnings(record)
+    assert out.shape == (*q.shape[:-1], v.shape[-1]) and out.dtype == q.dtype
+    assert not out.any()  # zeros when there are no keys
+    if shape.get("hq") != 0:  # SDPA itself dies of SIGFPE on CPU with zero heads (torch 2.11)
+        assert torch.equal(out, sdpa_in_layout(q, k, v, layout, is_causal=is_causal,
+                                               enable_gqa=gqa))
+    q4 = hnd(q, layout)
+    assert lse.shape == q4.shape[:-1] and lse.dtype == torch.float32
+    assert torch.isneginf(lse).all()
+
+
+# ------------------------------------------------------------------------------------------------
+# SDPA monkeypatching
+# ------------------------------------------------------------------------------------------------
+
+
+def test_assigning_sageattn_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = qkv(hkv=2, nq=5, nk=7)
+    expected = ORIGINAL_SDPA(q, k, v, None, 0.0, True, enable_gqa=True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sageattn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SageAttentionFallbackWarning)
+        # The fallback must reach the real SDPA, not recurse into the patched name.
+        out = F.scaled_dot_product_attention(q, k, v, None, 0.0, True, enable_gqa=True)
+    assert torch.equal(out, expected)
+
+
+def test_patch_sdpa_routes_and_restores() -> None:
+    q, k, v = qkv()
+    with patch_sdpa(qk_quant="int8", smooth_q="block") as patched:
+        assert F.scaled_dot_product_attention is patched
+        assert torch.nn.functional.scaled_dot_product_attention is patched
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert len(fallback_warnings(record)) == 1  # it went through sageattn
+        assert torch.equal(out, ORIGINAL_SDPA(q, k, v, is_causal=True))
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_patch_sdpa_reaches_torch_modules() -> None:
+    """nn.MultiheadAttention looks SDPA up in torch.nn.functional at call time."""
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with patch_sdpa(strict=True), pytest.raises(NotImplementedError, match="strict=True"):
+        mha(x, x, x, need_weights=False)
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    mha(x, x, x, need_weights=False)
+
+
+def test_patch_sdpa_restores_on_error_and_nests() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with patch_sdpa():
+            with patch_sdpa(strict=True) as inner:
+                assert F.scaled_dot_product_attention is inner
+                raise RuntimeError("boom")
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+@pytest.mark.parametrize("kwargs", [dict(tensor_layout="NHD"), dict(return_lse=True),
+                                    dict(bogus=1)])
+def test_patch_sdpa_rejects_incompatible_options(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(TypeError, match=f"unsupported keyword.*{next(iter(kwargs))}"):
+        with patch_sdpa(**kwargs):
+            pass
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel_plan, build info, CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def test_public_api() -> None:
+    assert set(sageattention2.__all__) == {
+        "SageAttentionFallbackWarning", "__version__", "kernel_plan", "sageattn"}
+    assert issubclass(SageAttentionFallbackWarning, UserWarning)
+    assert isinstance(sageattention2.__version__, str)
+
+
+def test_kernel_plan() -> None:
+    plan = sageattention2.kernel_plan
+    assert plan("cpu") == "exact SDPA fallback (the quantized kernels need CUDA tensors, got cpu)"
+    if not torch.cuda.is_available():
+        assert plan() == plan("cpu")
+        assert plan("cuda") == "exact SDPA fallback (no CUDA GPU is available)"
+
+
+@pytest.mark.parametrize(
+    ("arch", "capability", "runs"),
+    [
+        ("sm_80", (8, 0), True), ("sm_80", (8, 9), True), ("sm_80", (9, 0), False),
+        ("sm_89", (8, 6), False), ("sm_90a", (9, 0), True), ("sm_90a", (10, 0), False),
+        ("sm_100f", (10, 3), True), ("sm_100f", (12, 0), False), ("sm_120", (12, 1), True),
+        ("compute_80", (9, 0), True), ("compute_90", (8, 9), False), ("compute_90a", (9, 0), True),
+        ("bogus", (8, 0), False),
+    ],
+)
+def test_arch_runs_on(arch: str, capability: tuple[int, int], runs: bool) -> None:
+    assert ops.arch_runs_on(arch, capability) is runs
+
+
+def test_build_info_matches_extension() -> None:
+    info = ops.build_info()
+    if not ops.HAS_EXTENSION:
+        assert info is None and ops.EXTENSION_ERROR
+        return
+    assert info is not None and ops.EXTENSION_ERROR is None
+    assert info.cuda_version and info.archs
+    assert all(set(archs) <= set(info.archs) for archs in info.kernels.values())
+    for capability in [(8, 0), (8, 9), (9, 0), (10, 0), (12, 0)]:
+        usable = ops.kernels_for_capability(capability)
+        assert all(ops.arch_runs_on(a, capability) for archs in usable.values() for a in archs)
+
+
+def test_cli_info() -> None:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    result = subprocess.run([sys.executable, "-m", "sageattention2", "info"], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert f"sageattention2 {sageattention2.__version__}" in text
+    assert f"torch {torch.__version__}" in text
+    assert "extension: " in text and "GPU: " in text
+    assert "sageattn plan: exact SDPA fallback" in text
+    if not torch.cuda.is_available():
+        assert "GPU: no CUDA GPU" in text
+
+
+# ------------------------------------------------------------------------------------------------
+# The op layer (needs the compiled extension; CPU implementations call the reference)
+# ------------------------------------------------------------------------------------------------
+
+needs_extension = pytest.mark.skipif(
+    not ops.HAS_EXTENSION, reason=f"sageattention2._C not available: {ops.EXTENSION_ERROR}")
+
+
+def op_inputs(dtype: torch.dtype = torch.float16, nq: int = 100, nk: int = 70,
+              d: int = 64) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, nq, d, generator=gen).to(dtype)
+    k = (torch.randn(2, 2, nk, d, generator=gen) + 0.5).to(dtype)
+    v = torch.randn(2, 2, nk, d, generator=gen).to(dtype)
+    return q, k, v
+
+
+def op_cases() -> list[Any]:
+    q, k, v = op_inputs()
+    qn = op_inputs(torch.bfloat16)[0].transpose(1, 2).contiguous().transpose(1, 2)  # NHD view
+    f32 = lambda *s: torch.randn(*s, generator=torch.Generator().manual_seed(6))  # noqa: E731
+    q_mean, k_mean, v_scale = f32(2, 4, 64), f32(2, 2, 64), f32(2, 2, 64).abs() / 448
+    cases = [
+        ("smoothing_stats", (q, k, v, True)),
+        ("smoothing_stats", (None, k, v, False)),
+        ("smoothing_stats", (qn, None, None, False)),
+        ("quantize_q", (q, q_mean, 128, 4, "int8", False, 0.18)),
+        ("quantize_q", (qn, None, 64, 4, "int4", True, 1.0)),
+        ("quantize_q", (q, None, 32, 2, "int8", False, 1.0)),
+        ("quantize_kv", (k, v, k_mean, f32(2, 2, 64), v_scale, q_mean, 64, "int8", 1.4)),
+        ("quantize_kv", (k, None, None, None, None, None, 128, "int4", 1.0)),
+        ("quantize_kv", (k, v, None, None, v_scale, None, 32, "int8", 1.0)),
+    ]
+    return [pytest.param(name, args, id=f"{name}-{i}") for i, (name, args) in enumerate(cases)]
+
+
+OP_CASES = op_cases()
+
+
+@needs_extension
+@pytest.mark.parametrize(("name", "args"), OP_CASES)
+def test_opcheck(name: str, args: tuple[Any, ...]) -> None:
+    torch.library.opcheck(getattr(torch.ops.sageattention2, name).default, args)
+
+
+@needs_extension
+def test_torch_compile_dynamic_lengths_trace_once() -> None:
+    """The Meta kernels keep batch, heads and tokens symbolic: new sequence lengths reuse the
+    compiled graph instead of recompiling (diffusion models change resolution, LLMs length)."""
+    from torch._dynamo.utils import counters
+
+    def preprocess(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        stats = ops.smoothing_stats(q, k, v, True)
+        qq = ops.quantize_q(q, stats.q_mean, 128, 4, "int8", False, 0.1)
+        kv = ops.quantize_kv(k, v, stats.k_mean, stats.v_mean, stats.v_scale, stats.q_mean, 64, "int4", 0.1)
+        return qq.q_quant.float().sum() + kv.k_quant.float().sum() + kv.delta_s.sum()
+
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(preprocess, fullgraph=True, dynamic=True, backend="aot_eager")
+    for n in (200, 333, 1000):
+        q = torch.randn(1, 4, n, 64, dtype=torch.float16)
+        k = torch.randn(1, 2, n, 64, dtype=torch.float16)
+        torch.testing.assert_close(compiled(q, k, k), preprocess(q, k, k))
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+@needs_extension
+def test_torch_compile_fullgraph() -> None:
+    def preprocess(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        stats = ops.smoothing_stats(q, k, v, True)
+        qq = ops.quantize_q(q, stats.q_mean, 128, 4, "int8", False, 0.125 * math.log2(math.e))
+        kv = ops.quantize_kv(k, v, stats.k_mean, stats.v_mean, stats.v_scale, stats.q_mean, 64,
+                             "int4", 1.0)
+        return (*qq, *kv)
+
+    q, k, v = op_inputs()
+    compiled = torch.compile(preprocess, fullgraph=True, backend="aot_eager")
+    got, expected = compiled(q, k, v), preprocess(q, k, v)
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+
+
+def test_ops_without_extension_raise(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ops, "HAS_EXTENSION", False)
+    monkeypatch.setattr(ops, "EXTENSION_ERROR", "ImportError: test")
+    with pytest.raises(RuntimeError, match="extension is not available.*ImportError: test"):
+        ops.smoothing_stats(None, torch.zeros(1, 1, 8, 8), None, False)

@@ -1,0 +1,256 @@
+"""GPU tests of the preprocessing kernels against the bit-level reference (docs/DESIGN.md).
+
+Exactness contract:
+- Means and Delta-S are float32 sums in another order than the float64 reference: compared with
+  a tolerance.
+- Everything downstream of a mean (codes, scales, V's FP8 bytes) is compared bit for bit, with
+  the kernel's own means fed to the reference quantizers, so both quantize the same numbers.
+- Block-mode Q smoothing computes its mean inside the kernel, so there the codes may differ by
+  one step where the float32 and float64 means straddle a rounding tie: at most 1e-4 of them.
+
+Every op allocates its outputs itself, so each call is preceded by freeing a block of 0xFF bytes
+to the caching allocator (the outputs then land on poisoned memory); an element the kernel
+forgot to write fails the bit-exact comparison.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sageattention2 import reference as ref
+
+pytestmark = pytest.mark.gpu
+
+ops = pytest.importorskip("sageattention2.ops")
+if not getattr(ops, "HAS_EXTENSION", False):
+    pytest.skip("compiled extension not available", allow_module_level=True)
+
+LOG2E = 1.4426950408889634
+
+
+def poison_allocator(nbytes: int = 64 << 20) -> None:
+    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    block.fill_(0xFF)
+    del block
+
+
+def make_qkv(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int,
+             dtype: torch.dtype, layout: str, seed: int):
+    """Q/K/V like real activations: channel-wise offsets, a few outlier channels, and the
+    requested memory layout ("hnd" contiguous, "nhd" permuted view, "strided" every other head
+    of a larger tensor, "packed" slices of one [B, N, 3, H, D] tensor)."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(heads: int, tokens: int, bias: float) -> torch.Tensor:
+        x = torch.randn(batch, heads, tokens, head_dim, device="cuda", generator=g)
+        x += bias * torch.randn(batch, heads, 1, head_dim, device="cuda", generator=g)
+        x[..., : max(1, head_dim // 32)] *= 8.0
+        return x
+
+    q, k, v = draw(q_heads, q_len, 2.0), draw(kv_heads, kv_len, 4.0), draw(kv_heads, kv_len, 1.0)
+    if layout == "hnd":
+        return [t.to(dtype) for t in (q, k, v)]
+    if layout == "nhd":
+        return [t.transpose(1, 2).contiguous().to(dtype).transpose(1, 2) for t in (q, k, v)]
+    if layout == "strided":
+        out = []
+        for t in (q, k, v):
+            big = torch.empty(t.shape[0], 2 * t.shape[1], *t.shape[2:], device="cuda", dtype=dtype)
+            big[:, ::2] = t.to(dtype)
+            out.append(big[:, ::2])
+        return out
+    if layout == "packed":
+        assert q_heads == kv_heads and q_len == kv_len
+        packed = torch.stack([t.transpose(1, 2) for t in (q, k, v)], dim=2).to(dtype)  # [B,N,3,H,D]
+        return [packed[:, :, i].transpose(1, 2) for i in range(3)]
+    raise ValueError(layout)
+
+
+def cpu(t):
+    return None if t is None else t.detach().cpu()
+
+
+def assert_bits_equal(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    actual, expected = actual.cpu(), expected.cpu()
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a = actual.contiguous().view(torch.uint8)
+    e = expected.contiguous().view(torch.uint8)
+    bad = (a != e).nonzero()
+    assert bad.numel() == 0, f"{what}: {bad.shape[0]} bytes differ, first at {bad[:4].tolist()}"
+
+
+SHAPES = [
+    # batch, q_heads, kv_heads, q_len, kv_len, head_dim
+    (1, 2, 2, 1, 1, 128),
+    (2, 4, 4, 127, 127, 64),
+    (1, 8, 2, 4097, 4097, 128),  # GQA 4:1, a tail of one token
+    (2, 4, 1, 1000, 333, 96),     # MQA, q_len != kv_len, head_dim 96
+    (1, 2, 2, 64, 200, 32),
+    (1, 2, 2, 130, 130, 256),
+]
+LAYOUTS = ["hnd", "nhd", "strided"]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_smoothing_stats(shape, layout, dtype):
+    q, k, v = make_qkv(*shape, dtype=dtype, layout=layout, seed=hash((shape, layout)) % 1000)
+    for smooth_v in (False, True):
+        poison_allocator()
+        q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, smooth_v)
+        rq, rk, rv, _ = ref.smoothing_stats_reference(cpu(q), cpu(k), cpu(v), smooth_v)
+        for name, got, want in (("q_mean", q_mean, rq), ("k_mean", k_mean, rk)):
+            torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5, msg=name)
+        if smooth_v:
+            torch.testing.assert_close(v_mean.cpu(), rv, rtol=1e-5, atol=1e-5)
+            shift = v_mean.cpu()
+        else:
+            assert v_mean.numel() == 0
+            shift = torch.zeros_like(v_scale.cpu())
+        # The range is exact given the mean the kernel used.
+        want_scale = (cpu(v).float() - shift[:, :, None, :]).abs().amax(dim=2) / 448.0
+        assert_bits_equal(v_scale, want_scale, "v_scale")
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", ["hnd", "nhd"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("qk_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("geometry", [(128, 4), (128, 8), (64, 4)], ids=["b128w4", "b128w8", "b64w4"])
+def test_quantize_q_bit_exact(shape, layout, dtype, qk_dtype, geometry):
+    block_q, warps = geometry
+    q, _, _ = make_qkv(*shape, dtype=dtype, layout=layout, seed=7)
+    head_dim = shape[-1]
+    multiplier = head_dim ** -0.5 * LOG2E
+    q_mean = ops.smoothing_stats(q, None, None, False)[0]
+    for mean in (None, q_mean):
+        poison_allocator()
+        codes, scales, block_mean = ops.quantize_q(q, mean, block_q, warps, qk_dtype, False, multiplier)
+        r_codes, r_scales, _ = ref.quantize_q_reference(cpu(q), cpu(mean), block_q, warps, qk_dtype,
+                                                        False, multiplier)
+        tag = "head-mean" if mean is not None else "no-smoothing"
+        assert_bits_equal(codes, r_codes, f"q codes ({tag})")
+        assert_bits_equal(scales, r_scales, f"q scales ({tag})")
+        assert block_mean.numel() == 0
+
+
+@pytest.mark.parametrize("shape", SHAPES[1:4], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("qk_dtype", ["int8", "int4"])
+def test_quantize_q_block_mean(shape, qk_dtype):
+    q, _, _ = make_qkv(*shape, dtype=torch.float16, layout="nhd", seed=11)
+    poison_allocator()
+    codes, scales, block_mean = ops.quantize_q(q, None, 128, 4, qk_dtype, True, 1.0)
+    r_codes, r_scales, r_mean = ref.quantize_q_reference(cpu(q), None, 128, 4, qk_dtype, True, 1.0)
+    torch.testing.assert_close(block_mean.cpu(), r_mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(scales.cpu(), r_scales, rtol=1e-5, atol=0)
+    if qk_dtype == "int4":
+        codes, r_codes = ref.unpack_int4(codes.cpu()), ref.unpack_int4(r_codes)
+    diff = (codes.cpu().int() - r_codes.int()).abs()
+    assert diff.max().item() <= 1
+    assert (diff > 0).float().mean().item() <= 1e-4
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("qk_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("block_k", [64, 128])
+def test_quantize_kv_bit_exact(shape, layout, dtype, qk_dtype, block_k):
+    q, k, v = make_qkv(*shape, dtype=dtype, layout=layout, seed=3)
+    multiplier = shape[-1] ** -0.5 * LOG2E
+    for smooth_k, smooth_v, with_delta_s in ((True, False, True), (False, True, False), (True, True, True)):
+        q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, smooth_v)
+        k_mean_arg = k_mean if smooth_k else None
+        v_mean_arg = v_mean if smooth_v else None
+        q_mean_arg = q_mean if with_delta_s else None
+        poison_allocator()
+        out = ops.quantize_kv(k, v, k_mean_arg, v_mean_arg, v_scale, q_mean_arg, block_k, qk_dtype, multiplier)
+        want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean_arg), cpu(v_mean_arg), cpu(v_scale),
+                                         cpu(q_mean_arg), block_k, qk_dtype, multiplier)
+        tag = f"smooth_k={smooth_k} smooth_v={smooth_v}"
+        assert_bits_equal(out[0], want[0], f"k codes ({tag})")
+        assert_bits_equal(out[1], want[1], f"k scales ({tag})")
+        assert_bits_equal(out[2], want[2], f"v fp8 ({tag})")
+        if with_delta_s:
+            # float32 dot products of length D against the float64 reference.
+            bound = 1e-5 * (q_mean.abs().amax().item() * (k.float() - k_mean[:, :, None]).abs().amax().item()
+                            * shape[-1] * multiplier) + 1e-6
+            torch.testing.assert_close(out[3].cpu(), want[3], rtol=1e-5, atol=bound)
+        else:
+            assert out[3].numel() == 0
+
+
+def test_repeated_runs_identical():
+    q, k, v = make_qkv(2, 8, 2, 3001, 3001, 128, dtype=torch.bfloat16, layout="nhd", seed=5)
+
+    def run():
+        q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, True)
+        qo = ops.quantize_q(q, q_mean, 128, 4, "int8", False, 0.1)
+        kvo = ops.quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, 64, "int4", 0.1)
+        return [q_mean, k_mean, v_mean, v_scale, *qo, *kvo]
+
+    first = run()
+    for _ in range(3):
+        for a, b in zip(first, run()):
+            assert_bits_equal(a, b, "repeat")
+
+
+def test_packed_qkv_layout():
+    q, k, v = make_qkv(2, 4, 4, 300, 300, 128, dtype=torch.float16, layout="packed", seed=9)
+    assert not q.is_contiguous()
+    q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, True)
+    out = ops.quantize_kv(k, v, k_mean, v_mean, v_scale, None, 64, "int8", 1.0)
+    want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean), cpu(v_mean), cpu(v_scale), None, 64, "int8", 1.0)
+    for i in range(3):
+        assert_bits_equal(out[i], want[i], f"output {i}")
+
+
+def test_launch_errors_are_clear():
+    q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.float16)
+    flat = torch.empty(q.numel() + 4, device="cuda", dtype=torch.float16)
+    misaligned = flat[4:].view(q.shape)  # starts 8 bytes into a 16-byte vector
+    with pytest.raises(RuntimeError, match="16-byte aligned"):
+        ops.quantize_q(misaligned, None, 128, 4, "int8", False, 1.0)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        ops.quantize_q(torch.randn(1, 2, 64, 100, device="cuda", dtype=torch.float16), None, 128, 4, "int8", False, 1.0)
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        ops.quantize_q(q.float(), None, 128, 4, "int8", False, 1.0)
+    with pytest.raises(RuntimeError, match="qk_dtype"):
+        ops.quantize_q(q, None, 128, 4, "int2", False, 1.0)
+
+
+@pytest.mark.parametrize("op_name", ["smoothing_stats", "quantize_q", "quantize_kv"])
+def test_opcheck_cuda(op_name):
+    q, k, v = make_qkv(1, 4, 2, 200, 130, 64, dtype=torch.float16, layout="hnd", seed=1)
+    q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, True)
+    args = {
+        "smoothing_stats": (q, k, v, True),
+        "quantize_q": (q, q_mean, 128, 4, "int4", False, 0.125),
+        "quantize_kv": (k, v, k_mean, v_mean, v_scale, q_mean, 64, "int8", 0.125),
+    }[op_name]
+    torch.library.opcheck(getattr(torch.ops.sageattention2, op_name).default, args)
+
+
+def test_dequantized_matches_input():
+    """End-to-end sanity independent of the reference: codes * scale + mean reconstruct the
+    input within half a quantization step."""
+    q, k, v = make_qkv(1, 2, 2, 257, 257, 128, dtype=torch.float16, layout="hnd", seed=2)
+    _, k_mean, v_mean, v_scale = ops.smoothing_stats(None, k, v, True)
+    k_codes, k_scales, v_fp8, _ = ops.quantize_kv(k, v, k_mean, v_mean, v_scale, None, 64, "int8", 1.0)
+    groups = torch.arange(k_codes.shape[2], device="cuda") % 8 // 2
+    blocks = torch.arange(k_codes.shape[2], device="cuda") // 64
+    scale = k_scales[:, :, blocks, groups][..., :257, None]
+    k_hat = k_codes[:, :, :257].float() * scale + k_mean[:, :, None]
+    assert ((k_hat - k.float()).abs() <= scale / 2 + 1e-5).all()
+    # V: undo the key permutation of the PV MMA layout (DESIGN.md) and dequantize.
+    slot = torch.arange(v_fp8.shape[-1], device="cuda")
+    base, within = slot & ~15, slot & 15
+    key = base + 2 * (within // 4) + (within % 4 & 1) + 8 * (within % 4 >> 1)
+    v_hat = torch.empty_like(v_fp8, dtype=torch.float32)
+    v_hat[..., key] = v_fp8.float()
+    v_hat = v_hat[..., :257].transpose(2, 3) * v_scale[:, :, None] + v_mean[:, :, None]
+    # E4M3 keeps 3 mantissa bits: relative error <= 2^-4, absolute <= 2^-10 near zero.
+    bound = torch.maximum((v.float() - v_mean[:, :, None]).abs() * 2**-4, 2**-10 * v_scale[:, :, None])
+    assert ((v_hat - v.float()).abs() <= bound * (1 + 1e-5) + 1e-6).all()

@@ -1,0 +1,569 @@
+"""CPU tests of the pure-PyTorch reference (sageattention2/reference.py).
+
+They pin the reference to the paper (SageAttention2, ICML 2025) and to docs/DESIGN.md: group
+geometry, bit-level quantizer arithmetic (checked against an independent scalar float32
+emulation), layouts, smoothing algebra, the FP22 rule, the tiled forward against float64 SDPA,
+and the accuracy orderings of the paper's ablations on synthetic inputs.
+"""
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sageattention2 import reference as ref
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _family(name: str, shape: tuple[int, int, int, int], seed: int):
+    return ref.make_input_family(name, shape=shape, generator=_gen(seed))
+
+
+def _f32(x: float) -> float:
+    """Round a Python float (double) to the nearest float32. For +,-,*,/ of float32 operands the
+    double result rounded once to float32 is the correctly rounded float32 result."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+# ------------------------------------------------------------------------------------------
+# Group geometry (paper Eq. 8, Fig. 18, appendix A.6; DESIGN.md)
+# ------------------------------------------------------------------------------------------
+
+
+def test_q_groups_match_appendix_a6():
+    sets = ref.q_group_sets(128, 4)
+    # 32 groups: warp w, lane row i -> rows {i, 8+i, 16+i, 24+i} of that warp's 32 rows.
+    expected = [[w * 32 + i + 8 * m for m in range(4)] for w in range(4) for i in range(8)]
+    assert sets == expected
+    assert sorted(r for s in sets for r in s) == list(range(128))
+
+
+def test_k_groups_match_fragment_layout():
+    sets = ref.k_group_sets(64)
+    expected = [sorted(8 * m + 2 * g + p for m in range(8) for p in range(2)) for g in range(4)]
+    assert sets == expected
+    assert sets[1][:4] == [2, 3, 10, 11]
+
+
+def test_groups_give_each_lane_one_q_scale_and_one_k_scale():
+    """Fig. 18: lane l holds rows l/4, l/4+8 of every 16-row slab and columns 2(l%4), 2(l%4)+1
+    of every 8-column slab of its warp's tile; all of them must share one Q and one K group."""
+    block_q, warps, block_k = 128, 4, 64
+    qg, kg = ref.q_group_index(block_q, warps), ref.k_group_index(block_k)
+    rows_per_warp = block_q // warps
+    for w in range(warps):
+        for lane in range(32):
+            rows = [w * rows_per_warp + slab * 16 + lane // 4 + h
+                    for slab in range(rows_per_warp // 16) for h in (0, 8)]
+            cols = [slab * 8 + 2 * (lane % 4) + c for slab in range(block_k // 8) for c in (0, 1)]
+            assert len({int(qg[r]) for r in rows}) == 1
+            assert len({int(kg[c]) for c in cols}) == 1
+
+
+def test_group_geometry_other_shapes_and_validation():
+    assert ref.q_group_sets(64, 4)[0] == [0, 8]  # 16 rows a warp: groups of 2 rows
+    assert len(ref.q_group_sets(128, 8)) == 64
+    assert ref.k_group_sets(32)[3] == [6, 7, 14, 15, 22, 23, 30, 31]
+    with pytest.raises(ValueError):
+        ref.q_group_index(128, 3)
+    with pytest.raises(ValueError):
+        ref.q_group_index(64, 8)  # 8 rows a warp is not an mma slab
+    with pytest.raises(ValueError):
+        ref.k_group_index(20)
+
+
+# ------------------------------------------------------------------------------------------
+# Bit-level quantizers
+# ------------------------------------------------------------------------------------------
+
+
+def _smoothed_input(shape, seed):
+    """Token-varying magnitudes so that different groups get clearly different scales."""
+    g = _gen(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(*shape[:3], 1, generator=g))
+    return x.half().float()
+
+
+@pytest.mark.parametrize("qk_dtype", ["int8", "int4"])
+@pytest.mark.parametrize("granularity", ["thread", "token", "block", "tensor"])
+@pytest.mark.parametrize("role", ["q", "k"])
+def test_quantize_dequantize_within_half_step(qk_dtype, granularity, role):
+    x = _smoothed_input((2, 3, 200, 32), seed=1)
+    block = 128 if role == "q" else 64
+    codes, scales = ref.quantize_rows(x, qk_dtype, granularity, role, block, warps=4)
+    qmax = ref.INT_QMAX[qk_dtype]
+    scales = scales.expand(2, 3, 200)[..., None]
+    assert codes.abs().max() <= qmax and torch.equal(codes, codes.round())
+    err = (codes * scales - x.double()).abs()
+    # Round to nearest: at most half a step (plus float32 rounding of x * inv).
+    assert torch.all(err <= scales * (0.5 + 1e-5))
+    # The group maximum maps onto +-qmax, so the step really is amax / qmax.
+    if granularity == "token":
+        assert torch.all(codes.abs().amax(dim=-1) == qmax)
+
+
+def test_per_thread_scales_are_group_absmax():
+    x = _smoothed_input((1, 2, 128, 16), seed=2)
+    codes, scale = ref.quantize_q_per_thread(x, 128, 4, 7)
+    for g, rows in enumerate(ref.q_group_sets(128, 4)):
+        amax = x[:, :, rows].abs().amax(dim=(-1, -2))
+        assert torch.equal(scale[:, :, 0, g], (amax.double() / 7).float())
+    codes, scale = ref.quantize_k_per_thread(x, 64, 127)
+    for blk in range(2):
+        for g, keys in enumerate(ref.k_group_sets(64)):
+            amax = x[:, :, [blk * 64 + j for j in keys]].abs().amax(dim=(-1, -2))
+            assert torch.equal(scale[:, :, blk, g], (amax.double() / 127).float())
+
+
+def test_quantizer_arithmetic_on_hand_made_values():
+    # Group 0 of a K block: amax 127 -> scale 1, inv 1; exact .5 ties round to even.
+    x = torch.zeros(1, 1, 64, 8)
+    ties = torch.tensor([0.5, 1.5, 2.5, -0.5, -2.5, 3.5, 126.5, 127.0])
+    x[0, 0, 0] = ties
+    x[0, 0, 1, 0] = -127.0
+    codes, scale = ref.quantize_k_per_thread(x, 64, 127)
+    assert scale[0, 0, 0].tolist() == [1.0, 0.0, 0.0, 0.0]  # zero groups: zero scale
+    assert codes[0, 0, 0].tolist() == [0, 2, 2, 0, -2, 4, 126, 127]
+    assert codes[0, 0, 1, 0] == -127 and not codes[0, 0, 2:].any()
+    # INT4, amax 3.5 -> scale 0.5 exactly: 1.25 * 2 = 2.5 -> 2, 0.75 * 2 = 1.5 -> 2, -3.5 -> -7.
+    x = torch.tensor([1.25, 0.75, -3.5, 0.25]).view(1, 1, 1, 4)
+    codes, scale = ref.quantize_per_token(x, 7)
+    assert scale.item() == 0.5 and codes.flatten().tolist() == [2, 2, -7, 0]
+    # A non-representable scale: amax 1 -> scale = f32(1/127), inv = f32(1/scale).
+    x = torch.tensor([1.0, 0.5, -0.25, 0.1]).view(1, 1, 1, 4)
+    codes, scale = ref.quantize_per_token(x, 127)
+    s = _f32(1.0 / 127)
+    inv = _f32(1.0 / s)
+    assert scale.item() == s
+    assert codes.flatten().tolist() == [round(_f32(_f32(v) * inv)) for v in x.flatten().tolist()]
+
+
+def _scalar_quantize(values: list[float], qmax: int) -> tuple[float, list[int]]:
+    """Independent scalar float32 emulation of the DESIGN.md quantizer on one group."""
+    amax = max(abs(v) for v in values)
+    scale = _f32(amax / qmax)
+    inv = _f32(1.0 / scale) if scale > 0 else 0.0
+    return scale, [max(-qmax, min(qmax, round(_f32(v * inv)))) for v in values]
+
+
+@pytest.mark.parametrize("qk_dtype", ["int8", "int4"])
+def test_op_references_match_scalar_float32_emulation(qk_dtype):
+    g = _gen(3)
+    B, Hq, Hkv, Nq, Nk, D, block_q, warps, block_k = 1, 4, 2, 70, 45, 16, 64, 4, 32
+    q = (torch.randn(B, Hq, Nq, D, generator=g) + 2).half()
+    k = (torch.randn(B, Hkv, Nk, D, generator=g) - 1).half()
+    v = (3 * torch.randn(B, Hkv, Nk, D, generator=g) + 5).half()
+    qmax = ref.INT_QMAX[qk_dtype]
+    q_mean, k_mean, v_mean, v_scale = ref.smoothing_stats_reference(q, k, v, True)
+    mult = 0.125 * math.log2(math.e)
+    q_quant, q_scale, _ = ref.quantize_q_reference(q, q_mean, block_q, warps, qk_dtype, False, mult)
+    k_quant, k_scale, v_fp8, _ = ref.quantize_kv_reference(
+        k, v, k_mean, v_mean, v_scale, None, block_k, qk_dtype, 1.0)
+    if qk_dtype == "int4":
+        q_quant, k_quant = ref.unpack_int4(q_quant), ref.unpack_int4(k_quant)
+
+    m32 = _f32(mult)
+    for b in range(B):
+        for h in range(Hq):
+            for blk in range(2):
+                for grp, rows in enumerate(ref.q_group_sets(block_q, warps)):
+                    rows = [blk * block_q + r for r in rows if blk * block_q + r < Nq]
+                    vals = [_f32(float(q[b, h, r, c]) - float(q_mean[b, h, c]))
+                            for r in rows for c in range(D)]
+                    scale, codes = _scalar_quantize(vals, qmax) if rows else (0.0, [])
+                    assert q_scale[b, h, blk, grp].item() == _f32(scale * m32)
+                    got = [int(q_quant[b, h, r, c]) for r in rows for c in range(D)]
+                    assert got == codes
+        for h in range(Hkv):
+            for blk in range(2):
+                for grp, keys in enumerate(ref.k_group_sets(block_k)):
+                    keys = [blk * block_k + j for j in keys if blk * block_k + j < Nk]
+                    vals = [_f32(float(k[b, h, j, c]) - float(k_mean[b, h, c]))
+                            for j in keys for c in range(D)]
+                    scale, codes = _scalar_quantize(vals, qmax) if keys else (0.0, [])
+                    assert k_scale[b, h, blk, grp].item() == scale
+                    assert [int(k_quant[b, h, j, c]) for j in keys for c in range(D)] == codes
+            # V: per channel, e4m3 of (v - v_mean) * (1 / v_scale), stored permuted.
+            perm = ref.v_key_permutation(64).tolist()
+            for c in range(D):
+                inv = _f32(1.0 / float(v_scale[b, h, c]))
+                for s, j in enumerate(perm):
+                    want = 0.0
+                    if j < Nk:
+                        x = _f32(_f32(float(v[b, h, j, c]) - float(v_mean[b, h, c])) * inv)
+                        want = float(torch.tensor(x).to(torch.float8_e4m3fn).float())
+                    assert float(v_fp8[b, h, c, s].float()) == want
+    # Padding rows / keys are zero codes.
+    assert not q_quant[:, :, Nq:].any() and not k_quant[:, :, Nk:].any()
+
+
+def test_pack_unpack_int4():
+    x = torch.tensor([1, -1, 7, -7, 0, -8, 3, 4], dtype=torch.int8)
+    packed = ref.pack_int4(x)
+    assert packed.dtype == torch.int8
+    # channel 2c low nibble, 2c+1 high nibble: (1, -1) -> 0xF1, (7, -7) -> 0x97, ...
+    assert packed.view(torch.uint8).tolist() == [0xF1, 0x97, 0x80, 0x43]
+    y = torch.randint(-7, 8, (3, 5, 64), generator=_gen(4), dtype=torch.int8)
+    assert ref.pack_int4(y).shape == (3, 5, 32)
+    assert torch.equal(ref.unpack_int4(ref.pack_int4(y)), y)
+
+
+def test_fp8_rounding_and_saturation():
+    e4m3 = ref.quantize_fp8(torch.tensor([1.0625, 1.1875, 2**-10, 3 * 2**-10, 464.0, -1e4, 0.3]))
+    # ties to even (mantissa step 1/8 near 1, subnormal step 2^-9), saturation at +-448
+    assert e4m3.dtype == torch.float8_e4m3fn
+    assert e4m3.float().tolist() == [1.0, 1.25, 0.0, 2**-8, 448.0, -448.0, 0.3125]
+    e5m2 = ref.quantize_fp8(torch.tensor([1.125, 1.375, 7e4]), "e5m2")
+    assert e5m2.float().tolist() == [1.0, 1.5, 57344.0]
+    p = ref.quantize_p_fp8(torch.tensor([1.0, 0.5, 1e-6]))
+    assert p.float().tolist() == [448.0, 224.0, 0.0]
+
+
+def test_quantize_q_reference_layout_and_padding():
+    g = _gen(5)
+    B, H, N, D = 2, 3, 200, 32
+    base = (torch.randn(B, N, H, D, generator=g) + 3).half()
+    q = base.transpose(1, 2)  # an NHD tensor seen as [B,H,N,D]: non-contiguous
+    mult = 0.7
+    for qk_dtype, width in (("int8", D), ("int4", D // 2)):
+        qq, qs, qm = ref.quantize_q_reference(q, None, 128, 4, qk_dtype, True, mult)
+        qq2, qs2, qm2 = ref.quantize_q_reference(q.contiguous(), None, 128, 4, qk_dtype, True, mult)
+        assert torch.equal(qq, qq2) and torch.equal(qs, qs2) and torch.equal(qm, qm2)
+        assert qq.shape == (B, H, 256, width) and qq.dtype == torch.int8 and qq.is_contiguous()
+        assert qs.shape == (B, H, 2, 32) and qs.dtype == torch.float32
+        assert qm.shape == (B, H, 2, D) and qm.dtype == torch.float32
+        assert not qq[:, :, N:].any()
+    # Block means over valid rows only (rows 128..199 for the last block), times the multiplier.
+    mean_last = q[:, :, 128:].double().mean(dim=2).float()
+    assert torch.equal(qm[:, :, 1], mean_last * torch.tensor(mult, dtype=torch.float32))
+    # Groups of the last block made only of padding rows (rows >= 200) have zero scale.
+    for grp, rows in enumerate(ref.q_group_sets(128, 4)):
+        all_pad = all(128 + r >= N for r in rows)
+        assert bool((qs[:, :, 1, grp] == 0).all()) == all_pad
+    # No smoothing: empty block mean; the means are absent-equivalent for None and empty.
+    a = ref.quantize_q_reference(q, None, 128, 4, "int8", False, 1.0)
+    b = ref.quantize_q_reference(q, torch.empty(0), 128, 4, "int8", False, 1.0)
+    assert a[2].shape == (0,) and a[2].dtype == torch.float32
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+    # Feeding the same block means through block_mean (how a GPU test feeds a kernel's own
+    # means) reproduces the op exactly; other means give other codes.
+    means = torch.stack([q[:, :, :128].double().mean(dim=2).float(), mean_last], dim=2)
+    own = ref.quantize_q_reference(q, None, 128, 4, "int8", True, mult)
+    fed = ref.quantize_q_reference(q, None, 128, 4, "int8", True, mult, block_mean=means)
+    assert all(torch.equal(x, y) for x, y in zip(own, fed))
+    shifted = ref.quantize_q_reference(q, None, 128, 4, "int8", True, mult, block_mean=means + 0.5)
+    assert not torch.equal(shifted[0], own[0])
+
+
+def test_quantize_kv_reference_layout_and_delta_s():
+    g = _gen(6)
+    B, Hq, Hkv, N, D = 1, 4, 2, 100, 16
+    q = torch.randn(B, Hq, 7, D, generator=g).half()
+    k = (torch.randn(B, Hkv, N, D, generator=g) + 2).half()
+    v = (torch.randn(B, Hkv, N, D, generator=g) + 4).half()
+    q_mean, k_mean, v_mean, v_scale = ref.smoothing_stats_reference(q, k, v, False)
+    assert v_mean.shape == (0,)
+    mult = 0.3
+    kq, ks, v8, ds = ref.quantize_kv_reference(
+        k, v, k_mean, v_mean, v_scale, q_mean, 64, "int8", mult)
+    assert kq.shape == (B, Hkv, 128, D) and ks.shape == (B, Hkv, 2, 4)
+    assert v8.shape == (B, Hkv, D, 128) and v8.dtype == torch.float8_e4m3fn and v8.is_contiguous()
+    assert ds.shape == (B, Hq, 128) and ds.dtype == torch.float32
+    assert not kq[:, :, N:].any() and not ds[:, :, N:].any()
+    assert not v8.float()[..., ref.v_key_permutation(128) >= N].any()
+    # Undoing the 16-key permutation gives V per channel in e4m3 (v_mean = 0 here).
+    perm = ref.v_key_permutation(128)
+    assert perm[:16].tolist() == list(ref.V_KEY_ORDER)
+    natural = torch.empty_like(v8.float())
+    natural[..., perm] = v8.float()
+    codes, scale = ref.quantize_v_per_channel(v, None, "e4m3")
+    assert torch.equal(scale, v_scale)
+    assert torch.equal(natural[..., :N], codes.float().transpose(-1, -2))
+    # delta_s: q head hq uses kv head hq // 2; float64 value of q_mean . (k - k_mean).
+    gk = k.float() - k_mean[:, :, None]
+    for hq in range(Hq):
+        want = (gk[:, hq // 2].double() @ q_mean[:, hq].double()[0]) * mult
+        torch.testing.assert_close(ds[:, hq, :N], want.float(), rtol=1e-6, atol=1e-6)
+    # Absent outputs
+    kq2, ks2, v82, ds2 = ref.quantize_kv_reference(k, None, None, None, None, None, 64, "int4", 1.0)
+    assert kq2.shape == (B, Hkv, 128, D // 2)
+    assert v82.shape == (0,) and ds2.shape == (0,) and v82.dtype == torch.float32
+
+
+def test_smoothing_stats_reference():
+    g = _gen(7)
+    q = torch.randn(2, 4, 33, 8, generator=g).half()
+    k = torch.randn(2, 2, 50, 8, generator=g).half()
+    v = (torch.randn(2, 2, 50, 8, generator=g) + 3).half()
+    qm, km, vm, vs = ref.smoothing_stats_reference(q, k, v, True)
+    assert torch.equal(qm, q.double().mean(dim=2).float())
+    assert torch.equal(km, k.double().mean(dim=2).float())
+    assert torch.equal(vm, v.double().mean(dim=2).float())
+    want = ((v.float() - vm[:, :, None]).abs().amax(dim=2).double() / 448).float()
+    assert torch.equal(vs, want)
+    _, _, vm0, vs0 = ref.smoothing_stats_reference(None, None, v, False)
+    assert vm0.shape == (0,)
+    assert torch.equal(vs0, (v.float().abs().amax(dim=2).double() / 448).float())
+    out = ref.smoothing_stats_reference(None, k, None, True)
+    assert [t.shape for t in out] == [(0,), km.shape, (0,), (0,)]
+
+
+# ------------------------------------------------------------------------------------------
+# Smoothing algebra (paper 3.1)
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("smooth_q", ["block", "head"])
+def test_smoothing_preserves_softmax(smooth_q):
+    q, k, _ = _family("bias4", (1, 4, 200, 64), seed=8)
+    k = k[:, ::2]  # GQA: 4 q heads on 2 kv heads
+    q, k = q.double(), k.double()
+    sm = ref.smooth_qk(q, k, smooth_q=smooth_q, smooth_k=True, block_q=64)
+    gk = sm.gamma_k.repeat_interleave(2, dim=1)
+    ds = ref.delta_s(sm.q_offset, sm.gamma_k)[:, :, sm.q_offset_index]
+    s_smooth = sm.gamma_q @ gk.transpose(-1, -2) + ds
+    s_true = q @ k.repeat_interleave(2, dim=1).transpose(-1, -2)
+    scale = 1 / math.sqrt(64)
+    p_true = torch.softmax(s_true * scale, dim=-1)
+    assert (torch.softmax(s_smooth * scale, dim=-1) - p_true).abs().max() < 1e-12
+    # Smoothing really changed the operands, and Delta-S is what makes it exact.
+    assert sm.gamma_q.abs().max() < 0.5 * q.abs().max()
+    no_ds = torch.softmax((s_smooth - ds) * scale, dim=-1)
+    assert (no_ds - p_true).abs().max() > 1e-2
+    # The row bias q_i . k_mean is all that is left.
+    bias = q @ sm.k_mean.repeat_interleave(2, dim=1)[..., None]
+    assert (s_smooth + bias - s_true).abs().max() < 1e-10
+
+
+# ------------------------------------------------------------------------------------------
+# FP22 accumulator (paper 3.4)
+# ------------------------------------------------------------------------------------------
+
+
+def test_fp22_truncate_hand_values():
+    ok = [1.0, 1 + 2**-13, -(1 + 2**-13), 2**100 * (1 + 2**-5 + 2**-13), 0.0, 3 * 2**-120]
+    x = torch.tensor(ok, dtype=torch.float32)
+    assert torch.equal(ref.fp22_truncate(x), x)  # <= 13 mantissa bits: unchanged
+    more = torch.tensor([1 + 2**-14, 1 + 2**-13 + 2**-23, -(1 + 2**-14 + 2**-20),
+                         (2 - 2**-23) * 2**20, -3.0000002], dtype=torch.float32)
+    want = torch.tensor([1.0, 1 + 2**-13, -1.0, (2 - 2**-13) * 2**20, -3.0],
+                        dtype=torch.float32)
+    assert torch.equal(ref.fp22_truncate(more), want)  # low bits dropped, toward zero
+    y = torch.randn(10000, generator=_gen(9)) * 100
+    t = ref.fp22_truncate(y)
+    assert torch.all(t.abs() <= y.abs()) and torch.all(torch.sign(t) == torch.sign(y))
+    assert torch.all((y - t).abs() < y.abs() * 2**-13)
+    assert not (t.view(torch.int32) & 0x3FF).any()
+    # The float64 form truncates the exact value: same as float32 for float32 values.
+    assert torch.equal(ref.fp22_truncate(y.double()).float(), t)
+    assert ref.fp22_truncate(torch.tensor([1 + 2**-14 + 2**-40], dtype=torch.float64)).item() == 1.0
+
+
+# ------------------------------------------------------------------------------------------
+# Ground truth against torch SDPA, and the tiled form against the ground truth
+# ------------------------------------------------------------------------------------------
+
+
+def _sdpa64(q, k, v, **kw):
+    return F.scaled_dot_product_attention(q.double(), k.double(), v.double(), **kw)
+
+
+@pytest.mark.parametrize("nq,nk,causal", [(37, 53, True), (53, 37, True), (40, 40, True),
+                                          (37, 53, False)])
+def test_exact_attention_matches_sdpa(nq, nk, causal):
+    g = _gen(10)
+    q = torch.randn(2, 3, nq, 16, generator=g, dtype=torch.float64)
+    k = torch.randn(2, 3, nk, 16, generator=g, dtype=torch.float64)
+    v = torch.randn(2, 3, nk, 24, generator=g, dtype=torch.float64)
+    out, lse = ref.exact_attention(q, k, v, is_causal=causal, scale=0.3, return_lse=True)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, _sdpa64(q, k, v, is_causal=causal, scale=0.3),
+                               rtol=1e-12, atol=1e-12)
+    s = q @ k.transpose(-1, -2) * 0.3
+    if causal:
+        s = s.masked_fill(torch.ones(nq, nk, dtype=torch.bool).tril().logical_not(), -math.inf)
+    torch.testing.assert_close(lse, torch.logsumexp(s, dim=-1), rtol=1e-12, atol=1e-12)
+
+
+def test_exact_attention_masks_and_gqa():
+    g = _gen(11)
+    q = torch.randn(1, 6, 20, 8, generator=g).half()
+    k = torch.randn(1, 2, 30, 8, generator=g).half()
+    v = torch.randn(1, 2, 30, 8, generator=g).half()
+    torch.testing.assert_close(ref.exact_attention(q, k, v, enable_gqa=True),
+                               _sdpa64(q, k, v, enable_gqa=True), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError):
+        ref.exact_attention(q, k, v)
+    qe, ke, ve = q[:, :2], k, v
+    bool_mask = torch.rand(20, 30, generator=g) > 0.5
+    bool_mask[3] = False  # a row with no key: SDPA gives 0, LSE -inf
+    out, lse = ref.exact_attention(qe, ke, ve, attn_mask=bool_mask, return_lse=True)
+    torch.testing.assert_close(out, _sdpa64(qe, ke, ve, attn_mask=bool_mask),
+                               rtol=1e-12, atol=1e-12)
+    assert torch.all(out[:, :, 3] == 0) and torch.all(lse[:, :, 3] == -math.inf)
+    float_mask = torch.randn(1, 1, 20, 30, generator=g, dtype=torch.float64)
+    float_mask[..., 5, :7] = -math.inf
+    torch.testing.assert_close(ref.exact_attention(qe, ke, ve, attn_mask=float_mask),
+                               _sdpa64(qe, ke, ve, attn_mask=float_mask), rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError):
+        ref.exact_attention(qe, ke, ve, attn_mask=bool_mask, is_causal=True)
+
+
+_UNQUANTIZED = dict(qk_dtype="fp16", pv_dtype="fp32", fp22=False)
+
+
+@pytest.mark.parametrize(
+    "nq,nk,hq,hkv,causal,extra",
+    [
+        (256, 256, 2, 2, False, {}),
+        (200, 333, 2, 2, True, {}),
+        (333, 200, 2, 2, True, {}),
+        (131, 97, 4, 2, False, {"smooth_q": "block"}),
+        (97, 131, 4, 1, True, {"smooth_q": "head", "smooth_v": True}),
+        (150, 150, 2, 2, True, {"smooth_k": False, "two_level": False}),
+    ],
+)
+def test_tiled_unquantized_matches_exact(nq, nk, hq, hkv, causal, extra):
+    g = _gen(12)
+    q = (torch.randn(1, hq, nq, 64, generator=g) + 1).half()
+    k = (torch.randn(1, hkv, nk, 64, generator=g) - 1).half()
+    v = (torch.randn(1, hkv, nk, 64, generator=g) + 2).half()
+    out, lse = ref.sage_attention_reference(q, k, v, is_causal=causal, return_lse=True,
+                                            block_q=64, **_UNQUANTIZED, **extra)
+    want, want_lse = ref.exact_attention(q, k, v, is_causal=causal, enable_gqa=True,
+                                         return_lse=True)
+    assert out.dtype == torch.float32 and out.shape == want.shape and lse.shape == want_lse.shape
+    assert (out.double() - want).abs().max() < 1.5e-6
+    assert (lse.double() - want_lse).abs().max() < 2e-6
+
+
+# ------------------------------------------------------------------------------------------
+# Accuracy orderings of the paper's ablations (synthetic inputs, fixed seeds)
+# ------------------------------------------------------------------------------------------
+
+_SHAPE = (1, 4, 1024, 128)
+
+
+@pytest.fixture(scope="module")
+def bias4():
+    q, k, v = _family("bias4", _SHAPE, seed=0)
+    return q, k, v, ref.exact_attention(q, k, v)
+
+
+def _l1(q, k, v, want, **kw):
+    return ref.relative_l1(ref.sage_attention_reference(q, k, v, **kw), want)
+
+
+def test_smoothing_order_4bit(bias4):
+    """Paper Table 4: Smooth Q+K > Smooth K > none (INT4 Q, K)."""
+    q, k, v, want = bias4
+    none = _l1(q, k, v, want, qk_dtype="int4", smooth_k=False)
+    only_k = _l1(q, k, v, want, qk_dtype="int4", smooth_k=True)
+    q_and_k = _l1(q, k, v, want, qk_dtype="int4", smooth_k=True, smooth_q="block")
+    assert none > 1.5 * only_k
+    assert only_k > 1.5 * q_and_k
+
+
+def test_head_and_block_q_smoothing_similar(bias4):
+    """DESIGN.md: the head mean of Q does as well as the paper's block means on bias4."""
+    q, k, v, want = bias4
+    block = _l1(q, k, v, want, qk_dtype="int4", smooth_q="block")
+    head = _l1(q, k, v, want, qk_dtype="int4", smooth_q="head")
+    only_k = _l1(q, k, v, want, qk_dtype="int4")
+    assert abs(head - block) < 0.1 * block
+    assert head < 0.6 * only_k
+
+
+def test_granularity_order_4bit():
+    """Paper Table 6: per-thread close to per-token, better than per-block and per-tensor."""
+    q, k, v = _family("bias4", _SHAPE, seed=1)
+    g = _gen(21)  # tokens of different magnitude, so the granularity matters
+    q = (q.float() * torch.exp(0.5 * torch.randn(*_SHAPE[:3], 1, generator=g))).half()
+    k = (k.float() * torch.exp(0.5 * torch.randn(*_SHAPE[:3], 1, generator=g))).half()
+    want = ref.exact_attention(q, k, v)
+    err = {gr: _l1(q, k, v, want, qk_dtype="int4", smooth_q="block", granularity=gr)
+           for gr in ("thread", "token", "block", "tensor")}
+    assert err["token"] < err["thread"]
+    assert err["block"] > 1.3 * err["thread"] and err["tensor"] > 1.3 * err["thread"]
+    # closer to per-token than to per-block
+    assert err["thread"] - err["token"] < 0.5 * (err["block"] - err["token"])
+
+
+def test_e4m3_beats_e5m2(bias4):
+    """Paper Table 7: E4M3 P~, V is more accurate than E5M2, and FP16 better still."""
+    q, k, v, want = bias4
+    e4m3 = _l1(q, k, v, want, pv_dtype="e4m3")
+    e5m2 = _l1(q, k, v, want, pv_dtype="e5m2")
+    fp16 = _l1(q, k, v, want, pv_dtype="fp16")
+    assert e5m2 > 1.5 * e4m3 and e4m3 > 1.5 * fp16
+
+
+def test_two_level_beats_one_level():
+    """Paper 3.4: with the FP22 accumulator, two-level accumulation is clearly more accurate on
+    a long sequence whose V has a channel bias (uniform-ish attention, output far from 0)."""
+    q, k, v = _family("bias0", (1, 1, 4096, 128), seed=2)
+    v = (v.float() + 8).half()
+    want = ref.exact_attention(q, k, v)
+    two = _l1(q, k, v, want, two_level=True, fp22=True)
+    one = _l1(q, k, v, want, two_level=False, fp22=True)
+    fp32 = _l1(q, k, v, want, two_level=True, fp22=False)
+    assert one > 2 * two
+    assert two < 1.1 * fp32  # two levels recover nearly all of FP32 accumulation
+    # smoothing V (paper A.3) also removes most of the FP22 loss of the one-level form
+    assert _l1(q, k, v, want, two_level=False, fp22=True, smooth_v=True) < 0.5 * one
+
+
+def test_anchor_figures_loosely(bias4):
+    """ANCHORS.md idealised simulation (8-bit bias4 0.9999 / 0.012, 4-bit 0.99868 / 0.046,
+    4-bit + smooth Q 0.9998 / 0.018) at a quarter of the sequence length."""
+    q, k, v, want = bias4
+    kw = dict(fp22=False)
+    o8 = ref.sage_attention_reference(q, k, v, qk_dtype="int8", **kw)
+    o4 = ref.sage_attention_reference(q, k, v, qk_dtype="int4", **kw)
+    o4s = ref.sage_attention_reference(q, k, v, qk_dtype="int4", smooth_q="block", **kw)
+    assert ref.cosine_similarity(o8, want) > 0.999 and ref.relative_l1(o8, want) < 0.02
+    assert 0.995 < ref.cosine_similarity(o4, want) < 0.9995
+    assert 0.03 < ref.relative_l1(o4, want) < 0.07
+    assert ref.cosine_similarity(o4s, want) > 0.999 and ref.relative_l1(o4s, want) < 0.03
+    q0, k0, v0 = _family("bias0", (1, 2, 1024, 128), seed=3)
+    o = ref.sage_attention_reference(q0, k0, v0)
+    assert ref.cosine_similarity(o, ref.exact_attention(q0, k0, v0)) > 0.998
+
+
+# ------------------------------------------------------------------------------------------
+# Inputs and metrics
+# ------------------------------------------------------------------------------------------
+
+
+def test_make_input_family():
+    shape = (1, 2, 64, 32)
+    q0, k0, v0 = ref.make_input_family("bias0", shape=shape, generator=_gen(0))
+    assert q0.shape == shape and q0.dtype == torch.float16
+    q1, _, _ = ref.make_input_family("bias0", shape=shape, generator=_gen(0))
+    assert torch.equal(q0, q1)
+    q4, k4, v4 = ref.make_input_family("bias4", shape=shape, generator=_gen(0))
+    offset = (q4.float() - q0.float())  # a per-channel offset shared by all tokens
+    assert offset.std(dim=2).max() < 0.02 and offset.abs().mean() > 1.5
+    qo, ko, _ = ref.make_input_family("outliers", shape=shape, generator=_gen(0))
+    big = torch.nonzero((qo != q0).any(dim=(0, 1, 2))).flatten()  # the 6 outlier channels
+    assert len(big) == 6
+    torch.testing.assert_close(qo[..., big].float(), 12 * q0[..., big].float(), rtol=1e-3, atol=0)
+    assert torch.equal(big, torch.nonzero((ko.float().std(dim=2) > 6).all(dim=(0, 1))).flatten())
+    with pytest.raises(ValueError):
+        ref.make_input_family("nope")
+
+
+def test_metrics_hand_values():
+    o = torch.tensor([1.0, -2.0, 3.0, 0.0])
+    assert ref.cosine_similarity(o, o) == pytest.approx(1.0, abs=1e-15)
+    assert ref.cosine_similarity(2 * o, o) == pytest.approx(1.0, abs=1e-15)
+    assert ref.cosine_similarity(torch.tensor([1.0, 0.0]), torch.tensor([0.0, 1.0])) == 0.0
+    noisy = o + torch.tensor([0.5, 0.0, -0.5, 1.0])
+    assert ref.relative_l1(noisy, o) == pytest.approx(2.0 / 6.0)
+    assert ref.rmse(noisy, o) == pytest.approx(math.sqrt(1.5 / 4))
