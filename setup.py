@@ -40,6 +40,23 @@ def arch_flags(arch_list: str) -> tuple[list[str], list[str]]:
     return flags, names
 
 
+def runtime_libstdcxx() -> list[str]:
+    """The shared libstdc++ this process (with torch imported) runs with, as a link argument.
+
+    Some toolchains find only libstdc++.a (e.g. a g++ wrapper whose -B dirs hold no
+    libstdc++.so, as on our H100 image): the extension then carries a private static
+    libstdc++ beside the shared one torch uses, and the first integer formatted into an error
+    message crashes in its uninitialised locale. Linking the very library torch loaded keeps one
+    libstdc++ per process; a compiler needing a newer one fails at link time, not at run time.
+    """
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libstdc++.so" in line}
+    except OSError:
+        return []
+    return sorted(paths)[:1]
+
+
 def extensions() -> tuple[list, dict]:
     if os.environ.get("SAGEATTENTION2_SKIP_CUDA") == "1":
         return [], {}
@@ -51,33 +68,17 @@ def extensions() -> tuple[list, dict]:
     csrc = ROOT / "csrc"
     sources = sorted(str(p.relative_to(ROOT)) for p in csrc.glob("*.c*") if p.suffix in (".cpp", ".cu"))
     define = [f'-DSAGE_ARCH_LIST="{",".join(names)}"']
-    class BuildExtensionUnifyingTemplates(BuildExtension):
-        """Links without -Bsymbolic-functions (a default of Debian/Ubuntu Python builds).
-
-        With it, our .so binds its calls to the weak copies of libstdc++ templates that the host
-        compiler emitted into it (e.g. std::ostream::_M_insert<long>), instead of the runtime
-        libstdc++'s. When the compiler's headers and the runtime libstdc++ differ (the H100
-        image builds with /opt/gcc against the system libstdc++), formatting the first integer of
-        an error message then crashed. Without the flag the dynamic linker unifies them.
-        """
-
-        def build_extensions(self) -> None:
-            for attr in ("linker_so", "linker_so_cxx"):
-                flags = getattr(self.compiler, attr, None)
-                if isinstance(flags, list):
-                    setattr(self.compiler, attr, [f for f in flags if "Bsymbolic" not in f])
-            super().build_extensions()
-
     ext = CUDAExtension(
         name="sageattention2._C",
         sources=sources,
         include_dirs=[str(csrc)],
+        extra_link_args=runtime_libstdcxx(),
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17", *define],
             "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", *gencode, *define],
         },
     )
-    return [ext], {"build_ext": BuildExtensionUnifyingTemplates}
+    return [ext], {"build_ext": BuildExtension}
 
 
 ext_modules, cmdclass = extensions()

@@ -22,7 +22,8 @@ if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/install.log" | head -40; exit
 REPO=$(pwd)
 cd /tmp  # from here `import sageattention2` finds the installed package, not the checkout
 
-step "error messages with numbers (crashed when linked with -Bsymbolic-functions: see setup.py)"
+step "one libstdc++ per process (a static copy crashed on integer formatting: see setup.py)"
+ldd "$($PY -c "import sageattention2._C as c; print(c.__file__)")" | grep -E "stdc\+\+" || echo "NO shared libstdc++ dependency"
 $PY "$REPO/scripts/repro_errors.py"
 
 step "info"

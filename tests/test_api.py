@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -619,3 +620,22 @@ def test_ops_without_extension_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "EXTENSION_ERROR", "ImportError: test")
     with pytest.raises(RuntimeError, match="extension is not available.*ImportError: test"):
         ops.smoothing_stats(None, torch.zeros(1, 1, 8, 8), None, False)
+
+
+@needs_extension
+def test_extension_uses_the_shared_libstdcxx() -> None:
+    """A private static libstdc++ in the extension (some g++ wrappers only find libstdc++.a)
+    crashed the process on the first integer formatted into an error message; setup.py links
+    the shared one torch runs with."""
+    ldd = shutil.which("ldd")
+    if ldd is None:
+        pytest.skip("no ldd on this machine")
+    out = subprocess.run([ldd, ops._C.__file__], capture_output=True, text=True, check=True).stdout
+    assert "libstdc++.so" in out
+
+
+@needs_extension
+def test_op_errors_format_numbers() -> None:
+    bad = torch.empty(1, 2, 64, 100, dtype=torch.float16, device="meta")
+    with pytest.raises(RuntimeError, match=r"head_dim\) must be a multiple of 8 in \[8, 256\], got 100"):
+        ops.quantize_q(bad, None, 128, 4, "int8", False, 1.0)
