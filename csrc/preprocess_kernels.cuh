@@ -162,6 +162,45 @@ __device__ __forceinline__ void atomic_max_abs(unsigned* slot, float abs_value) 
   atomicMax(slot, __float_as_uint(abs_value));
 }
 
+// The two steps of per-thread quantization (paper Eq. 8) over a tile staged in shared memory
+// (`pitch` elements per row, `valid` real rows), smoothed by `mean`; `group_of(row)` is the
+// scale group of a row (Q: warp slab and row % 8; K: key % 8 / 2).
+template <typename T, typename GroupOf>
+__device__ __forceinline__ void tile_group_absmax(const T* tile, int pitch, int valid, int vecs,
+                                                  const float* mean, GroupOf group_of, unsigned* group_amax) {
+  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    float x[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
+    float a = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
+    atomic_max_abs(&group_amax[group_of(r)], a);
+  }
+}
+
+// Writes `rows` rows of codes to `dst` (row stride `code_dim` bytes); rows past `valid` are the
+// zero padding of the tile.
+template <typename T, bool kInt4, typename GroupOf>
+__device__ __forceinline__ void store_tile_codes(const T* tile, int pitch, int rows, int valid, int vecs,
+                                                 const float* mean, GroupOf group_of, const float* group_inv,
+                                                 int8_t* dst, int code_dim) {
+  using Codes = IntCodes<kInt4>;
+  for (int i = threadIdx.x; i < rows * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    int8_t* out = dst + static_cast<int64_t>(r) * code_dim + c * Codes::kBytesPer8;
+    if (r >= valid) {
+      Codes::store_zero(out);
+      continue;
+    }
+    float x[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) x[e] -= mean[c * kElemsPerVector + e];
+    Codes::store(out, x, group_inv[group_of(r)]);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Q: one CTA per (Q block, head, batch). Reads the block once into shared memory, smooths it
 // (head mean, or the block's own mean: paper Eq. 2), takes per-thread group maxima (Eq. 8) and
@@ -210,15 +249,8 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   }
   __syncthreads();
 
-  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
-    const int r = i / vecs, c = i % vecs;
-    float x[8];
-    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * head_dim + c * kElemsPerVector), x);
-    float a = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
-    atomic_max_abs(&group_amax[p.geometry.group_of_row(r)], a);
-  }
+  const auto q_group = [&](int r) { return p.geometry.group_of_row(r); };
+  tile_group_absmax<T>(tile, head_dim, valid, vecs, mean, q_group, group_amax);
   __syncthreads();
 
   for (int g = threadIdx.x; g < groups; g += blockDim.x) {
@@ -229,19 +261,8 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   __syncthreads();
 
   const int code_dim = kInt4 ? head_dim / 2 : head_dim;
-  for (int i = threadIdx.x; i < block_q * vecs; i += blockDim.x) {
-    const int r = i / vecs, c = i % vecs;
-    int8_t* dst = p.codes + (bh * p.padded_tokens + row0 + r) * code_dim + c * Codes::kBytesPer8;
-    if (r >= valid) {
-      Codes::store_zero(dst);
-      continue;
-    }
-    float x[8];
-    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * head_dim + c * kElemsPerVector), x);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] -= mean[c * kElemsPerVector + e];
-    Codes::store(dst, x, group_inv[p.geometry.group_of_row(r)]);
-  }
+  store_tile_codes<T, kInt4>(tile, head_dim, block_q, valid, vecs, mean, q_group, group_inv,
+                             p.codes + (bh * p.padded_tokens + row0) * code_dim, code_dim);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -290,15 +311,8 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   if (threadIdx.x < kKGroupsPerBlock) group_amax[threadIdx.x] = 0u;
   __syncthreads();
 
-  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
-    const int r = i / vecs, c = i % vecs;
-    float x[8];
-    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
-    float a = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
-    atomic_max_abs(&group_amax[k_group_of_key(r)], a);
-  }
+  const auto k_group = [](int r) { return k_group_of_key(r); };
+  tile_group_absmax<T>(tile, pitch, valid, vecs, mean, k_group, group_amax);
   __syncthreads();
 
   if (threadIdx.x < kKGroupsPerBlock) {
@@ -309,19 +323,8 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   __syncthreads();
 
   const int code_dim = kInt4 ? head_dim / 2 : head_dim;
-  for (int i = threadIdx.x; i < block_k * vecs; i += blockDim.x) {
-    const int r = i / vecs, c = i % vecs;
-    int8_t* dst = p.k_codes + (bh * p.padded_tokens + row0 + r) * code_dim + c * Codes::kBytesPer8;
-    if (r >= valid) {
-      Codes::store_zero(dst);
-      continue;
-    }
-    float x[8];
-    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) x[e] -= mean[c * kElemsPerVector + e];
-    Codes::store(dst, x, group_inv[k_group_of_key(r)]);
-  }
+  store_tile_codes<T, kInt4>(tile, pitch, block_k, valid, vecs, mean, k_group, group_inv,
+                             p.k_codes + (bh * p.padded_tokens + row0) * code_dim, code_dim);
 
   if (p.q_mean != nullptr) {
     // Delta-S_j = q_mean . gamma(K_j) from the unquantized smoothed key: exact in float32.

@@ -138,63 +138,17 @@ def quantize_kv(
 # --------------------------------------------------------------------------------------------
 
 
-def _smoothing_stats_cpu(
-    q: Tensor | None, k: Tensor | None, v: Tensor | None, smooth_v: bool
-) -> tuple[Tensor, ...]:
-    from .reference import smoothing_stats_reference
-
-    return tuple(smoothing_stats_reference(q, k, v, smooth_v))
-
-
-def _quantize_q_cpu(
-    q: Tensor,
-    q_mean: Tensor | None,
-    block_q: int,
-    warps: int,
-    qk_dtype: str,
-    smooth_block: bool,
-    scale_multiplier: float,
-) -> tuple[Tensor, ...]:
-    from .reference import quantize_q_reference
-
-    return tuple(
-        quantize_q_reference(q, q_mean, block_q, warps, qk_dtype, smooth_block, scale_multiplier)
-    )
-
-
-def _quantize_kv_cpu(
-    k: Tensor,
-    v: Tensor | None,
-    k_mean: Tensor | None,
-    v_mean: Tensor | None,
-    v_scale: Tensor | None,
-    q_mean: Tensor | None,
-    block_k: int,
-    qk_dtype: str,
-    delta_s_multiplier: float,
-) -> tuple[Tensor, ...]:
-    from .reference import quantize_kv_reference
-
-    return tuple(
-        quantize_kv_reference(
-            k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype, delta_s_multiplier
-        )
-    )
-
-
-_CPU_IMPLS = {
-    "smoothing_stats": _smoothing_stats_cpu,
-    "quantize_q": _quantize_q_cpu,
-    "quantize_kv": _quantize_kv_cpu,
-}
-
-
 def _register_python_impls() -> None:
-    """Register the CPU implementations (the reference), unless the extension has its own."""
+    """Register the reference functions (same signatures as the ops) as CPU implementations,
+    unless the extension has CPU kernels of its own."""
+    from . import reference
+
     for name in OP_NAMES:
         qualname = f"{NAMESPACE}::{name}"
-        if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
-            torch.library.register_kernel(qualname, "cpu", _CPU_IMPLS[name])
+        if torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
+            continue
+        impl = getattr(reference, f"{name}_reference")
+        torch.library.register_kernel(qualname, "cpu", lambda *args, _impl=impl: tuple(_impl(*args)))
 
 
 if HAS_EXTENSION:
