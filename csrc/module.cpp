@@ -30,6 +30,7 @@ pybind11::dict build_info() {
   pybind11::dict kernels;
   // Every family is compiled for every arch of the build until an arch-specific one exists.
   kernels["preprocess (smoothing_stats, quantize_q, quantize_kv)"] = archs;
+  kernels["attention_mma (INT8 QK, fp16/bf16 PV, mma.sync)"] = archs;
   info["kernels"] = kernels;
   return info;
 }

@@ -2,6 +2,7 @@
 // implementations (output shapes only) through which torch.compile and FakeTensor trace.
 #include <torch/library.h>
 
+#include "attention.h"
 #include "preprocess.h"
 
 namespace sageattention2 {
@@ -30,6 +31,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_meta(
   return {o.k_codes, o.k_scales, o.v_codes, o.delta_s};
 }
 
+std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q_codes, const at::Tensor& q_scale,
+                                                      const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                                      const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                                      int64_t q_len, bool /*is_causal*/, bool out_nhd, bool return_lse) {
+  auto o = allocate_attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, q_len, out_nhd, return_lse);
+  return {o.out, o.lse};
+}
+
 }  // namespace
 }  // namespace sageattention2
 
@@ -46,16 +55,21 @@ TORCH_LIBRARY(sageattention2, m) {
       "quantize_kv(Tensor k, Tensor? v, Tensor? k_mean, Tensor? v_mean, Tensor? v_scale, "
       "Tensor? q_mean, int block_k, str qk_dtype, float delta_s_multiplier) "
       "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s)");
+  m.def(
+      "attention_mma(Tensor q_codes, Tensor q_scale, Tensor k_codes, Tensor k_scale, Tensor? delta_s, "
+      "Tensor v, int q_len, bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("smoothing_stats", &sageattention2::smoothing_stats_cuda);
   m.impl("quantize_q", &sageattention2::quantize_q_cuda);
   m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
+  m.impl("attention_mma", &sageattention2::attention_mma_cuda);
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("smoothing_stats", &sageattention2::smoothing_stats_meta);
   m.impl("quantize_q", &sageattention2::quantize_q_meta);
   m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
+  m.impl("attention_mma", &sageattention2::attention_mma_meta);
 }

@@ -3,16 +3,18 @@
 Every call goes through one validation step, :func:`_validate`, which checks the arguments,
 turns q/k/v into canonical ``[B, H, N, D]`` views (no copies) and resolves the quantization
 plan into an :class:`AttentionCall`. :func:`_unsupported_reason` then says whether the quantized
-kernels can serve the call; when they cannot, the call runs exact
+kernels can serve the call; when they can, :func:`_quantized` runs the preprocessing ops and the
+warp-level attention op (docs/DESIGN.md); when they cannot, the call runs exact
 ``F.scaled_dot_product_attention`` (or raises, with ``strict=True``).
 """
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 import warnings
 from dataclasses import dataclass
-from typing import Literal, Union, cast
+from typing import Literal, NamedTuple, Union, cast
 
 import torch
 from torch import Tensor
@@ -33,6 +35,10 @@ _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _MAX_HEAD_DIM = 256
 _HEAD_DIM_MULTIPLE = 8
+_MIN_CAPABILITY = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16 with FP32 accumulation
+_LOG2E = math.log2(math.e)
+# What the warp-level kernel runs (kernel_plan).
+MMA_PLAN = "INT8 QK (per-thread) + FP16/BF16 PV warp-level kernel (mma.sync)"
 
 # The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still
 # reaches the exact kernel while F.scaled_dot_product_attention is patched to sageattn.
@@ -251,18 +257,65 @@ def _validate(
 # ------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    major, minor = torch.cuda.get_device_capability(index)
+    return int(major), int(minor)
+
+
+def _cuda_index(device: torch.device) -> int:
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
 def _device_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"the quantized kernels need CUDA tensors, got {device.type}"
     if not torch.cuda.is_available():
         return "no CUDA GPU is available"
+    capability = _capability(_cuda_index(device))
+    if capability < _MIN_CAPABILITY:
+        return (f"the quantized kernels need a GPU of compute capability "
+                f"{_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} or newer, got sm_{capability[0]}{capability[1]}")
     return None
 
 
-def _build_reason() -> str | None:
+@functools.lru_cache(maxsize=None)
+def _arch_reason(capability: tuple[int, int]) -> str | None:
+    """The build has no attention_mma code that runs on ``capability`` (only checked when the
+    build reports an attention_mma kernel family at all)."""
+    info = ops.build_info()
+    if info is None or not any(f.startswith("attention_mma") for f in info.kernels):
+        return None
+    if any(f.startswith("attention_mma") for f in ops.kernels_for_capability(capability)):
+        return None
+    built = ", ".join(info.archs) or "no architectures"
+    return (f"the attention kernel is not compiled for sm_{capability[0]}{capability[1]} "
+            f"(built for {built})")
+
+
+def _build_reason(device: torch.device | None = None) -> str | None:
+    """The extension or its attention op is missing, or (for a CUDA ``device``) not compiled
+    for its architecture."""
     if not ops.HAS_EXTENSION:
         return "the sageattention2._C extension is not available"
-    return "the attention kernels are not built yet"
+    if not ops.has_op("attention_mma"):
+        return "the attention kernels are not built yet"
+    if device is not None and device.type == "cuda" and torch.cuda.is_available():
+        return _arch_reason(_capability(_cuda_index(device)))
+    return None
+
+
+def _kernel_reason(call: AttentionCall) -> str | None:
+    """What the warp-level kernel (attention_mma) itself cannot do."""
+    if call.qk_quant == "int4":
+        return "the INT4 kernel is not built yet"
+    if call.smooth_q == "block":
+        return ("the attention kernel smooths Q per head, not per block (smooth_q='block'); "
+                "smooth_q='head' (the default) is exact as well")
+    if call.head_dim not in ops.MMA_HEAD_DIMS:
+        dims = " and ".join(map(str, ops.MMA_HEAD_DIMS))
+        return f"the attention kernel is built for head_dim {dims}, got {call.head_dim}"
+    return None
 
 
 def _unsupported_reason(call: AttentionCall) -> str | None:
@@ -286,7 +339,7 @@ def _unsupported_reason(call: AttentionCall) -> str | None:
                 f"and {d}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
         return "the inputs require grad and the quantized kernels have no backward"
-    return _build_reason()
+    return _build_reason(call.q.device) or _kernel_reason(call)
 
 
 _warned_reasons: set[str] = set()
@@ -337,6 +390,66 @@ def _exact(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     return call.result(out, lse)
 
 
+class _MmaInputs(NamedTuple):
+    """The inputs attention_mma takes besides v, and K's mean (for the LSE's row constant)."""
+
+    q_codes: Tensor
+    q_scale: Tensor
+    k_codes: Tensor
+    k_scale: Tensor
+    delta_s: Tensor | None
+    k_mean: Tensor | None
+
+
+def _kernel_view(t: Tensor) -> Tensor:
+    """``t`` if the preprocessing and attention ops can read it in place (last dimension
+    contiguous, the other strides multiples of 8 elements, 16-byte aligned), else a contiguous
+    copy (an unusual input layout costs one copy, not the quantized path)."""
+    if (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+            and t.data_ptr() % 16 == 0):
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _quantize_for_mma(q: Tensor, k: Tensor, *, smooth_q: bool, smooth_k: bool,
+                      sm_scale: float) -> _MmaInputs:
+    """The preprocessing of the warp-level kernel (docs/DESIGN.md) on ``[B, H, N, D]`` fp16/bf16
+    views: one smoothing_stats pass (Q's per-head mean, K's mean), per-thread INT8 Q and K with
+    ``sm_scale * log2(e)`` folded into the Q scales and Delta-S."""
+    multiplier = sm_scale * _LOG2E
+    q_mean = k_mean = None
+    if smooth_q or smooth_k:
+        stats = ops.smoothing_stats(q if smooth_q else None, k if smooth_k else None, None, False)
+        q_mean = stats.q_mean if smooth_q else None
+        k_mean = stats.k_mean if smooth_k else None
+    qq = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, multiplier)
+    kv = ops.quantize_kv(k, None, k_mean, None, None, q_mean, ops.MMA_BLOCK_K, "int8", multiplier)
+    return _MmaInputs(qq.q_quant, qq.q_scale, kv.k_quant, kv.k_scale,
+                      kv.delta_s if q_mean is not None else None, k_mean)
+
+
+def _quantized(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
+    """Serve ``call`` with the INT8 warp-level kernel (only after :func:`_unsupported_reason`
+    said it can)."""
+    q, k, v = (_kernel_view(t) for t in (call.q, call.k, call.v))
+    sm_scale = 1.0 / math.sqrt(call.head_dim) if call.scale is None else call.scale
+    inputs = _quantize_for_mma(q, k, smooth_q=call.smooth_q == "head", smooth_k=call.smooth_k,
+                               sm_scale=sm_scale)
+    out, lse = ops.attention_mma(
+        inputs.q_codes, inputs.q_scale, inputs.k_codes, inputs.k_scale, inputs.delta_s, v,
+        q.shape[2], call.is_causal, call.tensor_layout == "NHD", call.return_lse,
+    )
+    if not call.return_lse:
+        return call.result(out, None)
+    if inputs.k_mean is not None:
+        # The kernel's scores lack the row constant sm_scale * q_i . k_mean that K smoothing
+        # drops (softmax ignores it, the LSE does not): one extra float32 pass over Q, only here.
+        k_mean = inputs.k_mean.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq, D]
+        row = torch.matmul(q.float(), k_mean.unsqueeze(-1)).squeeze(-1)  # [B, Hq, Nq]
+        lse = lse + sm_scale * row
+    return call.result(out, lse)
+
+
 def sageattn(
     q: Tensor,
     k: Tensor,
@@ -378,11 +491,13 @@ def sageattn(
         enable_gqa: allow fewer k/v heads than q heads (H_q a multiple of H_kv); as in SDPA,
             unequal head counts without it are an error.
         tensor_layout: ``"HND"`` or ``"NHD"`` (see q, k, v). The output uses the same layout.
-        qk_quant: ``"int8"``, ``"int4"`` or ``"auto"`` (currently INT8) for Q and K.
+        qk_quant: ``"int8"``, ``"int4"`` or ``"auto"`` (currently INT8) for Q and K. INT4 has no
+            kernel yet (fallback).
         smooth_k: subtract K's per-head mean before quantizing (exact: softmax is invariant to it).
         smooth_q: ``"head"`` (one mean per head; the default via ``"auto"`` or ``True``),
-            ``"block"`` (the paper's per-Q-block mean) or ``False``.
+            ``"block"`` (the paper's per-Q-block mean; no kernel yet, fallback) or ``False``.
         smooth_v: subtract V's per-channel mean before FP8 quantization (added back to the output).
+            The current kernel runs PV in fp16/bf16 without quantizing V, so it has no effect.
         return_lse: also return the float32 log-sum-exp of the scaled scores (natural log),
             ``[B, H_q, N_q]`` (``[H_q, N_q]`` for 3-D inputs) in either layout; ``-inf`` for a
             query that sees no key.
@@ -392,13 +507,24 @@ def sageattn(
         The attention output with q's shape except the last dimension, ``D_v`` (a view in the
         input layout), in q's dtype; ``(out, lse)`` with ``return_lse=True``.
 
-    Fallback: a call the quantized kernels cannot serve (CPU tensors, float32/float64, dropout,
-    any attn_mask, an unsupported head_dim, differing v head_dim, inputs requiring grad while
-    grad is enabled; and, for now, every call: the attention kernels are not built yet) is
-    computed by exact ``F.scaled_dot_product_attention`` with the same arguments, in the input
-    dtype, with a :class:`SageAttentionFallbackWarning` the first time each reason occurs.
-    ``strict=True`` raises ``NotImplementedError`` naming the reason instead. The lse of the
-    fallback is computed exactly (float64 reference, cast to float32).
+    Quantized path: CUDA float16/bfloat16 inputs on a GPU of compute capability 8.0 or newer,
+    head_dim 64 or 128 (v's the same), ``qk_quant`` "auto"/"int8", ``smooth_q`` "head" or off.
+    It runs ``smoothing_stats`` (Q's per-head and K's means), ``quantize_q`` and ``quantize_kv``
+    (per-thread INT8, docs/DESIGN.md) and the warp-level ``attention_mma`` kernel (INT8 QK^T,
+    PV in the input dtype with FP32 accumulation); the output is written in the input layout.
+    Inputs whose strides the kernels cannot read in place (last dimension not contiguous, other
+    strides not multiples of 8 elements, not 16-byte aligned) are copied first. With
+    ``return_lse`` and ``smooth_k``, the row constant ``scale * q_i . k_mean`` that smoothing
+    drops is added back in an extra float32 pass over Q.
+
+    Fallback: a call the quantized kernels cannot serve (CPU tensors, float32/float64, a GPU
+    older than sm_80, dropout, any attn_mask, a head_dim other than 64 and 128, differing v
+    head_dim, inputs requiring grad while grad is enabled, ``qk_quant="int4"``,
+    ``smooth_q="block"``, a build without the attention kernel) is computed by exact
+    ``F.scaled_dot_product_attention`` with the same arguments, in the input dtype, with a
+    :class:`SageAttentionFallbackWarning` the first time each reason occurs. ``strict=True``
+    raises ``NotImplementedError`` naming the reason instead. The lse of the fallback is
+    computed exactly (float64 reference, cast to float32).
 
     Empty inputs (B, H, N_q or D_v zero) return a correctly shaped empty output without computing
     anything; with no keys (N_kv = 0) the output is zeros (what SDPA returns on CPU) and lse is
@@ -411,8 +537,9 @@ def sageattn(
     poisons its whole group: in q, every row of its Q group (docs/DESIGN.md), and with smooth_q
     every row of its Q block ("block") or head ("head", the default); in k, every key of its K
     group, and with smooth_k (the default) every key of the head, hence every output row of the
-    head; in v, that channel of every key (V is scaled per channel), hence that output channel of
-    every row of the head. Inputs are not checked for non-finite values.
+    head; in v (not quantized by the current kernel), the output rows that attend to that key,
+    and possibly the other rows of the same query tile (a masked key is multiplied by 0, and
+    0 * NaN is NaN). Inputs are not checked for non-finite values.
     """
     call = _validate(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
@@ -421,8 +548,8 @@ def sageattn(
     if call.is_empty:
         return _empty(call)
     reason = _unsupported_reason(call)
-    if reason is None:  # unreachable until the attention kernels exist
-        raise NotImplementedError("sageattn: no quantized attention kernel is available")
+    if reason is None:
+        return _quantized(call)
     if call.strict:
         raise NotImplementedError(
             f"sageattn(strict=True): the quantized kernels cannot serve this call: {reason}"
@@ -450,10 +577,13 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
 
 def kernel_plan(device: torch.device | str | int | None = None) -> str:
     """What :func:`sageattn` runs for float16/bfloat16 inputs on ``device`` (default: the current
-    CUDA device, else the CPU), and which preprocessing kernels the extension has for it."""
+    CUDA device, else the CPU), and which kernels the extension has for it. A call the kernel
+    cannot serve (see :func:`sageattn`, "Fallback") still runs exact SDPA."""
     dev = _resolve_device(device)
-    reason = _device_reason(dev) or _build_reason()
-    plan = f"exact SDPA fallback ({reason})" if reason else "quantized SageAttention2 kernels"
+    reason = _device_reason(dev) or _build_reason(dev)
+    dims = " and ".join(map(str, ops.MMA_HEAD_DIMS))
+    plan = (f"exact SDPA fallback ({reason})" if reason else
+            f"quantized SageAttention2: {MMA_PLAN}, head_dim {dims} (other calls: exact SDPA)")
     info = ops.build_info()
     if dev.type != "cuda" or not torch.cuda.is_available() or info is None:
         return plan
@@ -462,6 +592,6 @@ def kernel_plan(device: torch.device | str | int | None = None) -> str:
     kernels = ops.kernels_for_capability((major, minor))
     if not kernels:
         built = ", ".join(info.archs) or "no architectures"
-        return f"{plan}; no preprocessing kernels compiled for {arch} (built for {built})"
+        return f"{plan}; no kernels compiled for {arch} (built for {built})"
     listed = ", ".join(f"{family} [{', '.join(archs)}]" for family, archs in kernels.items())
-    return f"{plan}; preprocessing kernels for {arch}: {listed}"
+    return f"{plan}; kernels for {arch}: {listed}"

@@ -1,12 +1,14 @@
-"""The compiled extension and its three preprocessing ops.
+"""The compiled extension: its three preprocessing ops and the attention op.
 
 ``sageattention2._C`` registers the ops of ``docs/DESIGN.md`` (namespace ``sageattention2``) with
 their CUDA implementations. This module
 
 * loads the extension (``HAS_EXTENSION``; ``EXTENSION_ERROR`` says why it is missing),
 * wraps the ops in typed functions returning named tuples,
-* registers, for each op, a CPU implementation calling the pure-PyTorch reference
-  (``sageattention2.reference``), so ``torch.library.opcheck`` runs on machines without a GPU.
+* registers, for each preprocessing op, a CPU implementation calling the pure-PyTorch reference
+  (``sageattention2.reference``), so ``torch.library.opcheck`` runs on machines without a GPU
+  (``attention_mma`` has CUDA and Meta implementations only; ``has_op`` says whether the loaded
+  build registers it).
   Output shapes for FakeTensor / ``torch.compile`` come from the extension's own Meta kernels
   (``csrc/preprocess_shapes.cpp``, SymInt-aware, so dynamic sequence lengths trace once): the
   one place that knows the shapes,
@@ -43,8 +45,14 @@ __all__ = [
     "QuantizedKV",
     "QuantizedQ",
     "SmoothingStats",
+    "MMA_BLOCK_K",
+    "MMA_BLOCK_Q",
+    "MMA_HEAD_DIMS",
+    "MMA_WARPS",
     "arch_runs_on",
+    "attention_mma",
     "build_info",
+    "has_op",
     "kernels_for_capability",
     "quantize_kv",
     "quantize_q",
@@ -54,6 +62,14 @@ __all__ = [
 NAMESPACE = "sageattention2"
 OP_NAMES = ("smoothing_stats", "quantize_q", "quantize_kv")
 QK_DTYPES = ("int8", "int4")
+# Tile geometry of the warp-level attention kernel (csrc/attention_params.h: kMmaBlockQ, kMmaWarps,
+# kMmaBlockK): its inputs are quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS) and
+# quantize_kv(block_k=MMA_BLOCK_K), whose per-thread groups are what each thread dequantizes with.
+# tests/test_api.py checks that these match the C++ constants.
+MMA_BLOCK_Q = 128
+MMA_WARPS = 8
+MMA_BLOCK_K = 64
+MMA_HEAD_DIMS = (64, 128)
 # Absent outputs are empty float32 tensors of shape [0] (DESIGN.md).
 
 
@@ -80,6 +96,20 @@ class QuantizedKV(NamedTuple):
 def _require_extension() -> None:
     if not HAS_EXTENSION:
         raise RuntimeError(f"the sageattention2._C extension is not available ({EXTENSION_ERROR})")
+
+
+def has_op(name: str) -> bool:
+    """Whether the loaded extension registers ``torch.ops.sageattention2.<name>`` (looked up at
+    call time, so ops added by a newer build are seen without reloading this module)."""
+    return HAS_EXTENSION and hasattr(getattr(torch.ops, NAMESPACE), name)
+
+
+def _require_op(name: str) -> None:
+    _require_extension()
+    if not has_op(name):
+        raise RuntimeError(
+            f"the sageattention2._C extension has no {name} op (built from older sources?)"
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -131,6 +161,36 @@ def quantize_kv(
             k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype, delta_s_multiplier
         )
     )
+
+
+def attention_mma(
+    q_codes: Tensor,
+    q_scale: Tensor,
+    k_codes: Tensor,
+    k_scale: Tensor,
+    delta_s: Tensor | None,
+    v: Tensor,
+    q_len: int,
+    is_causal: bool,
+    out_nhd: bool,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor]:
+    """Warp-level attention (INT8 QK^T per thread, fp16/bf16 PV, DESIGN.md) on the outputs of
+    quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, "int8", scale_multiplier=sm_scale*log2(e))
+    and quantize_kv(block_k=MMA_BLOCK_K, "int8", delta_s_multiplier=sm_scale*log2(e)).
+
+    ``v`` is the caller's ``[B, Hkv, Nk, D]`` view; returns ``(out [B, Hq, q_len, D]`` in v's
+    dtype, NHD memory when ``out_nhd``; ``lse [B, Hq, q_len]`` float32 natural log without the
+    row constant that K smoothing drops, or ``[0]`` unless ``return_lse``). An empty
+    ``delta_s`` (quantize_kv without q_mean) is passed as absent.
+    """
+    _require_op("attention_mma")
+    if delta_s is not None and delta_s.numel() == 0:
+        delta_s = None
+    out, lse = torch.ops.sageattention2.attention_mma.default(
+        q_codes, q_scale, k_codes, k_scale, delta_s, v, q_len, is_causal, out_nhd, return_lse
+    )
+    return out, lse
 
 
 # --------------------------------------------------------------------------------------------

@@ -710,6 +710,8 @@ def _quantize_p(p: Tensor, pv_dtype: str) -> Tensor:
         return quantize_p_fp8(p, pv_dtype).double()
     if pv_dtype == "fp16":
         return p.half().double()
+    if pv_dtype == "bf16":
+        return p.bfloat16().double()
     return p.float().double()
 
 
@@ -743,7 +745,9 @@ def sage_attention_reference(
       block_q, warps, block_k; "token"; "block": one scale per block_q / block_k tokens;
       "tensor"); "fp16": no quantization of Q, K (the smoothed float32 values are used).
     * smooth_k, smooth_q (None / "block" / "head"), smooth_v: paper 3.1 and A.3.
-    * pv_dtype: "e4m3" (paper 3.3), "e5m2" (Table 7), "fp16", "fp32" (P~ and V unquantized).
+    * pv_dtype: "e4m3" (paper 3.3), "e5m2" (Table 7), "fp16" / "bf16" (P~ and V rounded to that
+      type, FP32 accumulation: the PV of the warp-level kernels, DESIGN.md), "fp32" (P~ and V
+      unquantized).
     * fp22: the FP8 mma accumulator keeps 13 mantissa bits, truncated after every k-step of 32
       keys (paper 3.4); only for the FP8 pv_dtypes. two_level: a fresh accumulator per KV tile
       folded into an FP32 buffer (paper 3.4); else the FP32 output itself is the mma accumulator.
@@ -759,8 +763,10 @@ def sage_attention_reference(
         raise ValueError(f"qk_dtype must be 'int8', 'int4' or 'fp16', got {qk_dtype!r}")
     if granularity not in _GRANULARITIES:
         raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
-    if pv_dtype not in (*FP8_FORMATS, "fp16", "fp32"):
-        raise ValueError(f"pv_dtype must be 'e4m3', 'e5m2', 'fp16' or 'fp32', got {pv_dtype!r}")
+    if pv_dtype not in (*FP8_FORMATS, "fp16", "bf16", "fp32"):
+        raise ValueError(
+            f"pv_dtype must be 'e4m3', 'e5m2', 'fp16', 'bf16' or 'fp32', got {pv_dtype!r}"
+        )
     if block_k % PV_MMA_K != 0:
         raise ValueError(f"block_k must be a multiple of {PV_MMA_K} (FP8 mma k-step)")
     q_group_index(block_q, warps)  # validates block_q / warps
@@ -797,7 +803,11 @@ def sage_attention_reference(
         out_scale = v_scale.double() / FP8_FORMATS[pv_dtype][1]
     else:
         v_centered = v.float() - v_mean[:, :, None, :]
-        v_vals = (v_centered.half() if pv_dtype == "fp16" else v_centered).double()
+        if pv_dtype == "fp16":
+            v_centered = v_centered.half()
+        elif pv_dtype == "bf16":
+            v_centered = v_centered.bfloat16()
+        v_vals = v_centered.double()
         out_scale = torch.ones_like(v_mean, dtype=torch.float64)
     v_vals = _expand_kv_heads(v_vals, Hq)
     out_scale = _expand_kv_heads(out_scale[:, :, None, :], Hq)

@@ -37,4 +37,5 @@ test_rc=${PIPESTATUS[0]}
 
 step "benchmarks"
 (cd "$REPO/benchmarks" && $PY bench_preprocess.py 2>&1 | tee "$OUT/bench_preprocess.txt")
+(cd "$REPO/benchmarks" && $PY bench_attention.py --out "$OUT/bench_attention.md" 2>&1 | tee "$OUT/bench_attention.txt")
 exit $test_rc

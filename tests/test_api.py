@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 import sageattention2
 from sageattention2 import SageAttentionFallbackWarning, api, ops, sageattn
+from sageattention2 import reference as ref
 from sageattention2.integrations import patch_sdpa
 
 REPO = Path(__file__).resolve().parents[1]
@@ -358,6 +360,7 @@ def test_strict_raises_with_reason() -> None:
         (torch.float16, {"dv": 32}, {}, "v's head_dim to be q's and k's, got 32 and 16"),
         (torch.float16, {}, {"requires_grad": True}, "require grad"),
         (torch.float16, {}, {}, None),
+        (torch.float16, {"d": 64}, {}, None),
     ],
 )
 def test_unsupported_reasons(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
@@ -371,12 +374,302 @@ def test_unsupported_reasons(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
         q.requires_grad_()
     call = api._validate(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False,
                          None, False, "HND", "auto", True, "auto", False, False, False)
-    expected = reason or ("attention kernels are not built yet" if ops.HAS_EXTENSION
-                          else "extension is not available")
-    assert expected in str(api._unsupported_reason(call))
+    if reason is not None:
+        assert reason in str(api._unsupported_reason(call))
+    elif not ops.HAS_EXTENSION:
+        assert "extension is not available" in str(api._unsupported_reason(call))
+    elif not ops.has_op("attention_mma"):
+        assert "attention kernels are not built yet" in str(api._unsupported_reason(call))
+    elif q.shape[-1] in ops.MMA_HEAD_DIMS:
+        assert api._unsupported_reason(call) is None
+    else:
+        assert "built for head_dim 64 and 128, got 16" in str(api._unsupported_reason(call))
     if kwargs == {} and q.requires_grad:
         with torch.no_grad():  # without grad tracking the quantized path could serve it
             assert "require grad" not in str(api._unsupported_reason(call))
+
+
+def test_build_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
+    if ops.HAS_EXTENSION:
+        assert ops.has_op("smoothing_stats") and not ops.has_op("no_such_op")
+        with monkeypatch.context() as m:
+            m.setattr(ops, "has_op", lambda name: False)
+            assert api._build_reason() == "the attention kernels are not built yet"
+            q, k, v = qkv(d=64, dtype=torch.float16)
+            with pytest.raises(RuntimeError, match="has no attention_mma op"):
+                ops.attention_mma(q, q, k, k, None, v, 9, False, False, False)
+    monkeypatch.setattr(ops, "HAS_EXTENSION", False)
+    assert not ops.has_op("smoothing_stats")
+    assert api._build_reason() == "the sageattention2._C extension is not available"
+
+
+@pytest.mark.parametrize(
+    ("shape", "options", "reason"),
+    [
+        ({"d": 64}, {}, None),
+        ({"d": 128, "hkv": 1}, {"smooth_q": False, "smooth_k": False, "gqa": True}, None),
+        ({"d": 64}, {"smooth_v": True}, None),  # V is not quantized: smooth_v changes nothing
+        ({"d": 64}, {"qk_quant": "int4"}, "the INT4 kernel is not built yet"),
+        ({"d": 64}, {"smooth_q": "block"}, "smooths Q per head, not per block"),
+        ({"d": 96}, {}, "the attention kernel is built for head_dim 64 and 128, got 96"),
+        ({"d": 256}, {}, "got 256"),
+    ],
+)
+def test_kernel_reasons(monkeypatch: pytest.MonkeyPatch, shape: dict[str, Any],
+                        options: dict[str, Any], reason: str | None) -> None:
+    """What the warp-level kernel itself cannot serve (device and build pretended present)."""
+    monkeypatch.setattr(api, "_device_reason", lambda device: None)
+    monkeypatch.setattr(api, "_build_reason", lambda device=None: None)
+    q, k, v = qkv(dtype=torch.float16, **shape)
+    call = api._validate(q, k, v, None, 0.0, False, None, options.get("gqa", False), "HND",
+                         options.get("qk_quant", "auto"), options.get("smooth_k", True),
+                         options.get("smooth_q", "auto"), options.get("smooth_v", False), False,
+                         False)
+    got = api._unsupported_reason(call)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got
+
+
+def test_mma_geometry_matches_csrc() -> None:
+    """ops.MMA_* (the quantization geometry sageattn feeds attention_mma) are the kernel's."""
+    path = REPO / "csrc" / "attention_params.h"
+    if not path.exists():
+        pytest.skip("csrc/attention_params.h not in this checkout")
+    text = path.read_text()
+    for name, value in (("kMmaBlockQ", ops.MMA_BLOCK_Q), ("kMmaWarps", ops.MMA_WARPS),
+                        ("kMmaBlockK", ops.MMA_BLOCK_K)):
+        match = re.search(rf"constexpr\s+int\s+{name}\s*=\s*(\d+)\s*;", text)
+        assert match is not None, f"{name} not found in {path}"
+        assert int(match.group(1)) == value, f"{name} = {match.group(1)} but ops has {value}"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(2, 4, 9, 64),
+        lambda: torch.randn(2, 9, 4, 64).transpose(1, 2),
+        lambda: torch.randn(2, 9, 3, 4, 64)[:, :, 1].transpose(1, 2),  # packed qkv
+        lambda: torch.randn(2, 4, 64, 9).transpose(2, 3),  # last dim not contiguous
+        lambda: torch.randn(2, 4, 9, 68)[..., :64],  # row stride 68: not a multiple of 8
+        lambda: torch.randn(2 * 4 * 9 * 64 + 1)[1:].view(2, 4, 9, 64),  # 4-byte misaligned
+    ],
+    ids=["contiguous", "nhd", "packed", "transposed", "row-stride-68", "misaligned"],
+)
+def test_kernel_view(make: Any) -> None:
+    t = make()
+    view = api._kernel_view(t)
+    assert torch.equal(view, t)
+    readable = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+                and t.data_ptr() % 16 == 0)
+    if readable:
+        assert view.data_ptr() == t.data_ptr()
+    else:
+        assert view.is_contiguous() and view.data_ptr() % 16 == 0
+        assert all(s % 8 == 0 for s in view.stride()[:-1])
+
+
+# ------------------------------------------------------------------------------------------------
+# The quantized path's wiring on CPU: the preprocessing ops run their reference CPU
+# implementations, attention_mma is replaced by a float64 stand-in written from DESIGN.md
+# ------------------------------------------------------------------------------------------------
+
+LOG2E = math.log2(math.e)
+
+
+def attention_mma_stand_in(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor,
+                           k_scale: torch.Tensor, delta_s: torch.Tensor | None, v: torch.Tensor,
+                           q_len: int, is_causal: bool, out_nhd: bool,
+                           return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's contract (DESIGN.md) in float64: dequantize the per-thread groups, add Delta-S,
+    exact base-2 softmax, top-left causal mask, output in v's dtype and the requested memory
+    layout, natural-log LSE of the scores the kernel sees."""
+    b, hq, nq_pad, d = q_codes.shape
+    hkv, nk = k_codes.shape[1], v.shape[2]
+    assert q_codes.dtype == torch.int8 and k_codes.dtype == torch.int8 and d in ops.MMA_HEAD_DIMS
+    assert nq_pad % ops.MMA_BLOCK_Q == 0 and k_codes.shape[2] % ops.MMA_BLOCK_K == 0
+    assert q_scale.shape == (b, hq, nq_pad // ops.MMA_BLOCK_Q, ops.MMA_WARPS * 8)
+    assert v.stride(-1) == 1
+    r = torch.arange(nq_pad)
+    qs = q_scale[:, :, r // ops.MMA_BLOCK_Q,
+                 ref.q_group_index(ops.MMA_BLOCK_Q, ops.MMA_WARPS)[r % ops.MMA_BLOCK_Q]]
+    j = torch.arange(k_codes.shape[2])
+    ks = k_scale[:, :, j // ops.MMA_BLOCK_K, ref.k_group_index(ops.MMA_BLOCK_K)[j % ops.MMA_BLOCK_K]]
+    qd = q_codes.double() * qs.double()[..., None]
+    kd = (k_codes.double() * ks.double()[..., None]).repeat_interleave(hq // hkv, dim=1)
+    s2 = qd @ kd.transpose(-1, -2)  # log2 units (sm_scale * log2(e) is in the Q scales)
+    if delta_s is not None:
+        s2 = s2 + delta_s.double()[:, :, None, :]
+    s = s2[:, :, :q_len, :nk] / LOG2E
+    if is_causal:
+        s = s.masked_fill(torch.ones(q_len, nk, dtype=torch.bool).tril().logical_not(), -math.inf)
+    lse = torch.logsumexp(s, dim=-1)
+    out = torch.softmax(s, dim=-1) @ v.double().repeat_interleave(hq // hkv, dim=1)
+    out = out.to(v.dtype)
+    if out_nhd:
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+    else:
+        out = out.contiguous()
+    return out, (lse.float() if return_lse else torch.empty(0))
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
+    """Route sageattn's CPU fp16/bf16 calls to the quantized path, with the stand-in registered
+    as attention_mma's CPU kernel (unless the build has one of its own); yields the list of
+    the op's calls, which go through the real ops.attention_mma wrapper and the dispatcher."""
+    if not ops.has_op("attention_mma"):
+        pytest.skip("this build has no attention_mma op")
+    calls: list[dict[str, Any]] = []
+    names = ("q_codes", "q_scale", "k_codes", "k_scale", "delta_s", "v", "q_len", "is_causal",
+             "out_nhd", "return_lse")
+    qualname = f"{ops.NAMESPACE}::attention_mma"
+    lib = None
+    if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
+        def cpu_kernel(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            calls.append(dict(zip(names, args)))
+            return attention_mma_stand_in(*args)
+
+        lib = torch.library.Library(ops.NAMESPACE, "IMPL")
+        lib.impl("attention_mma", cpu_kernel, "CPU")
+    else:  # record the calls at the wrapper instead
+        real = ops.attention_mma
+
+        def recording(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            calls.append(dict(zip(names, args)))
+            return real(*args)
+
+        monkeypatch.setattr(ops, "attention_mma", recording)
+    monkeypatch.setattr(api, "_device_reason", lambda device: None)
+    try:
+        yield calls
+    finally:
+        if lib is not None:
+            lib._destroy()
+
+
+def rel_l1(out: torch.Tensor, want: torch.Tensor) -> float:
+    return float((out.double() - want).abs().sum() / want.abs().sum())
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(),
+        dict(layout="NHD", dtype=torch.bfloat16),
+        dict(b=None),
+        dict(b=None, layout="NHD"),
+        dict(hkv=1, gqa=True, causal=True),
+        dict(hkv=2, gqa=True, nq=7, nk=150, causal=True, layout="NHD"),
+        dict(nq=150, nk=7, causal=True),
+        dict(d=128, smooth_q=False),
+        dict(smooth_k=False),
+        dict(smooth_q=False, smooth_k=False, scale=0.3),
+        dict(packed=True, layout="NHD"),
+    ],
+    ids=["hnd", "nhd-bf16", "3d", "3d-nhd", "mqa-causal", "gqa-causal-nq<nk", "causal-nq>nk",
+         "d128-no-smooth-q", "no-smooth-k", "no-smoothing-scale", "packed-nhd"],
+)
+def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    layout = case.get("layout", "HND")
+    dtype = case.get("dtype", torch.float16)
+    causal, gqa = case.get("causal", False), case.get("gqa", False)
+    smooth_q, smooth_k = case.get("smooth_q", "auto"), case.get("smooth_k", True)
+    gen = torch.Generator().manual_seed(7)
+    b, hq, hkv = case.get("b", 2), 4, case.get("hkv", 4)
+    nq, nk, d = case.get("nq", 70), case.get("nk", case.get("nq", 70)), case.get("d", 64)
+
+    def make(h: int, n: int, bias: float) -> torch.Tensor:  # [B, H, N, D], offsets per channel
+        x = torch.randn(b or 1, h, n, d, generator=gen) + bias * torch.randn(b or 1, h, 1, d,
+                                                                             generator=gen)
+        return x.to(dtype)
+
+    q4, k4, v4 = make(hq, nq, 2.0), make(hkv, nk, 4.0), make(hkv, nk, 1.0)
+    if case.get("packed"):
+        packed = torch.stack([t.transpose(1, 2) for t in (q4, k4, v4)], dim=2)  # [B,N,3,H,D]
+        q4, k4, v4 = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    args = [t if layout == "HND" else t.transpose(1, 2) for t in (q4, k4, v4)]
+    if b is None:
+        args = [t[0] for t in args]
+    kwargs = dict(is_causal=causal, enable_gqa=gqa, tensor_layout=layout, smooth_q=smooth_q,
+                  smooth_k=smooth_k, scale=case.get("scale"))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out, lse = sageattn(*args, return_lse=True, strict=True, **kwargs)
+        out_only = sageattn(*args, **kwargs)
+    assert not fallback_warnings(record)
+    assert len(stand_in) == 2
+    call = stand_in[0]
+    assert call["q_len"] == nq and call["is_causal"] is causal
+    assert call["out_nhd"] is (layout == "NHD") and call["return_lse"] is True
+    assert stand_in[1]["return_lse"] is False
+    assert (call["delta_s"] is not None) is (smooth_q != False)  # noqa: E712
+    assert call["v"].data_ptr() == v4.data_ptr()  # v is read in place, never copied
+    assert call["q_scale"].shape[-1] == ops.MMA_WARPS * 8
+
+    assert out.shape == (*args[0].shape[:-1], d) and out.dtype == dtype
+    assert torch.equal(out, out_only)
+    if b is not None:  # the output is contiguous in the caller's layout
+        assert out.is_contiguous()
+    want, want_lse = ref.exact_attention(q4, k4, v4, is_causal=causal, scale=case.get("scale"),
+                                         enable_gqa=gqa, return_lse=True)
+    out4 = out if b is not None else out[None]
+    out4 = out4 if layout == "HND" else out4.transpose(1, 2)
+    lse4 = lse if b is not None else lse[None]
+    assert lse4.dtype == torch.float32 and lse4.shape == want_lse.shape
+    if smooth_k:  # unsmoothed K with offsets of 4 quantizes coarsely: what smoothing is for
+        assert rel_l1(out4, want) < 0.03
+        torch.testing.assert_close(lse4.double(), want_lse, rtol=0, atol=0.05)
+    # Against the emulation of the same quantization with exact PV (what the stand-in does):
+    # the same output up to its final rounding, and the same LSE, whose row constant
+    # sm_scale * q . k_mean (dropped by K smoothing) sageattn adds back (k's offsets of 4 make
+    # it large, so forgetting it fails by far).
+    emu, emu_lse = ref.sage_attention_reference(
+        q4, k4, v4, is_causal=causal,
+        scale=case.get("scale"), qk_dtype="int8", granularity="thread",
+        block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
+        smooth_k=smooth_k, smooth_q=None if smooth_q is False else "head", smooth_v=False,
+        pv_dtype="fp32", two_level=False, fp22=False, return_lse=True)
+    assert rel_l1(out4, emu.double()) < 2e-3
+    torch.testing.assert_close(lse4, emu_lse, rtol=0, atol=1e-4)
+
+
+def test_quantized_path_int4_and_block_fall_back(stand_in: list[dict[str, Any]]) -> None:
+    q, k, v = qkv(d=64, dtype=torch.float16)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        sageattn(q, k, v, qk_quant="int4")
+        sageattn(q, k, v, smooth_q="block")
+        sageattn(q, k, v)
+    messages = fallback_warnings(record)
+    assert len(messages) == 2 and "INT4" in messages[0] and "per block" in messages[1]
+    assert len(stand_in) == 1
+
+
+def test_attention_mma_meta_shapes() -> None:
+    """attention_mma's Meta implementation (what torch.compile traces): shapes, dtypes and the
+    NHD memory of out_nhd."""
+    if not ops.has_op("attention_mma"):
+        pytest.skip("this build has no attention_mma")
+    b, hq, hkv, nq, nk, d = 2, 8, 2, 200, 70, 128
+    meta = dict(device="meta")
+    q_codes = torch.empty(b, hq, 256, d, dtype=torch.int8, **meta)
+    q_scale = torch.empty(b, hq, 2, ops.MMA_WARPS * 8, **meta)
+    k_codes = torch.empty(b, hkv, 128, d, dtype=torch.int8, **meta)
+    k_scale = torch.empty(b, hkv, 2, 4, **meta)
+    delta_s = torch.empty(b, hq, 128, **meta)
+    v = torch.empty(b, nk, hkv, d, dtype=torch.bfloat16, **meta).transpose(1, 2)
+    for out_nhd in (False, True):
+        out, lse = ops.attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, nq, True,
+                                     out_nhd, True)
+        assert out.shape == (b, hq, nq, d) and out.dtype == torch.bfloat16
+        memory = out.transpose(1, 2) if out_nhd else out
+        assert memory.is_contiguous()
+        assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
+    out, lse = ops.attention_mma(q_codes, q_scale, k_codes, k_scale, None, v, nq, False, False,
+                                 False)
+    assert lse.shape == (0,)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,26 @@
+// Host interface of the attention ops (docs/DESIGN.md). Validation and output allocation are
+// shared by the CUDA and Meta implementations.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace sageattention2 {
+
+struct AttentionOutputs {
+  at::Tensor out, lse;
+};
+
+AttentionOutputs allocate_attention_mma(const at::Tensor& q_codes, const at::Tensor& q_scale,
+                                        const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                        const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                        int64_t q_len, bool out_nhd, bool return_lse);
+
+std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes, const at::Tensor& q_scale,
+                                                      const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                                      const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                                      int64_t q_len, bool is_causal, bool out_nhd, bool return_lse);
+
+}  // namespace sageattention2

@@ -1,0 +1,107 @@
+// The attention_mma op (docs/DESIGN.md): validation and output allocation (one place, used by
+// the CUDA and Meta implementations; SymInt-aware like preprocess_shapes.cpp), and the CUDA
+// implementation that fills the kernel parameters.
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "attention.h"
+#include "attention_params.h"
+#include "preprocess.h"
+
+namespace sageattention2 {
+namespace {
+
+void check_codes(const at::Tensor& t, const char* name, int64_t block) {
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D [batch, heads, padded_tokens, head_dim] (from quantize_*)");
+  TORCH_CHECK(t.scalar_type() == at::kChar, name, " must be int8 codes, got ", t.scalar_type());
+  TORCH_CHECK(t.is_contiguous(), name, " must be contiguous (as quantize_* returns it)");
+  TORCH_CHECK(t.sym_size(2) % block == 0, name, ".size(2) must be a multiple of ", block);
+}
+
+void check_f32(const at::Tensor& t, const char* name, c10::SymIntArrayRef expected) {
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be contiguous float32");
+  TORCH_CHECK(t.sym_sizes() == expected, name, " must have shape ", expected, ", got ", t.sym_sizes());
+}
+
+}  // namespace
+
+AttentionOutputs allocate_attention_mma(const at::Tensor& q_codes, const at::Tensor& q_scale,
+                                        const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                        const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                        int64_t q_len, bool out_nhd, bool return_lse) {
+  check_codes(q_codes, "q_codes", kMmaBlockQ);
+  check_codes(k_codes, "k_codes", kMmaBlockK);
+  TORCH_CHECK(v.dim() == 4, "v must be a 4-D [batch, kv_heads, kv_len, head_dim] tensor");
+  TORCH_CHECK(v.scalar_type() == at::kHalf || v.scalar_type() == at::kBFloat16, "v must be float16 or bfloat16, got ",
+              v.scalar_type());
+  TORCH_CHECK(v.sym_stride(3) == 1, "v must be contiguous in its last dimension");
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK(v.sym_stride(i) % 8 == 0, "v.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
+  const c10::SymInt batch = q_codes.sym_size(0), q_heads = q_codes.sym_size(1);
+  const c10::SymInt kv_heads = k_codes.sym_size(1), kv_len = v.sym_size(2);
+  const int64_t head_dim = q_codes.sym_size(3).guard_int(__FILE__, __LINE__);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128 for attention_mma, got ", head_dim);
+  TORCH_CHECK(k_codes.sym_size(3) == head_dim && v.sym_size(3) == head_dim,
+              "q, k and v must share head_dim (", head_dim, ")");
+  TORCH_CHECK(k_codes.sym_size(0) == batch && v.sym_size(0) == batch, "q, k and v must share the batch size");
+  TORCH_CHECK(v.sym_size(1) == kv_heads, "v must have k's heads");
+  TORCH_CHECK(q_heads % kv_heads == 0, "q heads (", q_heads, ") must be a multiple of kv heads (", kv_heads, ")");
+  TORCH_CHECK(kv_len > 0, "v must have at least one token");
+  TORCH_CHECK(k_codes.sym_size(2) >= kv_len && k_codes.sym_size(2) < kv_len + kMmaBlockK,
+              "k_codes must be v's tokens padded to a multiple of ", kMmaBlockK);
+  TORCH_CHECK(q_len > 0 && q_codes.sym_size(2) >= q_len && q_codes.sym_size(2) < q_len + kMmaBlockQ,
+              "q_len must be the unpadded length of q_codes (padded to ", kMmaBlockQ, "), got ", q_len);
+  const c10::SymInt q_blocks = q_codes.sym_size(2) / kMmaBlockQ, k_blocks = k_codes.sym_size(2) / kMmaBlockK;
+  check_f32(q_scale, "q_scale", {batch, q_heads, q_blocks, kMmaWarps * 8});
+  check_f32(k_scale, "k_scale", {batch, kv_heads, k_blocks, 4});
+  if (delta_s) check_f32(*delta_s, "delta_s", {batch, q_heads, k_codes.sym_size(2)});
+  for (const at::Tensor* t : {&q_scale, &k_codes, &k_scale, &v})
+    TORCH_CHECK(t->device() == q_codes.device(), "all inputs must be on ", q_codes.device());
+
+  auto opts = v.options();
+  AttentionOutputs out;
+  out.out = out_nhd ? at::empty_symint({batch, c10::SymInt(q_len), q_heads, c10::SymInt(head_dim)}, opts).transpose(1, 2)
+                    : at::empty_symint({batch, q_heads, c10::SymInt(q_len), c10::SymInt(head_dim)}, opts);
+  out.lse = return_lse ? at::empty_symint({batch, q_heads, c10::SymInt(q_len)}, opts.dtype(at::kFloat))
+                       : at::empty({0}, opts.dtype(at::kFloat));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes, const at::Tensor& q_scale,
+                                                      const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                                      const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                                      int64_t q_len, bool is_causal, bool out_nhd, bool return_lse) {
+  AttentionOutputs out = allocate_attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, q_len, out_nhd, return_lse);
+  check_launchable(v, "v");
+  const c10::cuda::CUDAGuard guard(v.device());
+  AttentionMmaParams p;
+  p.q_codes = q_codes.data_ptr<int8_t>();
+  p.q_scale = q_scale.data_ptr<float>();
+  p.k_codes = k_codes.data_ptr<int8_t>();
+  p.k_scale = k_scale.data_ptr<float>();
+  p.delta_s = delta_s ? delta_s->data_ptr<float>() : nullptr;
+  p.v = v.data_ptr();
+  p.v_stride_b = v.stride(0);
+  p.v_stride_h = v.stride(1);
+  p.v_stride_n = v.stride(2);
+  p.out = out.out.data_ptr();
+  p.out_stride_b = out.out.stride(0);
+  p.out_stride_h = out.out.stride(1);
+  p.out_stride_n = out.out.stride(2);
+  p.lse = return_lse ? out.lse.data_ptr<float>() : nullptr;
+  p.batch = static_cast<int>(q_codes.size(0));
+  p.q_heads = static_cast<int>(q_codes.size(1));
+  p.kv_heads = static_cast<int>(k_codes.size(1));
+  p.head_dim = static_cast<int>(q_codes.size(3));
+  p.q_len = q_len;
+  p.kv_len = v.size(2);
+  p.q_padded = q_codes.size(2);
+  p.k_padded = k_codes.size(2);
+  p.causal = is_causal;
+  const InputDtype dtype = v.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  C10_CUDA_CHECK(launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream()));
+  return {out.out, out.lse};
+}
+
+}  // namespace sageattention2

@@ -1,0 +1,40 @@
+// Parameters and launch function of the warp-level (mma.sync) attention kernels. Plain structs
+// shared by the torch-facing code (host compiler) and the kernels (nvcc, no ATen).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "preprocess_params.h"  // InputDtype
+
+namespace sageattention2 {
+
+// Tile geometry of the warp-level kernel: b_q = 128 queries over c_w = 8 warps of 16 rows, and
+// b_k = 64 keys (Eq. 8 with c_w = 8): the per-thread scale groups are those
+// quantize_q(block_q=128, warps=8) and quantize_kv(block_k=64) produce. One 16-row MMA slab per
+// warp keeps O, S and the fragments in registers without spilling at head_dim 128 (32 rows per
+// warp, the paper's c_w = 4, needed 255+ registers), and gives finer Q groups (2 rows).
+inline constexpr int kMmaBlockQ = 128;
+inline constexpr int kMmaWarps = 8;
+inline constexpr int kMmaBlockK = 64;
+
+struct AttentionMmaParams {
+  const int8_t* q_codes = nullptr;  // [B, Hq, q_padded, D]
+  const float* q_scale = nullptr;   // [B, Hq, q_padded / 128, 64], times sm_scale * log2(e)
+  const int8_t* k_codes = nullptr;  // [B, Hkv, k_padded, D]
+  const float* k_scale = nullptr;   // [B, Hkv, k_padded / 64, 4]
+  const float* delta_s = nullptr;   // [B, Hq, k_padded] or null
+  const void* v = nullptr;          // [B, Hkv, kv_len, D] with strides below
+  int64_t v_stride_b = 0, v_stride_h = 0, v_stride_n = 0;
+  void* out = nullptr;              // [B, Hq, q_len, D] with strides below
+  int64_t out_stride_b = 0, out_stride_h = 0, out_stride_n = 0;
+  float* lse = nullptr;             // [B, Hq, q_len] or null
+  int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t q_len = 0, kv_len = 0, q_padded = 0, k_padded = 0;
+  bool causal = false;
+};
+
+cudaError_t launch_attention_mma(const AttentionMmaParams& p, InputDtype dtype, cudaStream_t stream);
+
+}  // namespace sageattention2

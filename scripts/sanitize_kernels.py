@@ -1,0 +1,37 @@
+"""Runs every preprocessing and attention kernel variant once on small shapes, for compute-sanitizer:
+
+    compute-sanitizer --tool memcheck  python3 scripts/sanitize_preprocess.py
+    compute-sanitizer --tool racecheck python3 scripts/sanitize_preprocess.py
+"""
+import torch
+
+from sageattention2 import ops
+
+for dtype in (torch.float16, torch.bfloat16):
+    for n, d in ((130, 128), (33, 64), (70, 256)):
+        q = torch.randn(1, 4, n, d, device="cuda", dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)
+        k = torch.randn(1, 2, n, d, device="cuda", dtype=dtype)
+        v = torch.randn(1, 2, n, d, device="cuda", dtype=dtype)
+        q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, True)
+        for qk in ("int8", "int4"):
+            ops.quantize_q(q, q_mean, 128, 4, qk, False, 0.1)
+            ops.quantize_q(q, None, 64, 4, qk, True, 0.1)
+            for block_k in (64, 128):
+                ops.quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk, 0.1)
+torch.cuda.synchronize()
+print("sanitize_preprocess: all variants ran")
+
+# The warp-level attention kernel on the same small shapes (tails, GQA, both causal modes).
+if hasattr(torch.ops.sageattention2, "attention_mma"):
+    for dtype in (torch.float16, torch.bfloat16):
+        for n, d in ((130, 128), (33, 64)):
+            q = torch.randn(1, 4, n, d, device="cuda", dtype=dtype)
+            k = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
+            v = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
+            q_mean, k_mean, _, _ = ops.smoothing_stats(q, k, None, False)
+            qc, qs, _ = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, 0.1)
+            kc, ks, _, ds = ops.quantize_kv(k, None, k_mean, None, None, q_mean, ops.MMA_BLOCK_K, "int8", 0.1)
+            for causal in (False, True):
+                torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds, v, n, causal, causal, True)
+    torch.cuda.synchronize()
+    print("sanitize: attention_mma variants ran")
