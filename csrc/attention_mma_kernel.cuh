@@ -92,30 +92,56 @@ struct AttentionMmaKernel {
 
   // One KV tile into one pipeline stage. Keys past kv_len read nothing and land as zeros (the
   // K codes and Delta-S are padded by quantize_kv; V is the caller's unpadded tensor).
-  __device__ static void load_kv_tile(const AttentionMmaParams& p, const Smem& s, int stage, int b, int hk, int h,
+  //
+  // With kThreads a multiple of a row's chunk count, a thread copies one fixed chunk column of
+  // rows r, r + step, r + 2*step, ... with step a multiple of 8 (so the swizzle, which only sees
+  // row & 7 or (row >> 1) & 3, is the same for all of them): its addresses are affine in the
+  // unrolled index. Written as a generic strided loop, the address arithmetic of these copies was
+  // most of the kernel's integer work (SASS: ~400 instructions per tile, ncu: ALU the top pipe).
+  template <int kChunks>
+  struct TileCopy {
+    static constexpr int kRowStep = kThreads / kChunks;
+    static constexpr int kPasses = kBlockK / kRowStep;
+    static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlockK % kRowStep == 0, "copy geometry");
+    __device__ static int row() { return threadIdx.x / kChunks; }
+    __device__ static int chunk() { return threadIdx.x % kChunks; }
+    __device__ static int smem_offset() { return swizzled_offset<kChunks>(row(), chunk()); }
+  };
+  using KCopy = TileCopy<kQkChunks>;
+  using VCopy = TileCopy<kVChunks>;
+
+  // Per-(batch, head) base pointers of everything a KV tile reads.
+  struct KvHead {
+    const int8_t* k;
+    const float* k_scale;
+    const T* v;
+    const float* delta;  // null without Q smoothing
+  };
+
+  __device__ static void load_kv_tile(const AttentionMmaParams& p, const Smem& s, int stage, const KvHead& head,
                                       int64_t k0) {
-    const int8_t* kg = p.k_codes + ((static_cast<int64_t>(b) * p.kv_heads + hk) * p.k_padded + k0) * kHeadDim;
-    for (int i = threadIdx.x; i < kBlockK * kQkChunks; i += kThreads) {
-      const int row = i / kQkChunks, chunk = i % kQkChunks;
-      ptx::cp_async_16(s.k(stage) + swizzled_offset<kQkChunks>(row, chunk), kg + row * kHeadDim + chunk * 16, true);
-    }
-    const T* vg = static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h;
-    for (int i = threadIdx.x; i < kBlockK * kVChunks; i += kThreads) {
-      const int row = i / kVChunks, chunk = i % kVChunks;
-      const bool valid = k0 + row < p.kv_len;
-      const T* src = valid ? vg + (k0 + row) * p.v_stride_n + chunk * 8 : vg;
-      ptx::cp_async_16(s.v(stage) + swizzled_offset<kVChunks>(row, chunk), src, valid);
+    const int8_t* k_head = head.k;
+    const T* v_head = head.v;
+    const int8_t* kg = k_head + (k0 + KCopy::row()) * kHeadDim + KCopy::chunk() * 16;
+    unsigned char* ks = s.k(stage) + KCopy::smem_offset();
+#pragma unroll
+    for (int j = 0; j < KCopy::kPasses; ++j)
+      ptx::cp_async_16(ks + j * KCopy::kRowStep * kHeadDim, kg + j * KCopy::kRowStep * kHeadDim, true);
+
+    const int64_t v_row = k0 + VCopy::row();
+    const T* vg = v_head + v_row * p.v_stride_n + VCopy::chunk() * 8;
+    unsigned char* vs = s.v(stage) + VCopy::smem_offset();
+#pragma unroll
+    for (int j = 0; j < VCopy::kPasses; ++j) {
+      const bool valid = v_row + j * VCopy::kRowStep < p.kv_len;
+      ptx::cp_async_16(vs + j * VCopy::kRowStep * kHeadDim * 2,
+                       valid ? vg + j * VCopy::kRowStep * p.v_stride_n : v_head, valid);
     }
     // The tile's K scales travel with it: read from global memory between the QK MMAs and the
     // softmax, their latency stalled every warp once per tile.
-    if (threadIdx.x == kThreads - 1) {
-      const float* kscale = p.k_scale + ((static_cast<int64_t>(b) * p.kv_heads + hk) * (p.k_padded / kBlockK) + k0 / kBlockK) * 4;
-      ptx::cp_async_16(s.k_scale(stage), kscale, true);
-    }
-    if (p.delta_s != nullptr && threadIdx.x < kBlockK / 4) {
-      const float* dg = p.delta_s + (static_cast<int64_t>(b) * p.q_heads + h) * p.k_padded + k0;
-      ptx::cp_async_16(s.delta(stage) + threadIdx.x * 4, dg + threadIdx.x * 4, true);
-    }
+    if (threadIdx.x == kThreads - 1) ptx::cp_async_16(s.k_scale(stage), head.k_scale + k0 / kBlockK * 4, true);
+    if (head.delta != nullptr && threadIdx.x < kBlockK / 4)
+      ptx::cp_async_16(s.delta(stage) + threadIdx.x * 4, head.delta + k0 + threadIdx.x * 4, true);
   }
 
   __device__ static void run(const AttentionMmaParams& p, unsigned char* smem_base) {
@@ -141,9 +167,14 @@ struct AttentionMmaKernel {
       const int64_t needed = last_query / kBlockK + 1;
       kv_tiles = needed < kv_tiles ? needed : kv_tiles;
     }
+    const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
+    const KvHead head{p.k_codes + bhk * p.k_padded * kHeadDim, p.k_scale + bhk * (p.k_padded / kBlockK) * 4,
+                      static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h,
+                      p.delta_s != nullptr ? p.delta_s + (static_cast<int64_t>(b) * p.q_heads + h) * p.k_padded
+                                           : nullptr};
     // Prologue: Q and tile 0 form the first group, tiles 1 .. kStages-2 one group each.
     for (int i = 0; i < kStages - 1; ++i) {
-      if (i < kv_tiles) load_kv_tile(p, s, i, b, hk, h, static_cast<int64_t>(i) * kBlockK);
+      if (i < kv_tiles) load_kv_tile(p, s, i, head, static_cast<int64_t>(i) * kBlockK);
       ptx::cp_async_commit();
     }
 
@@ -173,7 +204,7 @@ struct AttentionMmaKernel {
       ptx::cp_async_wait<kStages - 2>();  // tile `it` (and, first time round, Q) has landed
       __syncthreads();                    // ... for every thread; and stage it-1 is free again
       const int64_t ahead = it + kStages - 1;
-      if (ahead < kv_tiles) load_kv_tile(p, s, static_cast<int>(ahead % kStages), b, hk, h, ahead * kBlockK);
+      if (ahead < kv_tiles) load_kv_tile(p, s, static_cast<int>(ahead % kStages), head, ahead * kBlockK);
       ptx::cp_async_commit();
       if (it == 0) {
 #pragma unroll
