@@ -1,5 +1,5 @@
 // The warp-level SageAttention2 kernel (paper Algorithm 1) in FlashAttention-2 form: a CTA of
-// 8 warps owns 128 queries (16 per warp), streams 64-key tiles of K and V through a three-stage
+// 8 warps owns 128 queries (16 per warp), streams 128-key tiles of K and V through a three-stage
 // cp.async pipeline, computes S = Q K^T with INT8 mma.sync from per-thread quantized codes,
 // dequantizes with one Q scale and one K scale per thread (Fig. 4), adds the exact Delta-S of Q
 // smoothing, runs the online softmax in base 2 (sm_scale * log2(e) is folded into the Q scales)
@@ -70,9 +70,8 @@ struct AttentionMmaKernel {
   static constexpr int kDeltaBytes = kBlockK * 4;
   static constexpr int kKScaleBytes = 16;  // the 4 K group scales of the tile
   static constexpr int kStageBytes = kKBytes + kVBytes + kDeltaBytes + kKScaleBytes;
-  // Three stages: a K/V tile is requested two tiles ahead of its use. With one CTA of 8 warps
-  // per SM, one tile of compute (about 0.7 us at head_dim 128) does not cover an L2 round trip
-  // under load, which a two-stage pipeline needed.
+  // Three stages: a K/V tile is requested two tiles ahead of its use (measured: no faster than
+  // two stages at 64-key tiles, kept as headroom; 160 KB of shared memory at head_dim 128).
   static constexpr int kStages = 3;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
@@ -344,8 +343,9 @@ struct AttentionMmaKernel {
   }
 };
 
-// Two CTAs per SM (a 128-register cap) pay at head_dim 64 (H100, 4K: 211 vs 158 TOPS, though
-// ptxas spills 8-48 bytes) and lose at head_dim 128 (235 vs 248 TOPS; 330-490 bytes spilled).
+// Two CTAs per SM (a 128-register cap) pay at head_dim 64 (H100, 4K, 64-key tiles: 211 vs 158
+// TOPS; with 128-key tiles ptxas spills 40-60 bytes there) and lose at head_dim 128 (235 vs 248
+// TOPS; 330-490 bytes spilled).
 template <typename T, int kHeadDim, bool kCausal>
 __global__ void __launch_bounds__(kMmaWarps * 32, kHeadDim == 64 ? 2 : 1) attention_mma_kernel(const __grid_constant__ AttentionMmaParams p) {
   extern __shared__ __align__(128) unsigned char smem[];

@@ -68,7 +68,7 @@ QK_DTYPES = ("int8", "int4")
 # tests/test_api.py checks that these match the C++ constants.
 MMA_BLOCK_Q = 128
 MMA_WARPS = 8
-MMA_BLOCK_K = 64
+MMA_BLOCK_K = 128
 MMA_HEAD_DIMS = (64, 128)
 # Absent outputs are empty float32 tensors of shape [0] (DESIGN.md).
 

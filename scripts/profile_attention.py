@@ -12,8 +12,8 @@ from sageattention2 import ops
 q, k, v = (torch.randn(4, 32, 4096, 128, device="cuda", dtype=torch.float16) for _ in range(3))
 mult = 128 ** -0.5 * 1.4426950408889634
 qm, km, _, _ = ops.smoothing_stats(q, k, None, False)
-qc, qs, _ = ops.quantize_q(q, qm, 128, 8, "int8", False, mult)
-kc, ks, _, ds = ops.quantize_kv(k, None, km, None, None, qm, 64, "int8", mult)
+qc, qs, _ = ops.quantize_q(q, qm, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, mult)
+kc, ks, _, ds = ops.quantize_kv(k, None, km, None, None, qm, ops.MMA_BLOCK_K, "int8", mult)
 for _ in range(4):
     torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds, v, 4096, False, False, False)
 torch.cuda.synchronize()

@@ -19,8 +19,8 @@ def run(q, k, v, causal, smooth_q=True, smooth_k=True):
     q_mean, k_mean, _, _ = ops.smoothing_stats(q if smooth_q else None, k if smooth_k else None, None, False)
     q_mean = q_mean if smooth_q else None
     k_mean = k_mean if smooth_k else None
-    qc, qs, _ = ops.quantize_q(q, q_mean, 128, 8, "int8", False, mult)
-    kc, ks, _, ds = ops.quantize_kv(k, None, k_mean, None, None, q_mean, 64, "int8", mult)
+    qc, qs, _ = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, mult)
+    kc, ks, _, ds = ops.quantize_kv(k, None, k_mean, None, None, q_mean, ops.MMA_BLOCK_K, "int8", mult)
     out, lse = torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds if q_mean is not None else None, v,
                                                       q.shape[2], causal, False, True)
     return out, lse, k_mean
@@ -73,8 +73,8 @@ for d, causal in ((128, False), (128, True), (64, False)):
     t_full = do_bench(lambda: run(q, k, v, causal), warmup=25, rep=150, return_mode="median")
     mult = d ** -0.5 * LOG2E
     qm, km, _, _ = ops.smoothing_stats(q, k, None, False)
-    qc, qs, _ = ops.quantize_q(q, qm, 128, 8, "int8", False, mult)
-    kc, ks, _, ds = ops.quantize_kv(k, None, km, None, None, qm, 64, "int8", mult)
+    qc, qs, _ = ops.quantize_q(q, qm, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, mult)
+    kc, ks, _, ds = ops.quantize_kv(k, None, km, None, None, qm, ops.MMA_BLOCK_K, "int8", mult)
     t_kernel = do_bench(lambda: torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds, v, 4096, causal, False, False),
                         warmup=25, rep=150, return_mode="median")
     from torch.nn.attention import SDPBackend, sdpa_kernel

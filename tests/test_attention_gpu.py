@@ -4,7 +4,7 @@
 Three references:
 - the emulation of the same algorithm (``reference.sage_attention_reference`` with the kernel's
   geometry: per-thread INT8 groups of quantize_q(block_q=128, warps=ops.MMA_WARPS) and
-  quantize_kv(block_k=64), P and V rounded to the input dtype, FP32 accumulation, no two-level
+  quantize_kv(block_k=ops.MMA_BLOCK_K), P and V rounded to the input dtype, FP32 accumulation, no two-level
   buffer, no FP22), run on the GPU in float64: relative L1 <= 1e-3 (the acceptance criterion),
   both outputs rounded to the kernel's output dtype (bf16 rounding alone is ~1.4e-3 rel. L1);
 - exact float64 attention (``reference.exact_attention``): the 8-bit error level (randn inputs
