@@ -657,7 +657,7 @@ def test_attention_mma_meta_shapes() -> None:
     q_codes = torch.empty(b, hq, 256, d, dtype=torch.int8, **meta)
     q_scale = torch.empty(b, hq, 2, ops.MMA_WARPS * 8, **meta)
     k_codes = torch.empty(b, hkv, 128, d, dtype=torch.int8, **meta)
-    k_scale = torch.empty(b, hkv, 2, 4, **meta)
+    k_scale = torch.empty(b, hkv, 128 // ops.MMA_BLOCK_K, 4, **meta)
     delta_s = torch.empty(b, hq, 128, **meta)
     v = torch.empty(b, nk, hkv, d, dtype=torch.bfloat16, **meta).transpose(1, 2)
     for out_nhd in (False, True):
