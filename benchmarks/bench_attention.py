@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import math
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -53,7 +52,9 @@ def time_sdpa(backend: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Te
 def time_ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               causal: bool) -> tuple[float | None, float | None, str | None]:
     """(full ms, kernel ms, why the quantized path cannot run or None)."""
-    full: Callable[[], object] = lambda: sageattn(q, k, v, is_causal=causal, strict=True)  # noqa: E731
+    def full() -> object:
+        return sageattn(q, k, v, is_causal=causal, strict=True)
+
     try:
         full()
     except NotImplementedError as error:

@@ -275,7 +275,8 @@ def _device_reason(device: torch.device) -> str | None:
     capability = _capability(_cuda_index(device))
     if capability < _MIN_CAPABILITY:
         return (f"the quantized kernels need a GPU of compute capability "
-                f"{_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} or newer, got sm_{capability[0]}{capability[1]}")
+                f"{_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} or newer, "
+                f"got sm_{capability[0]}{capability[1]}")
     return None
 
 

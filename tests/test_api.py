@@ -495,7 +495,8 @@ def attention_mma_stand_in(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes
     qs = q_scale[:, :, r // ops.MMA_BLOCK_Q,
                  ref.q_group_index(ops.MMA_BLOCK_Q, ops.MMA_WARPS)[r % ops.MMA_BLOCK_Q]]
     j = torch.arange(k_codes.shape[2])
-    ks = k_scale[:, :, j // ops.MMA_BLOCK_K, ref.k_group_index(ops.MMA_BLOCK_K)[j % ops.MMA_BLOCK_K]]
+    k_group = ref.k_group_index(ops.MMA_BLOCK_K)[j % ops.MMA_BLOCK_K]
+    ks = k_scale[:, :, j // ops.MMA_BLOCK_K, k_group]
     qd = q_codes.double() * qs.double()[..., None]
     kd = (k_codes.double() * ks.double()[..., None]).repeat_interleave(hq // hkv, dim=1)
     s2 = qd @ kd.transpose(-1, -2)  # log2 units (sm_scale * log2(e) is in the Q scales)

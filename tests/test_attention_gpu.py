@@ -4,8 +4,8 @@
 Three references:
 - the emulation of the same algorithm (``reference.sage_attention_reference`` with the kernel's
   geometry: per-thread INT8 groups of quantize_q(block_q=128, warps=ops.MMA_WARPS) and
-  quantize_kv(block_k=ops.MMA_BLOCK_K), P and V rounded to the input dtype, FP32 accumulation, no two-level
-  buffer, no FP22), run on the GPU in float64: relative L1 <= 1e-3 (the acceptance criterion),
+  quantize_kv(block_k=ops.MMA_BLOCK_K), P and V rounded to the input dtype, FP32 accumulation,
+  no two-level buffer, no FP22), run on the GPU in float64: relative L1 <= 1e-3 (the acceptance criterion),
   both outputs rounded to the kernel's output dtype (bf16 rounding alone is ~1.4e-3 rel. L1);
 - exact float64 attention (``reference.exact_attention``): the 8-bit error level (randn inputs
   give rel. L1 ~0.01; the bound is 0.03) and the ANCHORS.md accuracy families;
@@ -105,7 +105,8 @@ def in_layout(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, layout: str,
     if layout == "strided":
         views = []
         for t in (q4, k4, v4):
-            big = torch.zeros(t.shape[0], 2 * t.shape[1], *t.shape[2:], dtype=t.dtype, device=DEVICE)
+            big = torch.zeros(t.shape[0], 2 * t.shape[1], *t.shape[2:], dtype=t.dtype,
+                              device=DEVICE)
             big[:, 1::2] = t
             views.append(big[:, 1::2])
         return views, "HND", views
