@@ -1,137 +1,72 @@
-"""Attention throughput side by side (ANCHORS.md protocol).
+"""Attention throughput, ANCHORS.md protocol, side by side in one process:
 
-    python benchmarks/bench_attention.py [--quick] [--out RESULTS_FILE.md]
+    python3 bench_attention.py [--quick] [--out results.md]
 
-q, k, v = torch.randn(B, H, N, D, fp16, cuda), HND, B=4, H=32; TOPS = 4*B*H*N*N*D / time (half
-for causal); time = median of triton.testing.do_bench(fn, warmup=25, rep=150). Columns, all
-measured in this one process:
-
-* SDPA flash: F.scaled_dot_product_attention under SDPBackend.FLASH_ATTENTION;
-* SDPA cuDNN: the same under SDPBackend.CUDNN_ATTENTION ("-" when unavailable);
-* ours full: sageattn(q, k, v, is_causal=...), everything a user pays (means, quantization,
-  attention);
-* ours kernel: attention_mma alone on inputs quantized beforehand;
-* prep %: share of the full call that is not the kernel, (full - kernel) / full;
-* full/flash, full/cuDNN: speed ratios (> 1: ours is faster).
-
---quick runs D=128, N in {1024, 4096} only.
+q, k, v = randn(4, 32, N, D) fp16 (HND); TOPS = 4*B*H*N*N*D / time (halved for causal); time =
+median of triton's do_bench(warmup=25, rep=150). Columns: SDPA flash (FA2), SDPA cuDNN, our
+sageattn (the full call: every preprocessing launch included) and our attention kernel alone
+on pre-quantized inputs.
 """
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from common import median_ms
-from sageattention2 import api, kernel_plan, ops, sageattn
+from sageattention2 import ops, sageattn
+
+LOG2E = 1.4426950408889634
 
 
-def tops(b: int, h: int, n: int, d: int, causal: bool, ms: float | None) -> float | None:
-    if ms is None:
-        return None
-    flops = 4 * b * h * n * n * d / (2 if causal else 1)
-    return flops / (ms * 1e-3) / 1e12
-
-
-def time_sdpa(backend: SDPBackend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              causal: bool) -> float | None:
-    """Median ms under ``backend``, or None when the backend cannot run this call."""
-    fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)  # noqa: E731
-    with sdpa_kernel(backend):  # entered once, outside the timed function
-        try:
-            fn()
-            torch.cuda.synchronize()
-        except RuntimeError:
-            return None
-        return median_ms(fn)
-
-
-def time_ours(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-              causal: bool) -> tuple[float | None, float | None, str | None]:
-    """(full ms, kernel ms, why the quantized path cannot run or None)."""
-    def full() -> object:
-        return sageattn(q, k, v, is_causal=causal, strict=True)
-
+def sdpa_ms(backend: SDPBackend, q, k, v, causal: bool) -> float | None:
     try:
-        full()
-    except NotImplementedError as error:
-        return None, None, str(error)
-    inputs = api._quantize_for_mma(q, k, smooth_q=True, smooth_k=True,
-                                   sm_scale=q.shape[-1] ** -0.5)
-    n = q.shape[2]
-    kernel = lambda: ops.attention_mma(  # noqa: E731
-        inputs.q_codes, inputs.q_scale, inputs.k_codes, inputs.k_scale, inputs.delta_s, v, n,
-        causal, False, False)
-    kernel()
-    torch.cuda.synchronize()
-    return median_ms(full), median_ms(kernel), None
+        with sdpa_kernel(backend):
+            return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+    except RuntimeError:
+        return None
 
 
-def fmt(x: float | None, spec: str) -> str:
-    return "-" if x is None or not math.isfinite(x) else format(x, spec)
+def kernel_ms(q, k, v, causal: bool) -> float:
+    d = q.shape[-1]
+    mult = d ** -0.5 * LOG2E
+    q_mean, k_mean, _, _ = ops.smoothing_stats(q, k, None, False)
+    qc, qs, _ = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, mult)
+    kc, ks, _, ds = ops.quantize_kv(k, None, k_mean, None, None, q_mean, ops.MMA_BLOCK_K, "int8", mult)
+    return median_ms(lambda: torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds, v, q.shape[2], causal,
+                                                                     False, False))
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--heads", type=int, default=32)
-    parser.add_argument("--quick", action="store_true", help="D=128, N in {1024, 4096} only")
-    parser.add_argument("--out", help="also write the table as markdown to this file")
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="head_dim 128, N in {1K, 4K} only")
+    parser.add_argument("--out", help="also write the table as markdown here")
     args = parser.parse_args()
-
-    dims = [128] if args.quick else [128, 64]
-    lengths = [1024, 4096] if args.quick else [1024, 4096, 16384]
-    b, h = args.batch, args.heads
-    header = [
-        f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}",
-        f"sageattn plan: {kernel_plan()}",
-        f"B={b} H={h} fp16 randn HND; TOPS = 4*B*H*N*N*D / median time (half for causal)",
-    ]
-    columns = ["N", "causal", "D", "SDPA flash", "SDPA cuDNN", "ours full", "ours kernel",
-               "prep %", "full/flash", "full/cuDNN"]
-    rows: list[list[str]] = []
-    notes: list[str] = []
-    print("\n".join(header))
-    widths = [6, 7, 4, 11, 11, 10, 12, 7, 11, 11]
-    print("".join(f"{c:>{w}}" for c, w in zip(columns, widths)))
+    dims = (128,) if args.quick else (128, 64)
+    lengths = (1024, 4096) if args.quick else (1024, 4096, 16384)
+    rows = ["| D | N | causal | SDPA flash | SDPA cuDNN | sageattn full | kernel only | full / flash |",
+            "|---|---|---|---|---|---|---|---|"]
+    print(torch.cuda.get_device_name(), "| TOPS, B=4 H=32 fp16")
     for d in dims:
-        for causal in (False, True):
-            for n in lengths:
-                q, k, v = (torch.randn(b, h, n, d, dtype=torch.float16, device="cuda")
-                           for _ in range(3))
-                flash = time_sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal)
-                cudnn = time_sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal)
-                full, kernel, why = time_ours(q, k, v, causal)
-                if why is not None and why not in notes:
-                    notes.append(why)
-                t = {name: tops(b, h, n, d, causal, ms) for name, ms in
-                     (("flash", flash), ("cudnn", cudnn), ("full", full), ("kernel", kernel))}
-                prep = None if full is None or kernel is None else 100 * (full - kernel) / full
-                row = [
-                    f"{n // 1024}K", "yes" if causal else "no", str(d), fmt(t["flash"], ".0f"),
-                    fmt(t["cudnn"], ".0f"), fmt(t["full"], ".0f"), fmt(t["kernel"], ".0f"),
-                    fmt(prep, ".0f"),
-                    fmt(None if flash is None or full is None else flash / full, ".2f"),
-                    fmt(None if cudnn is None or full is None else cudnn / full, ".2f"),
-                ]
+        for n in lengths:
+            q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+            for causal in (False, True):
+                ops_count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
+                tops = lambda ms: ops_count / ms / 1e9 if ms else float("nan")  # noqa: E731
+                flash = tops(sdpa_ms(SDPBackend.FLASH_ATTENTION, q, k, v, causal))
+                cudnn = tops(sdpa_ms(SDPBackend.CUDNN_ATTENTION, q, k, v, causal))
+                full = tops(median_ms(lambda: sageattn(q, k, v, is_causal=causal)))
+                kernel = tops(kernel_ms(q, k, v, causal))
+                row = f"| {d} | {n} | {causal} | {flash:.0f} | {cudnn:.0f} | {full:.0f} | {kernel:.0f} | {full / flash:.2f}x |"
                 rows.append(row)
-                print("".join(f"{c:>{w}}" for c, w in zip(row, widths)), flush=True)
-                del q, k, v
-                torch.cuda.empty_cache()
-    for note in notes:
-        print(f"note: {note}")
+                print(row)
+            del q, k, v
+            torch.cuda.empty_cache()
     if args.out:
-        lines = [f"- {line}" for line in header]
-        lines += ["", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-        lines += ["| " + " | ".join(row) + " |" for row in rows]
-        lines += [f"\nnote: {note}" for note in notes]
         with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
-        print(f"wrote {args.out}")
+            f.write("\n".join(rows) + "\n")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,125 @@
+"""Reads the machine code of the built extension, arch by arch: which tensor-core instructions
+each attention kernel uses, its registers, and whether it spills (stack frame > 0).
+
+    python3 scripts/check_sass.py [path/to/_C.so] [--known-spill REGEX]
+
+No GPU is needed: this is how the Ada (sm_89) and Ampere (sm_80) builds are checked here.
+Exit code 1 when an expected instruction is missing, or a kernel has a stack frame and its name
+does not match --known-spill.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+# Tensor-core instructions each kernel family must contain, per arch (the PTX mma.sync shapes
+# of csrc/ptx.cuh as the hardware runs them natively).
+EXPECTED: dict[str, dict[str, tuple[str, ...]]] = {
+    "attention_mma_kernel": {
+        "sm_80": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
+        "sm_89": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
+        "sm_90": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
+    },
+}
+
+
+@dataclass
+class Kernel:
+    arch: str
+    name: str
+    registers: int
+    stack: int
+    instructions: dict[str, int]
+
+
+def find_cuobjdump() -> str | None:
+    """cuobjdump from $CUOBJDUMP, PATH, $CUDA_HOME or the copy triton's package carries."""
+    candidates = [os.environ.get("CUOBJDUMP"), shutil.which("cuobjdump")]
+    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
+    candidates.append(str(Path(cuda_home) / "bin" / "cuobjdump"))
+    try:
+        triton = importlib.import_module("triton")
+        candidates.append(str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"))
+    except ImportError:
+        pass
+    return next((c for c in candidates if c and Path(c).is_file() and os.access(c, os.X_OK)), None)
+
+
+def demangled_short(name: str) -> str:
+    """attention_mma_kernel<__half, 128, false> from the mangled name (enough to read a table)."""
+    m = re.search(r"(\w+_kernel)I(\d*_{0,2}\w+?)Li(\d+)ELb([01])E", name)
+    if not m:
+        return name
+    dtype = "bf16" if "bfloat16" in m.group(2) else "fp16"
+    return f"{m.group(1)}<{dtype}, {m.group(3)}, {'causal' if m.group(4) == '1' else 'full'}>"
+
+
+def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
+    usage = subprocess.run([cuobjdump, "--dump-resource-usage", library], capture_output=True, text=True,
+                           check=True).stdout
+    sass = subprocess.run([cuobjdump, "--dump-sass", library], capture_output=True, text=True, check=True).stdout
+    kernels: dict[tuple[str, str], Kernel] = {}
+    arch = "?"
+    lines = usage.splitlines()
+    for i, line in enumerate(lines):
+        if m := re.search(r"arch = (sm_\d+a?)", line):
+            arch = m.group(1).rstrip("a")
+        if m := re.match(r"\s*Function (\S+):", line):
+            res = lines[i + 1]
+            reg = int(re.search(r"REG:(\d+)", res).group(1))
+            stack = int(re.search(r"STACK:(\d+)", res).group(1))
+            kernels[(arch, m.group(1))] = Kernel(arch, m.group(1), reg, stack, {})
+    arch, current = "?", None
+    for line in sass.splitlines():
+        if m := re.search(r"arch = (sm_\d+a?)", line):
+            arch = m.group(1).rstrip("a")
+        if m := re.match(r"\s*Function : (\S+)", line):
+            current = kernels.get((arch, m.group(1)))
+            continue
+        if current is not None and (m := re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)", line)):
+            op = m.group(1)
+            if op.startswith(("IMMA", "HMMA", "QMMA", "HGMMA", "QGMMA", "IGMMA")):
+                current.instructions[op] = current.instructions.get(op, 0) + 1
+    return list(kernels.values())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("library", nargs="?", help="the extension .so (default: the installed one)")
+    parser.add_argument("--known-spill", default=None,
+                        help="regex of kernel names whose stack frame is a known, reported issue")
+    args = parser.parse_args(argv)
+    library = args.library or importlib.import_module("sageattention2._C").__file__
+    cuobjdump = find_cuobjdump()
+    if cuobjdump is None:
+        print("cuobjdump not found (set CUOBJDUMP)", file=sys.stderr)
+        return 2
+    kernels = [k for k in read_kernels(cuobjdump, library) if any(f in k.name for f in EXPECTED)]
+    failures = []
+    print(f"{'arch':<7}{'kernel':<44}{'regs':>5}{'stack':>7}  tensor-core instructions")
+    for k in sorted(kernels, key=lambda k: (k.arch, demangled_short(k.name))):
+        family = next(f for f in EXPECTED if f in k.name)
+        want = EXPECTED[family].get(k.arch, ())
+        missing = [w for w in want if not any(op.startswith(w) for op in k.instructions)]
+        spill = k.stack > 0 and not (args.known_spill and re.search(args.known_spill, k.name))
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(k.instructions.items()))
+        flag = (" MISSING " + ",".join(missing) if missing else "") + (" SPILLS" if spill else "")
+        flag += " (known spill)" if k.stack > 0 and not spill else ""
+        print(f"{k.arch:<7}{demangled_short(k.name):<44}{k.registers:>5}{k.stack:>7}  {ops}{flag}")
+        if missing or spill:
+            failures.append(k)
+    archs = sorted({k.arch for k in kernels})
+    print(f"{len(kernels)} kernels on {', '.join(archs) or 'no arch'}: "
+          f"{'OK' if not failures and kernels else 'FAILED'}")
+    return 0 if kernels and not failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
