@@ -1,4 +1,4 @@
-// The attention_mma op (docs/DESIGN.md): validation and output allocation (one place, used by
+// The attention ops (docs/DESIGN.md): validation and output allocation (one place, used by
 // the CUDA and Meta implementations; SymInt-aware like preprocess_shapes.cpp), and the CUDA
 // implementation that fills the kernel parameters.
 #include <ATen/cuda/CUDAContext.h>
@@ -22,6 +22,18 @@ void check_codes(const at::Tensor& t, const char* name, int64_t block) {
 void check_f32(const at::Tensor& t, const char* name, c10::SymIntArrayRef expected) {
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous(), name, " must be contiguous float32");
   TORCH_CHECK(t.sym_sizes() == expected, name, " must have shape ", expected, ", got ", t.sym_sizes());
+}
+
+// The output of both attention ops: [B, Hq, q_len, Dv] in `opts`' dtype, HND memory or the
+// [B, Hq, q_len, Dv] view of NHD memory; the LSE [B, Hq, q_len] float32 or an empty [0].
+AttentionOutputs allocate_outputs(const c10::SymInt& batch, const c10::SymInt& q_heads, const c10::SymInt& q_len,
+                                  int64_t head_dim, const at::TensorOptions& opts, bool out_nhd, bool return_lse) {
+  AttentionOutputs out;
+  out.out = out_nhd ? at::empty_symint({batch, q_len, q_heads, c10::SymInt(head_dim)}, opts).transpose(1, 2)
+                    : at::empty_symint({batch, q_heads, q_len, c10::SymInt(head_dim)}, opts);
+  out.lse = return_lse ? at::empty_symint({batch, q_heads, q_len}, opts.dtype(at::kFloat))
+                       : at::empty({0}, opts.dtype(at::kFloat));
+  return out;
 }
 
 }  // namespace
@@ -59,13 +71,7 @@ AttentionOutputs allocate_attention_mma(const at::Tensor& q_codes, const at::Ten
   for (const at::Tensor* t : {&q_scale, &k_codes, &k_scale, &v})
     TORCH_CHECK(t->device() == q_codes.device(), "all inputs must be on ", q_codes.device());
 
-  auto opts = v.options();
-  AttentionOutputs out;
-  out.out = out_nhd ? at::empty_symint({batch, c10::SymInt(q_len), q_heads, c10::SymInt(head_dim)}, opts).transpose(1, 2)
-                    : at::empty_symint({batch, q_heads, c10::SymInt(q_len), c10::SymInt(head_dim)}, opts);
-  out.lse = return_lse ? at::empty_symint({batch, q_heads, c10::SymInt(q_len)}, opts.dtype(at::kFloat))
-                       : at::empty({0}, opts.dtype(at::kFloat));
-  return out;
+  return allocate_outputs(batch, q_heads, c10::SymInt(q_len), head_dim, v.options(), out_nhd, return_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes, const at::Tensor& q_scale,
@@ -101,6 +107,86 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes,
   p.causal = is_causal;
   const InputDtype dtype = v.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   C10_CUDA_CHECK(launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream()));
+  return {out.out, out.lse};
+}
+
+AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                          const at::Tensor& v_fp8, const at::Tensor& v_scale,
+                                          const std::optional<at::Tensor>& v_mean,
+                                          const std::optional<at::Tensor>& k_mean, int64_t kv_len, bool out_nhd,
+                                          bool return_lse) {
+  TORCH_CHECK(q.dim() == 4, "q must be a 4-D [batch, q_heads, q_len, head_dim] tensor");
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16, got ",
+              q.scalar_type());
+  TORCH_CHECK(q.sym_stride(3) == 1, "q must be contiguous in its last dimension");
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK(q.sym_stride(i) % 8 == 0, "q.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
+  check_codes(k_codes, "k_codes", kWgmmaBlockK);
+  const c10::SymInt batch = q.sym_size(0), q_heads = q.sym_size(1), q_len = q.sym_size(2);
+  const c10::SymInt kv_heads = k_codes.sym_size(1), k_padded = k_codes.sym_size(2);
+  const int64_t head_dim = q.sym_size(3).guard_int(__FILE__, __LINE__);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128 for attention_wgmma, got ", head_dim);
+  TORCH_CHECK(q_len > 0, "q must have at least one token");
+  TORCH_CHECK(k_codes.sym_size(0) == batch && k_codes.sym_size(3) == head_dim,
+              "k_codes must be [batch, kv_heads, padded_kv_len, head_dim] with q's batch and head_dim");
+  TORCH_CHECK(q_heads % kv_heads == 0, "q heads (", q_heads, ") must be a multiple of kv heads (", kv_heads, ")");
+  TORCH_CHECK(kv_len > 0 && k_padded >= kv_len && k_padded < kv_len + kWgmmaBlockK,
+              "kv_len must be the unpadded length of k_codes (padded to ", kWgmmaBlockK, "), got ", kv_len);
+  check_f32(k_scale, "k_scale", {batch, kv_heads, k_padded / kWgmmaBlockK, 4});
+  TORCH_CHECK(v_fp8.scalar_type() == at::kFloat8_e4m3fn && v_fp8.is_contiguous(),
+              "v_fp8 must be contiguous float8_e4m3fn (from quantize_kv), got ", v_fp8.scalar_type());
+  TORCH_CHECK(v_fp8.sym_sizes() == c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}),
+              "v_fp8 must have shape [batch, kv_heads, head_dim, padded_kv_len] = ",
+              c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}), ", got ", v_fp8.sym_sizes());
+  check_f32(v_scale, "v_scale", {batch, kv_heads, c10::SymInt(head_dim)});
+  if (v_mean) check_f32(*v_mean, "v_mean", {batch, kv_heads, c10::SymInt(head_dim)});
+  if (k_mean) check_f32(*k_mean, "k_mean", {batch, kv_heads, c10::SymInt(head_dim)});
+  for (const at::Tensor* t : {&k_codes, &k_scale, &v_fp8, &v_scale})
+    TORCH_CHECK(t->device() == q.device(), "all inputs must be on ", q.device());
+  for (const auto* t : {&v_mean, &k_mean})
+    TORCH_CHECK(!*t || (*t)->device() == q.device(), "all inputs must be on ", q.device());
+  return allocate_outputs(batch, q_heads, q_len, head_dim, q.options(), out_nhd, return_lse);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
+                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
+                                                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const std::optional<at::Tensor>& k_mean, int64_t kv_len,
+                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
+  AttentionOutputs out =
+      allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
+  check_launchable(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  AttentionWgmmaParams p;
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.q_stride_n = q.stride(2);
+  p.k_codes = k_codes.data_ptr<int8_t>();
+  p.k_scale = k_scale.data_ptr<float>();
+  p.v_codes = static_cast<const uint8_t*>(v_fp8.data_ptr());
+  p.v_scale = v_scale.data_ptr<float>();
+  p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
+  p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
+  p.out = out.out.data_ptr();
+  p.out_stride_b = out.out.stride(0);
+  p.out_stride_h = out.out.stride(1);
+  p.out_stride_n = out.out.stride(2);
+  p.lse = return_lse ? out.lse.data_ptr<float>() : nullptr;
+  p.batch = static_cast<int>(q.size(0));
+  p.q_heads = static_cast<int>(q.size(1));
+  p.kv_heads = static_cast<int>(k_codes.size(1));
+  p.head_dim = static_cast<int>(q.size(3));
+  p.q_len = q.size(2);
+  p.kv_len = kv_len;
+  p.k_padded = k_codes.size(2);
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.causal = is_causal;
+  const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status != cudaErrorNotSupported,
+              "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
+  C10_CUDA_CHECK(status);
   return {out.out, out.lse};
 }
 

@@ -39,4 +39,34 @@ struct AttentionMmaParams {
 
 cudaError_t launch_attention_mma(const AttentionMmaParams& p, InputDtype dtype, cudaStream_t stream);
 
+
+// Tile geometry of the Hopper kernel (attention_wgmma): a CTA of two consumer warpgroups owns
+// 128 queries (64 per warpgroup, 16 per warp: the m64 wgmma slab), and streams 128-key tiles.
+// Its per-thread groups are those of the warp-level kernel: Q groups of 2 rows {g, g+8} of a
+// 16-row warp slab (quantized inside the kernel), K groups of 32 keys of a 128-key tile
+// (quantize_kv(block_k=128)), so one Q and one K scale per thread (paper Eq. 8, Fig. 4).
+inline constexpr int kWgmmaBlockQ = 128;
+inline constexpr int kWgmmaBlockK = 128;
+
+struct AttentionWgmmaParams {
+  const void* q = nullptr;           // [B, Hq, q_len, D] fp16/bf16, strides below (last dim 1)
+  int64_t q_stride_b = 0, q_stride_h = 0, q_stride_n = 0;
+  const int8_t* k_codes = nullptr;   // [B, Hkv, k_padded, D] per-thread INT8 (quantize_kv)
+  const float* k_scale = nullptr;    // [B, Hkv, k_padded / 128, 4]
+  const uint8_t* v_codes = nullptr;  // [B, Hkv, D, k_padded] E4M3, PV-MMA key order (DESIGN.md)
+  const float* v_scale = nullptr;    // [B, Hkv, D] per-channel FP8 scale of V
+  const float* v_mean = nullptr;     // [B, Hkv, D] or null (smooth V: added to the output)
+  const float* k_mean = nullptr;     // [B, Hkv, D] or null (smooth K: its row constant joins the LSE)
+  void* out = nullptr;               // [B, Hq, q_len, D] in q's dtype, strides below
+  int64_t out_stride_b = 0, out_stride_h = 0, out_stride_n = 0;
+  float* lse = nullptr;              // [B, Hq, q_len] or null
+  int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t q_len = 0, kv_len = 0, k_padded = 0;
+  float sm_scale = 1.0f;             // softmax scale (natural units)
+  bool causal = false;
+};
+
+// cudaErrorNotSupported when this build has no sm_90a code.
+cudaError_t launch_attention_wgmma(const AttentionWgmmaParams& p, InputDtype dtype, cudaStream_t stream);
+
 }  // namespace sageattention2

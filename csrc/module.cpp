@@ -28,9 +28,14 @@ pybind11::dict build_info() {
   const auto archs = split_archs(SAGE_ARCH_LIST);
   info["archs"] = archs;
   pybind11::dict kernels;
-  // Every family is compiled for every arch of the build until an arch-specific one exists.
+  // The preprocessing and the warp-level kernels compile for every arch of the build; the Hopper
+  // kernel has code for sm_90a only (other archs compile it empty).
   kernels["preprocess (smoothing_stats, quantize_q, quantize_kv)"] = archs;
   kernels["attention_mma (INT8 QK, fp16/bf16 PV, mma.sync)"] = archs;
+  std::vector<std::string> hopper;
+  for (const auto& a : archs)
+    if (a == "sm_90a") hopper.push_back(a);
+  kernels["attention_wgmma (INT8 QK, FP8 PV, wgmma)"] = hopper;
   info["kernels"] = kernels;
   return info;
 }

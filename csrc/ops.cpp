@@ -39,6 +39,16 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q_codes,
   return {o.out, o.lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_meta(const at::Tensor& q, const at::Tensor& k_codes,
+                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
+                                                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const std::optional<at::Tensor>& k_mean, int64_t kv_len,
+                                                        double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
+                                                        bool return_lse) {
+  auto o = allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
+  return {o.out, o.lse};
+}
+
 }  // namespace
 }  // namespace sageattention2
 
@@ -58,6 +68,10 @@ TORCH_LIBRARY(sageattention2, m) {
   m.def(
       "attention_mma(Tensor q_codes, Tensor q_scale, Tensor k_codes, Tensor k_scale, Tensor? delta_s, "
       "Tensor v, int q_len, bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_wgmma(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? v_mean, "
+      "Tensor? k_mean, int kv_len, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "
+      "-> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
@@ -65,6 +79,7 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("quantize_q", &sageattention2::quantize_q_cuda);
   m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
   m.impl("attention_mma", &sageattention2::attention_mma_cuda);
+  m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
@@ -72,4 +87,5 @@ TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("quantize_q", &sageattention2::quantize_q_meta);
   m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
   m.impl("attention_mma", &sageattention2::attention_mma_meta);
+  m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);
 }

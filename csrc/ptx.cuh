@@ -96,6 +96,183 @@ __device__ __forceinline__ float exp2_approx(float x) {
   return y;
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// Hopper (sm_90): mbarriers, the bulk copy engine (TMA), warpgroup MMA (wgmma, sm_90a only) and
+// register reallocation (setmaxnreg, sm_90a only). Shared-memory operands are 32-bit addresses
+// in the shared window.
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ uint32_t smem_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+// PTX ISA, "Parallel Synchronization and Communication Instructions: mbarrier.init".
+__device__ __forceinline__ void mbarrier_init(uint64_t* bar, uint32_t arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_address(bar)), "r"(arrivals) : "memory");
+}
+// PTX ISA, "membar/fence": fence.mbarrier_init makes the initialisation visible to the async
+// proxy (the copy engine completes transactions on these barriers).
+__device__ __forceinline__ void fence_mbarrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+// PTX ISA, "mbarrier.arrive" with .expect_tx: one arrival that also announces `bytes` of
+// transactions (the copies that complete on this barrier) for the current phase.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_address(bar)), "r"(bytes)
+               : "memory");
+}
+// PTX ISA, "mbarrier.arrive": a plain arrival (release semantics at CTA scope).
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_address(bar)) : "memory");
+}
+// PTX ISA, "mbarrier.test_wait/mbarrier.try_wait", .parity form: true once the phase of the
+// given parity has completed. A fresh barrier is in phase 0, so waiting on parity 1 returns at
+// once (how a producer starts on empty buffers).
+__device__ __forceinline__ bool mbarrier_try_wait(uint64_t* bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(done)
+      : "r"(smem_address(bar)), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+__device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
+  while (!mbarrier_try_wait(bar, parity)) {
+  }
+}
+
+// PTX ISA, "Data Movement and Conversion Instructions: cp.async.bulk.tensor", 3-D tile mode:
+// the box at coordinates (c0 innermost, c1, c2) of the tensor map lands in shared memory (with
+// the map's swizzle) and completes `box bytes` of transactions on `bar`. Out-of-range elements
+// are filled with zeros.
+__device__ __forceinline__ void tma_load_3d(void* dst, const void* tensor_map, int c0, int c1, int c2, uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];"
+      ::"r"(smem_address(dst)), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(bar))
+      : "memory");
+}
+// PTX ISA, "cp.async.bulk": a contiguous copy (16-byte multiple, 16-byte aligned) global ->
+// shared, completing on `bar` like the tensor copies.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar))
+               : "memory");
+}
+// PTX ISA, "membar/fence", fence.proxy.async: shared memory written by ordinary stores becomes
+// visible to the async proxy (wgmma operands, the copy engine). Each writing thread fences, then
+// the readers synchronise.
+__device__ __forceinline__ void fence_proxy_async_shared() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+// PTX ISA, "bar.sync" with a thread count: a barrier among `threads` threads (whole warps) only,
+// e.g. one warpgroup, leaving barrier 0 (__syncthreads) to the whole CTA.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+}
+// PTX ISA, "prefetch.tensormap": bring a tensor map (a kernel parameter) into the cache.
+__device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
+  asm volatile("prefetch.tensormap [%0];" ::"l"(tensor_map) : "memory");
+}
+#endif  // sm_90
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+// PTX ISA, "setmaxnreg": hand registers from the producer warpgroup (which only issues copies) to
+// the consumer warpgroups (which hold the accumulators). Needs a register cap at kernel entry.
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() { asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kRegs)); }
+template <int kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() { asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kRegs)); }
+
+// PTX ISA, "Asynchronous Warpgroup Level Matrix Multiply-Accumulate Instructions":
+// wgmma.fence orders earlier register writes (A fragments, accumulators) before the next
+// wgmma.mma_async; commit_group closes a group of issued MMAs; wait_group<N> waits until at
+// most N groups are pending.
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory"); }
+// Pins a register across the asynchronous MMA: the compiler may neither read an accumulator
+// before wgmma_wait nor move this past it (volatile asm statements keep their order).
+__device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }
+__device__ __forceinline__ void register_fence(int32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+__device__ __forceinline__ void register_fence(uint32_t& r) { asm volatile("" : "+r"(r)::"memory"); }
+#endif  // sm_90a
+
+// PTX ISA, "Matrix Descriptor Format" of wgmma: a K-major shared-memory operand whose rows are
+// exactly one swizzle span long (64 or 128 bytes), written by the copy engine with the same
+// swizzle. Bits 0-13 start address >> 4, 16-29 leading offset (unused for swizzled K-major),
+// 32-45 stride offset >> 4 (8 rows: the distance between 8-row core-matrix groups), 62-63 the
+// swizzle (1 = 128 B, 2 = 64 B). The tile base must be aligned to the swizzle pattern (1024 B).
+// Stepping along K inside the span is adding the byte offset to the start address.
+template <int kRowBytes>
+__device__ __forceinline__ uint64_t kmajor_descriptor(const void* tile) {
+  static_assert(kRowBytes == 64 || kRowBytes == 128, "rows of one 64- or 128-byte swizzle span");
+  constexpr uint64_t kSwizzle = kRowBytes == 128 ? 1 : 2;
+  constexpr uint64_t kStride = (8 * kRowBytes) >> 4;
+  return static_cast<uint64_t>((smem_address(tile) & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (kStride << 32) |
+         (kSwizzle << 62);
+}
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SAGE_WGMMA_D64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "   \
+  "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "   \
+  "%62, %63}"
+#define SAGE_WGMMA_D32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define SAGE_OPS8(c, d, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3]), c(d[i + 4]), c(d[i + 5]), c(d[i + 6]), c(d[i + 7])
+#define SAGE_OPS32(c, d) SAGE_OPS8(c, d, 0), SAGE_OPS8(c, d, 8), SAGE_OPS8(c, d, 16), SAGE_OPS8(c, d, 24)
+#define SAGE_OPS64(c, d) SAGE_OPS32(c, d), SAGE_OPS8(c, d, 32), SAGE_OPS8(c, d, 40), SAGE_OPS8(c, d, 48), SAGE_OPS8(c, d, 56)
+
+// wgmma.mma_async.m64n128k32.s32.s8.s8, A (the warpgroup's 64 queries x 32 channels) and B (128
+// keys x 32 channels), both K-major INT8 in shared memory: S = Q K^T of paper Algorithm 1 with
+// exact int32 accumulation. kAccumulate = false starts a fresh accumulator (scale-d = 0).
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_m64n128k32_s8(int32_t (&d)[64], uint64_t a_desc, uint64_t b_desc) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.s32.s8.s8 " SAGE_WGMMA_D64 ", %64, %65, p; }"
+      : SAGE_OPS64("+r", d)
+      : "l"(a_desc), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
+}
+
+// wgmma.mma_async.m64nNk32.f32.e4m3.e4m3 (N = head_dim 128 or 64), A = P~ in FP8 from registers,
+// B = V (head_dim rows x 32 keys, K-major) from shared memory: the PV product of paper 3.3 into
+// an FP32-declared accumulator (the two-level accumulation of paper 3.4 starts each KV tile fresh).
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SAGE_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1; }"
+      : SAGE_OPS64("+f", d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
+}
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " SAGE_WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1; }"
+      : SAGE_OPS32("+f", d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
+}
+#undef SAGE_OPS64
+#undef SAGE_OPS32
+#undef SAGE_OPS8
+#undef SAGE_WGMMA_D32
+#undef SAGE_WGMMA_D64
+#endif  // sm_90a
+
+// PTX ISA, "ld" with .v2 (8 bytes) on the non-coherent path: 4 fp16/bf16 elements of a Q row.
+__device__ __forceinline__ uint2 ld_global_nc_v2(const void* ptr) {
+  uint2 r;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(ptr));
+  return r;
+}
+
 }  // namespace sageattention2::ptx
 
 namespace sageattention2 {

@@ -3,9 +3,10 @@
 Every call goes through one validation step, :func:`_validate`, which checks the arguments,
 turns q/k/v into canonical ``[B, H, N, D]`` views (no copies) and resolves the quantization
 plan into an :class:`AttentionCall`. :func:`_unsupported_reason` then says whether the quantized
-kernels can serve the call; when they can, :func:`_quantized` runs the preprocessing ops and the
-warp-level attention op (docs/DESIGN.md); when they cannot, the call runs exact
-``F.scaled_dot_product_attention`` (or raises, with ``strict=True``).
+kernels can serve the call and :func:`_kernel_for` which one does (the Hopper ``attention_wgmma``
+on sm_90, else the warp-level ``attention_mma``); :func:`_quantized` runs that kernel's
+preprocessing ops and the attention op (docs/DESIGN.md). A call the kernels cannot serve runs
+exact ``F.scaled_dot_product_attention`` (or raises, with ``strict=True``).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ __all__ = ["AttentionCall", "SageAttentionFallbackWarning", "kernel_plan", "sage
 TensorLayout = Literal["HND", "NHD"]
 QKQuant = Literal["auto", "int8", "int4"]
 SmoothQ = Union[bool, Literal["auto", "head", "block"]]
+Kernel = Literal["wgmma", "mma"]
 
 TENSOR_LAYOUTS: tuple[str, ...] = ("HND", "NHD")
 QK_QUANTS: tuple[str, ...] = ("auto", *ops.QK_DTYPES)
@@ -37,8 +39,9 @@ _MAX_HEAD_DIM = 256
 _HEAD_DIM_MULTIPLE = 8
 _MIN_CAPABILITY = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16 with FP32 accumulation
 _LOG2E = math.log2(math.e)
-# What the warp-level kernel runs (kernel_plan).
+# What each attention kernel runs (kernel_plan).
 MMA_PLAN = "INT8 QK (per-thread) + FP16/BF16 PV warp-level kernel (mma.sync)"
+WGMMA_PLAN = "INT8 QK (per-thread, Q quantized in the kernel) + FP8 PV Hopper kernel (wgmma)"
 
 # The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still
 # reaches the exact kernel while F.scaled_dot_product_attention is patched to sageattn.
@@ -68,7 +71,7 @@ class AttentionCall:
     tensor_layout: TensorLayout
     input_ndim: int
     qk_quant: Literal["int8", "int4"]
-    smooth_q: Literal["head", "block", "none"]
+    smooth_q: Literal["auto", "head", "block", "none"]
     smooth_k: bool
     smooth_v: bool
     return_lse: bool
@@ -127,12 +130,13 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def _smooth_q_mode(value: object) -> Literal["head", "block", "none"]:
-    """Resolve smooth_q: False -> "none"; True and "auto" -> "head"; "head"/"block" as named."""
+def _smooth_q_mode(value: object) -> Literal["auto", "head", "block", "none"]:
+    """Resolve smooth_q: False -> "none"; True -> "head"; "auto"/"head"/"block" as named ("auto"
+    is each kernel's choice: none for the Hopper 8-bit kernel, "head" for the warp-level one)."""
     if isinstance(value, bool):
         return "head" if value else "none"
     if isinstance(value, str) and value in SMOOTH_Q_MODES:
-        return "head" if value == "auto" else cast(Literal["head", "block"], value)
+        return cast(Literal["auto", "head", "block"], value)
     raise ValueError(f"smooth_q must be True, False, 'auto', 'head' or 'block'; got {value!r}")
 
 
@@ -306,8 +310,27 @@ def _build_reason(device: torch.device | None = None) -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _wgmma_runs_on(capability: tuple[int, int]) -> bool:
+    return ops.has_op("attention_wgmma") and any(
+        f.startswith("attention_wgmma") for f in ops.kernels_for_capability(capability))
+
+
+def _kernel_for(call: AttentionCall) -> Kernel:
+    """The attention kernel that serves ``call`` (once :func:`_unsupported_reason` said one can):
+    the Hopper kernel on an sm_90 GPU whose build has it, for what it computes (INT8 QK without
+    Q smoothing, head_dim 64/128), else the warp-level kernel."""
+    device = call.q.device
+    if (call.qk_quant == "int8" and call.smooth_q in ("auto", "none")
+            and call.head_dim in ops.WGMMA_HEAD_DIMS and device.type == "cuda"
+            and torch.cuda.is_available() and _wgmma_runs_on(_capability(_cuda_index(device)))):
+        return "wgmma"
+    return "mma"
+
+
 def _kernel_reason(call: AttentionCall) -> str | None:
-    """What the warp-level kernel (attention_mma) itself cannot do."""
+    """What the warp-level kernel (attention_mma) itself cannot do (the Hopper kernel serves a
+    subset of it)."""
     if call.qk_quant == "int4":
         return "the INT4 kernel is not built yet"
     if call.smooth_q == "block":
@@ -429,13 +452,32 @@ def _quantize_for_mma(q: Tensor, k: Tensor, *, smooth_q: bool, smooth_k: bool,
                       kv.delta_s if q_mean is not None else None, k_mean)
 
 
+def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
+           sm_scale: float) -> tuple[Tensor, Tensor]:
+    """The Hopper kernel's call: one smoothing_stats pass (K's mean, V's range and mean), one
+    quantize_kv pass (per-thread INT8 K, FP8 V transposed in the PV-MMA order), then the kernel,
+    which quantizes Q itself and returns the complete LSE (it adds the row constant of K
+    smoothing)."""
+    stats = ops.smoothing_stats(None, k, v, call.smooth_v)
+    k_mean = stats.k_mean if call.smooth_k else None
+    v_mean = stats.v_mean if call.smooth_v else None
+    kv = ops.quantize_kv(k, v, k_mean, v_mean, stats.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    return ops.attention_wgmma(
+        q, kv.k_quant, kv.k_scale, kv.v_fp8, stats.v_scale, v_mean, k_mean, k.shape[2], sm_scale,
+        call.is_causal, call.tensor_layout == "NHD", call.return_lse,
+    )
+
+
 def _quantized(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
-    """Serve ``call`` with the INT8 warp-level kernel (only after :func:`_unsupported_reason`
-    said it can)."""
+    """Serve ``call`` with the quantized kernel :func:`_kernel_for` picks (only after
+    :func:`_unsupported_reason` said one can)."""
     q, k, v = (_kernel_view(t) for t in (call.q, call.k, call.v))
     sm_scale = 1.0 / math.sqrt(call.head_dim) if call.scale is None else call.scale
-    inputs = _quantize_for_mma(q, k, smooth_q=call.smooth_q == "head", smooth_k=call.smooth_k,
-                               sm_scale=sm_scale)
+    if _kernel_for(call) == "wgmma":
+        out, lse = _wgmma(call, q, k, v, sm_scale)
+        return call.result(out, lse if call.return_lse else None)
+    inputs = _quantize_for_mma(q, k, smooth_q=call.smooth_q in ("auto", "head"),
+                               smooth_k=call.smooth_k, sm_scale=sm_scale)
     out, lse = ops.attention_mma(
         inputs.q_codes, inputs.q_scale, inputs.k_codes, inputs.k_scale, inputs.delta_s, v,
         q.shape[2], call.is_causal, call.tensor_layout == "NHD", call.return_lse,
@@ -583,8 +625,13 @@ def kernel_plan(device: torch.device | str | int | None = None) -> str:
     dev = _resolve_device(device)
     reason = _device_reason(dev) or _build_reason(dev)
     dims = " and ".join(map(str, ops.MMA_HEAD_DIMS))
-    plan = (f"exact SDPA fallback ({reason})" if reason else
-            f"quantized SageAttention2: {MMA_PLAN}, head_dim {dims} (other calls: exact SDPA)")
+    if reason:
+        plan = f"exact SDPA fallback ({reason})"
+    elif _wgmma_runs_on(_capability(_cuda_index(dev))):
+        plan = (f"quantized SageAttention2: {WGMMA_PLAN}, head_dim {dims}, INT8 without Q "
+                f"smoothing; the {MMA_PLAN} for smooth_q='head'/True (other calls: exact SDPA)")
+    else:
+        plan = f"quantized SageAttention2: {MMA_PLAN}, head_dim {dims} (other calls: exact SDPA)"
     info = ops.build_info()
     if dev.type != "cuda" or not torch.cuda.is_available() or info is None:
         return plan

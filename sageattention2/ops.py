@@ -49,8 +49,11 @@ __all__ = [
     "MMA_BLOCK_Q",
     "MMA_HEAD_DIMS",
     "MMA_WARPS",
+    "WGMMA_BLOCK_K",
+    "WGMMA_HEAD_DIMS",
     "arch_runs_on",
     "attention_mma",
+    "attention_wgmma",
     "build_info",
     "has_op",
     "kernels_for_capability",
@@ -70,6 +73,9 @@ MMA_BLOCK_Q = 128
 MMA_WARPS = 8
 MMA_BLOCK_K = 128
 MMA_HEAD_DIMS = (64, 128)
+# The Hopper kernel (csrc/attention_params.h: kWgmmaBlockK): K from quantize_kv(block_k=128).
+WGMMA_BLOCK_K = 128
+WGMMA_HEAD_DIMS = (64, 128)
 # Absent outputs are empty float32 tensors of shape [0] (DESIGN.md).
 
 
@@ -189,6 +195,33 @@ def attention_mma(
         delta_s = None
     out, lse = torch.ops.sageattention2.attention_mma.default(
         q_codes, q_scale, k_codes, k_scale, delta_s, v, q_len, is_causal, out_nhd, return_lse
+    )
+    return out, lse
+
+
+def attention_wgmma(
+    q: Tensor,
+    k_codes: Tensor,
+    k_scale: Tensor,
+    v_fp8: Tensor,
+    v_scale: Tensor,
+    v_mean: Tensor | None,
+    k_mean: Tensor | None,
+    kv_len: int,
+    sm_scale: float,
+    is_causal: bool,
+    out_nhd: bool,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor]:
+    """Hopper attention (sm_90a, DESIGN.md): ``q`` the caller's fp16/bf16 ``[B, Hq, Nq, D]`` view
+    (quantized inside the kernel), K and V from quantize_kv(block_k=WGMMA_BLOCK_K, "int8", v with
+    ``v_scale`` and, for smooth V, ``v_mean``). Returns ``(out [B, Hq, Nq, D]`` in q's dtype, NHD
+    memory when ``out_nhd``; ``lse [B, Hq, Nq]`` float32 natural log of the true scaled scores,
+    including the row constant of K smoothing when ``k_mean`` is given, or ``[0]``)."""
+    _require_op("attention_wgmma")
+    out, lse = torch.ops.sageattention2.attention_wgmma.default(
+        q, k_codes, k_scale, v_fp8, v_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
+        return_lse,
     )
     return out, lse
 

@@ -1,0 +1,467 @@
+// The Hopper SageAttention2 kernel (sm_90a): INT8 per-thread QK^T and FP8 PV on wgmma, after
+// FlashAttention-3's warp-specialised design.
+//
+// A CTA has three warpgroups. The producer (warpgroup 0, one thread) streams 128-key tiles of
+// the quantized K (INT8, from quantize_kv) and V (E4M3, transposed) into a kStages-deep
+// shared-memory ring with the copy engine, on full/empty mbarriers. Two consumer warpgroups own
+// 64 queries each: they read their fp16/bf16 Q rows once, quantize them to INT8 in registers
+// (per-thread groups, paper Eq. 8: the rows {g, g+8} of a warp's 16-row slab, so no Q pass runs
+// before the kernel), then per tile: S = Q K^T (wgmma s8, A from registers), dequantize with one
+// Q scale and one K scale per thread (Fig. 4), online softmax in base 2 (sm_scale * log2 e folded
+// into the Q scale, the x448 of P's FP8 scale folded into the exponent), P~ to E4M3 in registers,
+// R = P~ V (wgmma e4m3, A from registers, a fresh accumulator per tile) and O = alpha O + R in
+// FP32 (the two-level accumulation of paper 3.4). The epilogue applies 1/l and V's per-channel
+// scale (and mean, with smooth V) and writes the output in the caller's layout.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <cstdint>
+
+#include "attention_params.h"
+#include "ptx.cuh"
+#include "quant_math.cuh"
+
+namespace sageattention2 {
+
+template <typename T>
+struct PackPair;
+template <>
+struct PackPair<__half> {
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <>
+struct PackPair<__nv_bfloat16> {
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+// Four fp32 values to four E4M3 bytes (first value in the lowest byte), saturating to +-448.
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+  return static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(a, b)) |
+         (static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(c, d)) << 16);
+}
+
+template <typename T, int kHeadDim, bool kCausal>
+struct AttentionWgmmaKernel {
+  static constexpr int kBlockQ = kWgmmaBlockQ, kBlockK = kWgmmaBlockK;
+  static constexpr int kConsumers = 2;                      // warpgroups of 64 queries
+  static constexpr int kThreads = 128 * (kConsumers + 1);
+  static constexpr int kStages = kHeadDim == 64 ? 6 : 4;
+  static constexpr int kKBytes = kBlockK * kHeadDim;        // INT8 K tile, rows of head_dim bytes
+  static constexpr int kVBytes = kHeadDim * kBlockK;        // E4M3 V^T tile, rows of 128 keys
+  static constexpr int kQkSteps = kHeadDim / 32;            // k-steps of the s8 wgmma
+  static constexpr int kPvSteps = kBlockK / 32;             // k-steps of the e4m3 wgmma
+  static constexpr int kSRegs = kBlockK / 2;                // S accumulators per thread (m64n128)
+  static constexpr int kORegs = kHeadDim / 2;               // O accumulators per thread
+  static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
+  static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
+
+  struct alignas(1024) Smem {
+    uint8_t q[kConsumers][64 * kHeadDim];  // each warpgroup's INT8 Q codes, K-major, swizzled
+    uint8_t k[kStages][kKBytes];           // every tile 1024-aligned: the swizzle pattern's period
+    uint8_t v[kStages][kVBytes];
+    float k_scale[kStages][4];             // the tile's 4 K group scales travel with it
+    uint64_t full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages];
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;  // + alignment slack
+
+  struct Tile {  // where this CTA works
+    int qb, h, b, hk;
+    int64_t q0;
+    int kv_tiles;
+  };
+
+  __device__ static Tile locate(const AttentionWgmmaParams& p) {
+    Tile w;
+    const int q_blocks = static_cast<int>((p.q_len + kBlockQ - 1) / kBlockQ);
+    // Causal: the longest rows (most key tiles) first, so the short ones fill the last wave.
+    w.qb = kCausal ? q_blocks - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
+    w.h = blockIdx.y;
+    w.b = blockIdx.z;
+    w.hk = w.h / (p.q_heads / p.kv_heads);
+    w.q0 = static_cast<int64_t>(w.qb) * kBlockQ;
+    int64_t tiles = (p.kv_len + kBlockK - 1) / kBlockK;
+    if constexpr (kCausal) {
+      const int64_t last_query = (w.q0 + kBlockQ < p.q_len ? w.q0 + kBlockQ : p.q_len) - 1;
+      const int64_t needed = last_query / kBlockK + 1;  // SDPA causal: key j visible to query i iff j <= i
+      tiles = needed < tiles ? needed : tiles;
+    }
+    w.kv_tiles = static_cast<int>(tiles);
+    return w;
+  }
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // ---- producer: one thread feeds the ring ----
+  __device__ static void produce(const AttentionWgmmaParams& p, const CUtensorMap* k_map, const CUtensorMap* v_map,
+                                 Smem& s, const Tile& w) {
+    const int bhk = w.b * p.kv_heads + w.hk;
+    const float* k_scale = p.k_scale + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) * 4;
+    ptx::prefetch_tensor_map(k_map);
+    ptx::prefetch_tensor_map(v_map);
+    for (int it = 0; it < w.kv_tiles; ++it) {
+      const int stage = it % kStages;
+      const uint32_t phase = (it / kStages) & 1;
+      ptx::mbarrier_wait(&s.empty_k[stage], phase ^ 1);
+      ptx::mbarrier_arrive_expect_tx(&s.full_k[stage], kKBytes + 16);
+      ptx::tma_load_3d(s.k[stage], k_map, 0, it * kBlockK, bhk, &s.full_k[stage]);
+      ptx::bulk_load(s.k_scale[stage], k_scale + it * 4, 16, &s.full_k[stage]);
+      ptx::mbarrier_wait(&s.empty_v[stage], phase ^ 1);
+      ptx::mbarrier_arrive_expect_tx(&s.full_v[stage], kVBytes);
+      ptx::tma_load_3d(s.v[stage], v_map, it * kBlockK, 0, bhk, &s.full_v[stage]);
+    }
+  }
+
+  // ---- consumer: Q codes in shared memory, then the pipelined KV loop, then the epilogue ----
+  struct QInfo {
+    float scale;          // dequantization scale of the thread's Q group, times sm_scale * log2 e
+    float k_mean_dot[2];  // q_row . k_mean for the rows g and g+8 (LSE only)
+  };
+
+  // Byte offset of (row, byte) in a K-major tile whose rows are one swizzle span (64 or 128
+  // bytes): the copy engine's SWIZZLE_64B/128B pattern, which kmajor_descriptor() describes.
+  __device__ static int swizzled(int row, int byte) {
+    constexpr int kRowBytes = kHeadDim;  // INT8 Q and K rows
+    const int chunk = byte / 16;
+    const int mixed = kRowBytes == 128 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3);
+    return row * kRowBytes + mixed * 16 + byte % 16;
+  }
+
+  // Reads rows r0 and r0 + 8 (channels {32s + 4t .. +3, 32s + 16 + 4t .. +3}, the thread's part
+  // of the A fragment layout), takes the group max |x| over the quad that shares the rows
+  // (paper Eq. 8: one scale for rows {g, g+8} of the warp's 16), quantizes with DESIGN.md's
+  // arithmetic and stores the codes into the warpgroup's Q tile. Rows past q_len are zeros.
+  __device__ static QInfo load_quantize_q(const AttentionWgmmaParams& p, const Tile& w, int64_t r0, int slab_row,
+                                          int t, uint8_t* q_tile) {
+    const T* q_head = static_cast<const T*>(p.q) + w.b * p.q_stride_b + w.h * p.q_stride_h;
+    float x[2][kQkSteps][2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = r0 + 8 * r;
+      const bool valid = row < p.q_len;
+      const T* src = q_head + (valid ? row : 0) * p.q_stride_n + 4 * t;
+#pragma unroll
+      for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const uint2 raw = valid ? ptx::ld_global_nc_v2(src + 32 * s + 16 * half) : make_uint2(0u, 0u);
+          const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) x[r][s][half][i] = widen1<T>(e[i]);
+        }
+    }
+    float amax = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(x[r][s][half][i]));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const float scale = quant_scale(amax, kInt8Max);
+    const float inv = quant_inverse(scale);
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t word = 0;
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            word |= static_cast<uint32_t>(quantize_to_int(x[r][s][half][i], inv, 127) & 0xFF) << (8 * i);
+          *reinterpret_cast<uint32_t*>(q_tile + swizzled(slab_row + 8 * r, 32 * s + 16 * half + 4 * t)) = word;
+        }
+    QInfo info;
+    info.scale = scale * (p.sm_scale * 1.4426950408889634f);
+    info.k_mean_dot[0] = info.k_mean_dot[1] = 0.0f;
+    if (p.lse != nullptr && p.k_mean != nullptr) {
+      const float* km = p.k_mean + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * kHeadDim + 4 * t;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+          for (int half = 0; half < 2; ++half)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) dot = fmaf(x[r][s][half][i], __ldg(km + 32 * s + 16 * half + i), dot);
+        dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+        dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+        info.k_mean_dot[r] = dot;
+      }
+    }
+    return info;
+  }
+
+  // Online softmax over one tile's S (int32, rows g and g+8, columns 8i + 2t + {0, 1}), in place:
+  // leaves P~ * 448 (base 2, the x448 of P's FP8 scale folded into the exponent) as floats in x
+  // and returns each row's rescale factor. The quad's 4 threads share a row, each with its own
+  // K scale (`scale` > 0), so the thread's row max is taken on the integers and dequantized once.
+  // kMasked: keys past kv_len and (causal) after the query are -inf.
+  template <bool kMasked>
+  __device__ static void softmax(float (&x)[kSRegs], const int32_t (&sacc)[kSRegs], float scale, int64_t k0,
+                                 int64_t row0, int64_t kv_len, int t, float (&m)[2], float (&l)[2],
+                                 float (&alpha)[2]) {
+    float bias[2];
+    if constexpr (kMasked) {
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) {
+        x[i] = static_cast<float>(sacc[i]) * scale;
+        const int64_t key = k0 + 8 * (i / 4) + 2 * t + (i & 1);
+        const int64_t query = row0 + 8 * ((i / 2) & 1);
+        if (key >= kv_len || (kCausal && key > query)) x[i] = -INFINITY;
+      }
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = m[r];
+#pragma unroll
+        for (int i = 0; i < kSRegs / 4; ++i) mx = fmaxf(mx, fmaxf(x[4 * i + 2 * r], x[4 * i + 2 * r + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // A row that has seen only masked keys keeps max -inf; exp2 against 0 keeps it at 0.
+        const float ref = mx == -INFINITY ? 0.0f : mx;
+        alpha[r] = ptx::exp2_approx(m[r] - ref);
+        m[r] = mx;
+        bias[r] = ref - kLog2Fp8Max;
+      }
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) x[i] -= bias[(i / 2) & 1];
+    } else {
+      int32_t imax[2] = {sacc[0], sacc[2]};
+#pragma unroll
+      for (int i = 0; i < kSRegs / 4; ++i)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) imax[r] = max(imax[r], max(sacc[4 * i + 2 * r], sacc[4 * i + 2 * r + 1]));
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float mx = fmaxf(m[r], static_cast<float>(imax[r]) * scale);
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        alpha[r] = ptx::exp2_approx(m[r] - mx);
+        m[r] = mx;
+        bias[r] = mx - kLog2Fp8Max;
+      }
+      // One FFMA per score: s * scale - bias.
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) x[i] = fmaf(static_cast<float>(sacc[i]), scale, -bias[(i / 2) & 1]);
+    }
+    float sum[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) {
+      x[i] = ptx::exp2_approx(x[i]);  // P~ * 448, in [0, 448]
+      sum[(i / 2) & 1] += x[i];
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];  // thread-partial; reduced at the end
+  }
+
+  // With V's keys stored in the order of DESIGN.md, the A fragment of k-step c of the PV wgmma is
+  // the S columns of the n8 tiles 4c .. 4c+3, packed in register order, as E4M3.
+  __device__ static void pack_p(const float (&x)[kSRegs], uint32_t (&pa)[kPvSteps][4]) {
+#pragma unroll
+    for (int c = 0; c < kPvSteps; ++c)
+#pragma unroll
+      for (int reg = 0; reg < 4; ++reg) {
+        const int r = reg & 1, n = 4 * c + 2 * (reg >> 1);
+        pa[c][reg] = pack_e4m3x4(x[4 * n + 2 * r], x[4 * n + 2 * r + 1], x[4 * (n + 1) + 2 * r],
+                                 x[4 * (n + 1) + 2 * r + 1]);
+      }
+  }
+
+  __device__ static void issue_qk(int32_t (&sacc)[kSRegs], uint64_t q_desc, const uint8_t* k_tile) {
+    const uint64_t k_desc = ptx::kmajor_descriptor<kHeadDim>(k_tile);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kQkSteps; ++step) {  // +32 bytes along K per step
+      if (step == 0) ptx::wgmma_m64n128k32_s8<false>(sacc, q_desc, k_desc);
+      else ptx::wgmma_m64n128k32_s8<true>(sacc, q_desc + 2 * step, k_desc + 2 * step);
+    }
+    ptx::wgmma_commit();
+  }
+
+  __device__ static void issue_pv(float (&racc)[kORegs], uint32_t (&pa)[kPvSteps][4], const uint8_t* v_tile) {
+    const uint64_t v_desc = ptx::kmajor_descriptor<128>(v_tile);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kPvSteps; ++step) {
+      if constexpr (kHeadDim == 128) {
+        if (step == 0) ptx::wgmma_m64n128k32_e4m3<false>(racc, pa[step], v_desc);
+        else ptx::wgmma_m64n128k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
+      } else {
+        if (step == 0) ptx::wgmma_m64n64k32_e4m3<false>(racc, pa[step], v_desc);
+        else ptx::wgmma_m64n64k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
+      }
+    }
+    ptx::wgmma_commit();
+  }
+
+  // Everything of one KV tile between its QK product and its PV product: wait for S, free the
+  // K stage, softmax (masked only where the tile needs it).
+  __device__ static void scores_to_p(Smem& s, int stage, const QInfo& q, int64_t k0, int64_t warp_row0, int64_t row0,
+                                     const AttentionWgmmaParams& p, int lane, int t, int32_t (&sacc)[kSRegs],
+                                     float (&x)[kSRegs], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+    const float scale = q.scale * s.k_scale[stage][t];  // keys 8i + 2t + {0,1} are K group t
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&s.empty_k[stage]);
+    const bool masked = k0 + kBlockK > p.kv_len || (kCausal && k0 + kBlockK - 1 > warp_row0);
+    if (masked) softmax<true>(x, sacc, scale, k0, row0, p.kv_len, t, m, l, alpha);
+    else softmax<false>(x, sacc, scale, k0, row0, p.kv_len, t, m, l, alpha);
+  }
+
+  __device__ static void consume(const AttentionWgmmaParams& p, Smem& s, const Tile& w, int consumer) {
+    const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int64_t warp_row0 = w.q0 + consumer * 64 + warp_in_group * 16;
+    const int64_t row0 = warp_row0 + g;  // this thread's rows: row0 and row0 + 8
+    const QInfo q = load_quantize_q(p, w, row0, warp_in_group * 16 + g, t, s.q[consumer]);
+    ptx::fence_proxy_async_shared();                // the codes are read by wgmma (async proxy)
+    // ... once the whole warpgroup wrote them (barrier 1 + consumer: one per warpgroup).
+    if (consumer == 0) ptx::named_barrier_sync<1, 128>();
+    else ptx::named_barrier_sync<2, 128>();
+    const uint64_t q_desc = ptx::kmajor_descriptor<kHeadDim>(s.q[consumer]);
+
+    float o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float alpha[2], alpha_prev[2];
+    int32_t sacc[kSRegs];
+    float x[kSRegs];
+    float racc[kORegs];
+    uint32_t pa[kPvSteps][4];
+
+    // Tile 0: S, softmax.
+    ptx::mbarrier_wait(&s.full_k[0], 0);
+    issue_qk(sacc, q_desc, s.k[0]);
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
+    scores_to_p(s, 0, q, 0, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha_prev);
+    pack_p(x, pa);
+
+    // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; the softmax of tile it runs
+    // while PV(it - 1) computes; then R(it - 1) is folded into O (paper 3.4) and P(it) packed.
+    for (int it = 1; it < w.kv_tiles; ++it) {
+      const int stage = it % kStages, prev = (it - 1) % kStages;
+      const uint32_t phase = (it / kStages) & 1, prev_phase = ((it - 1) / kStages) & 1;
+      ptx::mbarrier_wait(&s.full_k[stage], phase);
+      issue_qk(sacc, q_desc, s.k[stage]);
+      ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
+      issue_pv(racc, pa, s.v[prev]);
+      ptx::wgmma_wait<1>();  // S(it) is ready, PV(it - 1) may still run
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
+      scores_to_p(s, stage, q, static_cast<int64_t>(it) * kBlockK, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha);
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) ptx::register_fence(racc[i]);
+#pragma unroll
+      for (int c = 0; c < kPvSteps; ++c)
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) ptx::register_fence(pa[c][reg]);  // read by PV until now
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[prev]);
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], alpha_prev[(i / 2) & 1], racc[i]);
+      pack_p(x, pa);
+      alpha_prev[0] = alpha[0];
+      alpha_prev[1] = alpha[1];
+    }
+    {  // the last tile's PV
+      const int last = w.kv_tiles - 1, stage = last % kStages;
+      ptx::mbarrier_wait(&s.full_v[stage], (last / kStages) & 1);
+      issue_pv(racc, pa, s.v[stage]);
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) ptx::register_fence(racc[i]);
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[stage]);
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], alpha_prev[(i / 2) & 1], racc[i]);
+    }
+
+    // ---- epilogue: O / l * v_scale (+ v_mean), the caller's layout; the natural-log LSE ----
+    const int64_t bhk = static_cast<int64_t>(w.b) * p.kv_heads + w.hk;
+    const float* v_scale = p.v_scale + bhk * kHeadDim;
+    const float* v_mean = p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr;
+    T* out = static_cast<T*>(p.out) + w.b * p.out_stride_b + w.h * p.out_stride_h;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float sum = l[r];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int64_t query = row0 + 8 * r;
+      if (query >= p.q_len) continue;
+      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
+      T* dst = out + query * p.out_stride_n;
+#pragma unroll
+      for (int n = 0; n < kHeadDim / 8; ++n) {
+        const int col = 8 * n + 2 * t;
+        const float2 vs = *reinterpret_cast<const float2*>(v_scale + col);
+        float lo = o[4 * n + 2 * r] * inv * vs.x, hi = o[4 * n + 2 * r + 1] * inv * vs.y;
+        if (v_mean != nullptr) {
+          const float2 vm = *reinterpret_cast<const float2*>(v_mean + col);
+          lo += vm.x;
+          hi += vm.y;
+        }
+        *reinterpret_cast<uint32_t*>(dst + col) = PackPair<T>::pack(lo, hi);
+      }
+      if (p.lse != nullptr && t == 0) {
+        constexpr float kLn2 = 0.6931471805599453f;
+        // sum holds sum_j P~_j * 448 relative to the base-2 max m; K smoothing dropped the row
+        // constant sm_scale * q . k_mean, which the LSE of the true scores includes.
+        p.lse[(static_cast<int64_t>(w.b) * p.q_heads + w.h) * p.q_len + query] =
+            sum > 0.0f ? (m[r] + __log2f(sum) - kLog2Fp8Max) * kLn2 + p.sm_scale * q.k_mean_dot[r] : -INFINITY;
+      }
+    }
+  }
+#endif  // sm_90a
+
+  __device__ static void run(const AttentionWgmmaParams& p, const CUtensorMap* k_map, const CUtensorMap* v_map,
+                             unsigned char* smem_raw) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
+    Smem& s = *reinterpret_cast<Smem*>(base);
+    const Tile w = locate(p);
+    if (threadIdx.x == 0) {
+      for (int i = 0; i < kStages; ++i) {
+        ptx::mbarrier_init(&s.full_k[i], 1);  // the producer's arrive.expect_tx
+        ptx::mbarrier_init(&s.full_v[i], 1);
+        ptx::mbarrier_init(&s.empty_k[i], kConsumers * 4);  // one arrival per consumer warp
+        ptx::mbarrier_init(&s.empty_v[i], kConsumers * 4);
+      }
+      ptx::fence_mbarrier_init();
+    }
+    __syncthreads();
+    const int group = threadIdx.x / 128;
+    if (group == 0) {
+      ptx::setmaxnreg_dec<24>();
+      if (threadIdx.x == 0) produce(p, k_map, v_map, s, w);
+    } else {
+      ptx::setmaxnreg_inc<240>();
+      consume(p, s, w, group - 1);
+    }
+#endif
+  }
+};
+
+// One CTA per SM: 384 threads, registers rebalanced by setmaxnreg (24 for the producer, 240 for
+// the consumers: 128 * 24 + 256 * 240 = 64,512 of 65,536).
+template <typename T, int kHeadDim, bool kCausal>
+__global__ void __launch_bounds__(384, 1)
+    attention_wgmma_kernel(const __grid_constant__ AttentionWgmmaParams p, const __grid_constant__ CUtensorMap k_map,
+                           const __grid_constant__ CUtensorMap v_map) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  AttentionWgmmaKernel<T, kHeadDim, kCausal>::run(p, &k_map, &v_map, smem);
+}
+
+}  // namespace sageattention2
