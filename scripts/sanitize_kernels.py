@@ -35,3 +35,18 @@ if hasattr(torch.ops.sageattention2, "attention_mma"):
                 torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds, v, n, causal, causal, True)
     torch.cuda.synchronize()
     print("sanitize: attention_mma variants ran")
+
+# The Hopper kernel (sm_90 only): both head dims, causal on/off, GQA, a tail tile, NHD output.
+if hasattr(torch.ops.sageattention2, "attention_wgmma") and torch.cuda.get_device_capability() == (9, 0):
+    for dtype in (torch.float16, torch.bfloat16):
+        for n, d in ((130, 128), (33, 64)):
+            q = torch.randn(1, 4, n, d, device="cuda", dtype=dtype)
+            k = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
+            v = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
+            stats = ops.smoothing_stats(None, k, v, True)
+            kv = ops.quantize_kv(k, v, stats.k_mean, stats.v_mean, stats.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+            for causal in (False, True):
+                ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, stats.v_scale, stats.v_mean, stats.k_mean,
+                                    n + 7, d ** -0.5, causal, causal, True)
+    torch.cuda.synchronize()
+    print("sanitize: attention_wgmma variants ran")

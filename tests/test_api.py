@@ -14,6 +14,7 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -446,6 +447,77 @@ def test_mma_geometry_matches_csrc() -> None:
         assert int(match.group(1)) == value, f"{name} = {match.group(1)} but ops has {value}"
 
 
+def test_wgmma_geometry_matches_csrc() -> None:
+    """ops.WGMMA_BLOCK_K (quantize_kv's block for attention_wgmma) is the kernel's, and so is the
+    128-query CTA whose Q groups tests/test_attention_gpu.py emulates (block_q=128, warps=8)."""
+    path = REPO / "csrc" / "attention_params.h"
+    if not path.exists():
+        pytest.skip("csrc/attention_params.h not in this checkout")
+    text = path.read_text()
+    for name, value in (("kWgmmaBlockK", ops.WGMMA_BLOCK_K), ("kWgmmaBlockQ", 128)):
+        match = re.search(rf"constexpr\s+int\s+{name}\s*=\s*(\d+)\s*;", text)
+        assert match is not None, f"{name} not found in {path}"
+        assert int(match.group(1)) == value, f"{name} = {match.group(1)}, expected {value}"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"smooth_q": False}, {"smooth_q": True}, {"smooth_q": "head"}, {"smooth_q": "block"},
+     {"qk_quant": "int4"}, {"qk_quant": "int8", "d": 64}, {"d": 96}],
+)
+def test_kernel_for_cpu_calls_is_mma(monkeypatch: pytest.MonkeyPatch,
+                                     options: dict[str, Any]) -> None:
+    """CPU tensors never go to the Hopper kernel, and choosing the kernel never touches
+    torch.cuda (nor the cached capability) for them."""
+    def no_cuda(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("_kernel_for touched torch.cuda for a CPU call")
+
+    for name in ("is_available", "current_device", "get_device_capability", "device_count"):
+        monkeypatch.setattr(torch.cuda, name, no_cuda)
+    monkeypatch.setattr(api, "_capability", no_cuda)
+    monkeypatch.setattr(api, "_wgmma_runs_on", no_cuda)
+    options = dict(options)
+    q, k, v = qkv(d=options.pop("d", 128), dtype=torch.float16)
+    call = api._validate(q, k, v, None, 0.0, False, None, False, "HND",
+                         options.get("qk_quant", "auto"), True, options.get("smooth_q", "auto"),
+                         False, False, False)
+    assert api._kernel_for(call) == "mma"
+
+
+@pytest.mark.parametrize(
+    ("options", "runs_wgmma", "kernel"),
+    [
+        ({}, True, "wgmma"),
+        ({"smooth_q": False}, True, "wgmma"),
+        ({"qk_quant": "int8", "d": 64}, True, "wgmma"),
+        ({"smooth_q": True}, True, "mma"),
+        ({"smooth_q": "head"}, True, "mma"),
+        ({"smooth_q": "block"}, True, "mma"),
+        ({"qk_quant": "int4"}, True, "mma"),
+        ({"d": 96}, True, "mma"),
+        ({}, False, "mma"),
+    ],
+)
+def test_kernel_for_cuda_calls(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any],
+                               runs_wgmma: bool, kernel: str) -> None:
+    """Which kernel a CUDA call gets (the device pretended: q's device is cuda:0, whose
+    capability has attention_wgmma code or not): the Hopper kernel serves INT8 QK without Q
+    smoothing at head_dim 64/128, the warp-level kernel everything else."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(api, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(api, "_wgmma_runs_on", lambda capability: runs_wgmma)
+    options = dict(options)
+    q, k, v = qkv(d=options.pop("d", 128), dtype=torch.float16)
+    call = api._validate(q, k, v, None, 0.0, False, None, False, "HND",
+                         options.get("qk_quant", "auto"), True, options.get("smooth_q", "auto"),
+                         False, False, False)
+    # What _kernel_for reads of the call, with q on cuda:0.
+    on_cuda = SimpleNamespace(qk_quant=call.qk_quant, smooth_q=call.smooth_q,
+                              head_dim=call.head_dim,
+                              q=SimpleNamespace(device=torch.device("cuda", 0)))
+    assert api._kernel_for(on_cuda) == kernel  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -649,6 +721,100 @@ def test_quantized_path_int4_and_block_fall_back(stand_in: list[dict[str, Any]])
     assert len(stand_in) == 1
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        dict(),
+        dict(layout="NHD", dtype=torch.bfloat16, causal=True, scale=0.3),
+        dict(b=None, smooth_k=False, smooth_v=True),
+        dict(hkv=1, gqa=True, nq=7, nk=150, d=64, smooth_q=False),
+        dict(packed=True, layout="NHD", smooth_v=True),
+    ],
+    ids=["hnd", "nhd-bf16-causal-scale", "3d-no-smooth-k-smooth-v", "mqa-d64", "packed-nhd"],
+)
+def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]) -> None:
+    """The arguments sageattn gives attention_wgmma (where _kernel_for picks it), from the real
+    preprocessing ops (their CPU reference implementations): q read in place, K/V quantized for
+    block_k=WGMMA_BLOCK_K, K's mean only with smooth_k, V's only with smooth_v, the kv length,
+    softmax scale, mask, output layout and LSE flag; and what the op returns is what sageattn
+    returns, in the caller's layout."""
+    if not ops.HAS_EXTENSION:
+        pytest.skip("the preprocessing ops need the compiled extension")
+    layout = case.get("layout", "HND")
+    dtype = case.get("dtype", torch.float16)
+    b, hq, hkv = case.get("b", 2), 4, case.get("hkv", 4)
+    nq, nk, d = case.get("nq", 70), case.get("nk", 70), case.get("d", 128)
+    smooth_k, smooth_v = case.get("smooth_k", True), case.get("smooth_v", False)
+    gen = torch.Generator().manual_seed(3)
+    q4, k4, v4 = (torch.randn(b or 1, h, n, d, generator=gen).to(dtype)
+                  for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    if case.get("packed"):
+        packed = torch.stack([t.transpose(1, 2) for t in (q4, k4, v4)], dim=2)  # [B,N,3,H,D]
+        q4, k4, v4 = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    args = [t if layout == "HND" else t.transpose(1, 2) for t in (q4, k4, v4)]
+    if b is None:
+        args = [t[0] for t in args]
+
+    calls: list[dict[str, Any]] = []
+    names = ("q", "k_codes", "k_scale", "v_fp8", "v_scale", "v_mean", "k_mean", "kv_len",
+             "sm_scale", "is_causal", "out_nhd", "return_lse")
+
+    def stand_in(*op_args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        call = dict(zip(names, op_args))
+        calls.append(call)
+        q = call["q"]
+        memory = (q.shape[0], q.shape[2], q.shape[1], q.shape[3]) if call["out_nhd"] else q.shape
+        out = torch.arange(q.numel(), dtype=torch.float32).view(memory).to(q.dtype)
+        out = out.transpose(1, 2) if call["out_nhd"] else out
+        lse = torch.arange(q[..., 0].numel(), dtype=torch.float32).view(q.shape[:3]) \
+            if call["return_lse"] else torch.empty(0)
+        return out, lse
+
+    monkeypatch.setattr(api, "_device_reason", lambda device: None)
+    monkeypatch.setattr(api, "_build_reason", lambda device=None: None)
+    monkeypatch.setattr(api, "_kernel_for", lambda call: "wgmma")
+    monkeypatch.setattr(ops, "attention_wgmma", stand_in)
+    monkeypatch.setattr(ops, "attention_mma", None)  # must not run
+    kwargs = dict(is_causal=case.get("causal", False), enable_gqa=case.get("gqa", False),
+                  tensor_layout=layout, scale=case.get("scale"), smooth_k=smooth_k,
+                  smooth_q=case.get("smooth_q", "auto"), smooth_v=smooth_v, strict=True)
+    out, lse = sageattn(*args, return_lse=True, **kwargs)
+    out_only = sageattn(*args, **kwargs)
+    assert len(calls) == 2
+    call = calls[0]
+    assert call["q"].data_ptr() == q4.data_ptr() and call["q"].shape == (b or 1, hq, nq, d)
+    assert torch.equal(call["q"], q4)  # the caller's q, not quantized nor copied
+    k_pad = -(-nk // ops.WGMMA_BLOCK_K) * ops.WGMMA_BLOCK_K
+    assert call["k_codes"].shape == (b or 1, hkv, k_pad, d) and call["k_codes"].dtype == torch.int8
+    assert call["k_scale"].shape == (b or 1, hkv, k_pad // ops.WGMMA_BLOCK_K, 4)
+    assert call["v_fp8"].shape == (b or 1, hkv, d, k_pad)
+    assert call["v_fp8"].dtype == torch.float8_e4m3fn
+    want_stats = ref.smoothing_stats_reference(None, k4, v4, smooth_v)
+    torch.testing.assert_close(call["v_scale"], want_stats[3])
+    if smooth_k:
+        torch.testing.assert_close(call["k_mean"], want_stats[1])
+    else:
+        assert call["k_mean"] is None
+    if smooth_v:
+        torch.testing.assert_close(call["v_mean"], want_stats[2])
+    else:
+        assert call["v_mean"] is None
+    assert call["kv_len"] == nk and call["is_causal"] is kwargs["is_causal"]
+    sm_scale = d ** -0.5 if case.get("scale") is None else case["scale"]
+    assert call["sm_scale"] == pytest.approx(sm_scale, rel=1e-12)
+    assert call["out_nhd"] is (layout == "NHD") and call["return_lse"] is True
+    assert calls[1]["return_lse"] is False
+
+    want_out, want_lse = stand_in(*[calls[0][n] for n in names])
+    calls.pop()
+    out4 = out if b is not None else out[None]
+    out4 = out4 if layout == "HND" else out4.transpose(1, 2)
+    assert torch.equal(out4, want_out) and torch.equal(out, out_only)
+    assert torch.equal(lse if b is not None else lse[None], want_lse)
+    if b is not None:  # the output is contiguous in the caller's layout
+        assert out.is_contiguous()
+
+
 def test_attention_mma_meta_shapes() -> None:
     """attention_mma's Meta implementation (what torch.compile traces): shapes, dtypes and the
     NHD memory of out_nhd."""
@@ -672,6 +838,56 @@ def test_attention_mma_meta_shapes() -> None:
     out, lse = ops.attention_mma(q_codes, q_scale, k_codes, k_scale, None, v, nq, False, False,
                                  False)
     assert lse.shape == (0,)
+
+
+def test_attention_wgmma_meta_shapes() -> None:
+    """attention_wgmma's Meta implementation (what torch.compile traces): shapes, dtypes, the NHD
+    memory of out_nhd, q read through any strides; bad inputs raise naming the argument."""
+    if not ops.has_op("attention_wgmma"):
+        pytest.skip("this build has no attention_wgmma")
+    b, hq, hkv, nq, kv_len, d = 2, 8, 2, 200, 200, 128
+    k_pad = 2 * ops.WGMMA_BLOCK_K
+    meta = dict(device="meta")
+    q = torch.empty(b, hq, nq, d, dtype=torch.float16, **meta)
+    q_nhd = torch.empty(b, nq, hq, d, dtype=torch.float16, **meta).transpose(1, 2)
+    k_codes = torch.empty(b, hkv, k_pad, d, dtype=torch.int8, **meta)
+    k_scale = torch.empty(b, hkv, k_pad // ops.WGMMA_BLOCK_K, 4, **meta)
+    v_fp8 = torch.empty(b, hkv, d, k_pad, dtype=torch.float8_e4m3fn, **meta)
+    v_scale = torch.empty(b, hkv, d, **meta)
+    mean = torch.empty(b, hkv, d, **meta)
+    for q_in in (q, q_nhd):
+        for out_nhd in (False, True):
+            out, lse = ops.attention_wgmma(q_in, k_codes, k_scale, v_fp8, v_scale, mean, mean,
+                                           kv_len, 0.1, True, out_nhd, True)
+            assert out.shape == (b, hq, nq, d) and out.dtype == torch.float16
+            assert out.device.type == "meta"
+            memory = out.transpose(1, 2) if out_nhd else out
+            assert memory.is_contiguous()
+            assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
+    out, lse = ops.attention_wgmma(q.bfloat16(), k_codes, k_scale, v_fp8, v_scale, None, None,
+                                   k_pad - ops.WGMMA_BLOCK_K + 1, 0.1, False, False, False)
+    assert out.dtype == torch.bfloat16 and lse.shape == (0,)
+
+    def call(**changes: Any) -> None:
+        args = dict(q=q, k_codes=k_codes, k_scale=k_scale, v_fp8=v_fp8, v_scale=v_scale,
+                    v_mean=None, k_mean=None, kv_len=kv_len, sm_scale=0.1, is_causal=False,
+                    out_nhd=False, return_lse=True)
+        args.update(changes)
+        ops.attention_wgmma(**args)
+
+    for kv_bad in (k_pad - ops.WGMMA_BLOCK_K, k_pad + 1, 0):  # k_codes is not kv_len padded
+        with pytest.raises(RuntimeError, match="kv_len"):
+            call(kv_len=kv_bad)
+    with pytest.raises(RuntimeError, match="v_fp8 must have shape"):
+        call(v_fp8=torch.empty(b, hkv, d, k_pad - ops.WGMMA_BLOCK_K, dtype=torch.float8_e4m3fn,
+                               **meta))
+    with pytest.raises(RuntimeError, match="v_fp8 must have shape"):
+        call(v_fp8=torch.empty(b, hkv, k_pad, d, dtype=torch.float8_e4m3fn, **meta))
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        call(q=torch.empty(b, hq, nq, 96, dtype=torch.float16, **meta),
+             k_codes=torch.empty(b, hkv, k_pad, 96, dtype=torch.int8, **meta))
+    with pytest.raises(RuntimeError, match="q must be contiguous in its last dimension"):
+        call(q=torch.empty(b, hq, d, nq, dtype=torch.float16, **meta).transpose(2, 3))
 
 
 # ------------------------------------------------------------------------------------------------
