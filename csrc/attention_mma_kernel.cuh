@@ -16,25 +16,6 @@
 
 namespace sageattention2 {
 
-template <typename T>
-struct HalfPair;
-template <>
-struct HalfPair<__half> {
-  static constexpr bool kBf16 = false;
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-template <>
-struct HalfPair<__nv_bfloat16> {
-  static constexpr bool kBf16 = true;
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-
 // Shared-memory tiles are rows of 16-byte chunks; ldmatrix reads 8 rows of one chunk column at
 // once, so the chunk index is XOR-ed with the row to put those 8 rows in 8 different bank
 // groups (rows of 4 chunks share a 128-byte line two by two, hence the shift).

@@ -24,23 +24,6 @@
 
 namespace sageattention2 {
 
-template <typename T>
-struct PackPair;
-template <>
-struct PackPair<__half> {
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-template <>
-struct PackPair<__nv_bfloat16> {
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-
 // Four fp32 values to four E4M3 bytes (first value in the lowest byte), saturating to +-448.
 __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
   return static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(a, b)) |
@@ -413,7 +396,7 @@ struct AttentionWgmmaKernel {
           lo += vm.x;
           hi += vm.y;
         }
-        *reinterpret_cast<uint32_t*>(dst + col) = PackPair<T>::pack(lo, hi);
+        *reinterpret_cast<uint32_t*>(dst + col) = HalfPair<T>::pack(lo, hi);
       }
       if (p.lse != nullptr && t == 0) {
         constexpr float kLn2 = 0.6931471805599453f;

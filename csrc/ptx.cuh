@@ -310,4 +310,25 @@ __device__ __forceinline__ float widen1<__half>(__half x) { return __half2float(
 template <>
 __device__ __forceinline__ float widen1<__nv_bfloat16>(__nv_bfloat16 x) { return __bfloat162float(x); }
 
+// Two float32 values rounded to one fp16x2 / bf16x2 word (`lo` in the low half): the output
+// stores of both attention kernels and the P operand of the fp16/bf16 PV MMA.
+template <typename T>
+struct HalfPair;
+template <>
+struct HalfPair<__half> {
+  static constexpr bool kBf16 = false;
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+template <>
+struct HalfPair<__nv_bfloat16> {
+  static constexpr bool kBf16 = true;
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
 }  // namespace sageattention2
