@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 #include <tuple>
 
 namespace sageattention2 {
@@ -16,12 +17,19 @@ struct AttentionOutputs {
 AttentionOutputs allocate_attention_mma(const at::Tensor& q_codes, const at::Tensor& q_scale,
                                         const at::Tensor& k_codes, const at::Tensor& k_scale,
                                         const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
-                                        int64_t q_len, bool out_nhd, bool return_lse);
+                                        const std::optional<at::Tensor>& v_scale,
+                                        const std::optional<at::Tensor>& v_mean, const std::string& qk_dtype,
+                                        int64_t q_len, int64_t kv_len, at::ScalarType out_dtype, bool out_nhd,
+                                        bool return_lse);
 
 std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes, const at::Tensor& q_scale,
                                                       const at::Tensor& k_codes, const at::Tensor& k_scale,
                                                       const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
-                                                      int64_t q_len, bool is_causal, bool out_nhd, bool return_lse);
+                                                      const std::optional<at::Tensor>& v_scale,
+                                                      const std::optional<at::Tensor>& v_mean,
+                                                      const std::string& qk_dtype, int64_t q_len, int64_t kv_len,
+                                                      at::ScalarType out_dtype, bool is_causal, bool out_nhd,
+                                                      bool return_lse);
 
 AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
                                           const at::Tensor& v_fp8, const at::Tensor& v_scale,

@@ -1,12 +1,14 @@
 // The warp-level SageAttention2 kernel (paper Algorithm 1) in FlashAttention-2 form: a CTA of
 // 8 warps owns 128 queries (16 per warp), streams 128-key tiles of K and V through a three-stage
-// cp.async pipeline, computes S = Q K^T with INT8 mma.sync from per-thread quantized codes,
+// cp.async pipeline, computes S = Q K^T with integer mma.sync from per-thread quantized codes,
 // dequantizes with one Q scale and one K scale per thread (Fig. 4), adds the exact Delta-S of Q
 // smoothing, runs the online softmax in base 2 (sm_scale * log2(e) is folded into the Q scales)
 // and accumulates P V in FP32.
 //
-// This instantiation family is the PV-in-fp16/bf16 variant (for GPUs without FP8); the FP8 PV
-// and INT4 QK variants of the issue extend the same template.
+// Variants are template parameters (attention_params.h): QkCodes INT8 (m16n8k32.s8) or INT4
+// (m16n8k64.s4, the 4-bit kernel: same fragments, two channels a byte), and PvOperands in the
+// input dtype (m16n8k16, for GPUs without FP8) or FP8 (P~ * 448 and per-channel V in E4M3,
+// m16n8k32.e4m3 into a fresh accumulator per tile folded into O: paper 3.3 and 3.4).
 #pragma once
 
 #include <cstdint>
@@ -19,10 +21,14 @@ namespace sageattention2 {
 // Shared-memory tiles are rows of 16-byte chunks; ldmatrix reads 8 rows of one chunk column at
 // once, so the chunk index is XOR-ed with the row to put those 8 rows in 8 different bank
 // groups (rows of 4 chunks share a 128-byte line two by two, hence the shift).
+// Rows of 2 chunks (INT4 codes at head_dim 64) share a line four by four.
 template <int kChunksPerRow>
 __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
-  static_assert(kChunksPerRow == 4 || kChunksPerRow % 8 == 0, "rows of 64 bytes or multiples of 128");
-  const int mixed = kChunksPerRow >= 8 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3);
+  static_assert(kChunksPerRow == 2 || kChunksPerRow == 4 || kChunksPerRow % 8 == 0,
+                "rows of 32 or 64 bytes or multiples of 128");
+  const int mixed = kChunksPerRow >= 8   ? chunk ^ (row & 7)
+                    : kChunksPerRow == 4 ? chunk ^ ((row >> 1) & 3)
+                                         : chunk ^ ((row >> 2) & 1);
   return row * kChunksPerRow * 16 + mixed * 16;
 }
 
@@ -35,28 +41,47 @@ __device__ __forceinline__ float small_int_to_float(int32_t x) {
   return __int_as_float(x + kMagic) - 12582912.0f;
 }
 
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
 struct AttentionMmaKernel {
+  static constexpr bool kFp8Pv = kPv == PvOperands::kFp8;
   static constexpr int kBlockQ = kMmaBlockQ, kWarps = kMmaWarps, kBlockK = kMmaBlockK;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowsPerWarp = kBlockQ / kWarps;  // 16: one MMA slab
   static constexpr int kSlabs = kRowsPerWarp / 16;
   static constexpr int kKeyTiles = kBlockK / 8;          // n8 tiles of S per KV tile
   static constexpr int kDimTiles = kHeadDim / 8;         // n8 tiles of O
-  static constexpr int kQkChunks = kHeadDim / 16;        // 16-byte chunks of an INT8 row
-  static constexpr int kVChunks = kHeadDim * 2 / 16;     // 16-byte chunks of a V row
-  static constexpr int kQBytes = kBlockQ * kHeadDim;
-  static constexpr int kKBytes = kBlockK * kHeadDim;
-  static constexpr int kVBytes = kBlockK * kHeadDim * 2;
+  // A QK k-step reads 32 bytes of a code row: 32 INT8 or 64 INT4 channels.
+  static constexpr int kQkRowBytes = kQk == QkCodes::kInt8 ? kHeadDim : kHeadDim / 2;
+  static constexpr int kQkSteps = kQkRowBytes / 32;
+  static constexpr int kQkChunks = kQkRowBytes / 16;     // 16-byte chunks of a code row
+  // The V tile: kBlockK key rows of D input-dtype values, or (FP8, transposed by quantize_kv) D
+  // channel rows of kBlockK E4M3 keys, the K-major B operand of the FP8 MMA.
+  static constexpr int kVRows = kFp8Pv ? kHeadDim : kBlockK;
+  static constexpr int kVRowBytes = kFp8Pv ? kBlockK : kHeadDim * 2;
+  static constexpr int kVChunks = kVRowBytes / 16;
+  static constexpr int kPvSteps = kBlockK / 32;          // k-steps of the FP8 PV MMA per tile
+  static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
+  static constexpr int kQBytes = kBlockQ * kQkRowBytes;
+  static constexpr int kKBytes = kBlockK * kQkRowBytes;
+  static constexpr int kVBytes = kVRows * kVRowBytes;
   static constexpr int kDeltaBytes = kBlockK * 4;
   static constexpr int kKScaleBytes = 16;  // the 4 K group scales of the tile
   static constexpr int kStageBytes = kKBytes + kVBytes + kDeltaBytes + kKScaleBytes;
   // Three stages: a K/V tile is requested two tiles ahead of its use (measured: no faster than
-  // two stages at 64-key tiles, kept as headroom; 160 KB of shared memory at head_dim 128).
-  static constexpr int kStages = 3;
+  // two stages at 64-key tiles, kept as headroom). The FP8 variants must fit the 99 KB a block
+  // may have on Ada (sm_89), where they are the fast path: INT8 + FP8 at head_dim 128 takes
+  // 81 KB with two stages (114 KB with three). INT8 + FP16 at head_dim 128 takes 162 KB: sm_80
+  // and sm_90 only (launch_attention_mma checks the device's limit).
+  static constexpr int kStages = kFp8Pv && kQk == QkCodes::kInt8 && kHeadDim == 128 ? 2 : 3;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+  // Q's fragments stay in registers for the whole KV loop (INT8 + FP16 PV: fewer spills under
+  // the 2-CTA register cap at head_dim 64) or are re-read from shared memory every tile (FP8 PV:
+  // 16 registers fewer, which at head_dim 128 is the difference between spilling and not).
+  static constexpr bool kResidentQ = !kFp8Pv;
+  static_assert(!kFp8Pv || kSmemBytes <= 99 * 1024, "the FP8 variants must fit an Ada SM");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(127 * 127 * kHeadDim < (1 << 22), "small_int_to_float needs |QK int32| < 2^22");
+  static_assert(kQk == QkCodes::kInt8 || kFp8Pv, "INT4 QK is built with FP8 PV only (the 4-bit kernel)");
 
   // Shared memory: the Q tile, then kStages pipeline stages of {K codes, V, Delta-S}. Stage
   // addresses are computed, not indexed from an array, so nothing lands in local memory.
@@ -75,53 +100,136 @@ struct AttentionMmaKernel {
   //
   // With kThreads a multiple of a row's chunk count, a thread copies one fixed chunk column of
   // rows r, r + step, r + 2*step, ... with step a multiple of 8 (so the swizzle, which only sees
-  // row & 7 or (row >> 1) & 3, is the same for all of them): its addresses are affine in the
-  // unrolled index. Written as a generic strided loop, the address arithmetic of these copies was
-  // most of the kernel's integer work (SASS: ~400 instructions per tile, ncu: ALU the top pipe).
-  template <int kChunks>
+  // row & 7, (row >> 1) & 3 or (row >> 2) & 1, is the same for all of them): its addresses are
+  // affine in the unrolled index. Written as a generic strided loop, the address arithmetic of
+  // these copies was most of the kernel's integer work (SASS: ~400 instructions per tile, ncu:
+  // ALU the top pipe).
+  template <int kChunks, int kRows>
   struct TileCopy {
     static constexpr int kRowStep = kThreads / kChunks;
-    static constexpr int kPasses = kBlockK / kRowStep;
-    static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kBlockK % kRowStep == 0, "copy geometry");
+    static constexpr int kPasses = kRows / kRowStep;
+    static_assert(kThreads % kChunks == 0 && kRowStep % 8 == 0 && kRows % kRowStep == 0, "copy geometry");
     __device__ static int row() { return threadIdx.x / kChunks; }
     __device__ static int chunk() { return threadIdx.x % kChunks; }
     __device__ static int smem_offset() { return swizzled_offset<kChunks>(row(), chunk()); }
   };
-  using KCopy = TileCopy<kQkChunks>;
-  using VCopy = TileCopy<kVChunks>;
+  using KCopy = TileCopy<kQkChunks, kBlockK>;
+  using VCopy = TileCopy<kVChunks, kVRows>;
 
   // Per-(batch, head) base pointers of everything a KV tile reads.
   struct KvHead {
     const int8_t* k;
     const float* k_scale;
-    const T* v;
+    const void* v;       // the head's V rows (kInput) or its transposed E4M3 V (kFp8)
     const float* delta;  // null without Q smoothing
   };
 
   __device__ static void load_kv_tile(const AttentionMmaParams& p, const Smem& s, int stage, const KvHead& head,
                                       int64_t k0) {
-    const int8_t* k_head = head.k;
-    const T* v_head = head.v;
-    const int8_t* kg = k_head + (k0 + KCopy::row()) * kHeadDim + KCopy::chunk() * 16;
+    const int8_t* kg = head.k + (k0 + KCopy::row()) * kQkRowBytes + KCopy::chunk() * 16;
     unsigned char* ks = s.k(stage) + KCopy::smem_offset();
 #pragma unroll
     for (int j = 0; j < KCopy::kPasses; ++j)
-      ptx::cp_async_16(ks + j * KCopy::kRowStep * kHeadDim, kg + j * KCopy::kRowStep * kHeadDim, true);
+      ptx::cp_async_16(ks + j * KCopy::kRowStep * kQkRowBytes, kg + j * KCopy::kRowStep * kQkRowBytes, true);
 
-    const int64_t v_row = k0 + VCopy::row();
-    const T* vg = v_head + v_row * p.v_stride_n + VCopy::chunk() * 8;
     unsigned char* vs = s.v(stage) + VCopy::smem_offset();
+    if constexpr (kFp8Pv) {
+      // Channel rows of k_padded keys, zero-padded by quantize_kv: no tail to mask.
+      const uint8_t* vg = static_cast<const uint8_t*>(head.v) + VCopy::row() * p.k_padded + k0 + VCopy::chunk() * 16;
 #pragma unroll
-    for (int j = 0; j < VCopy::kPasses; ++j) {
-      const bool valid = v_row + j * VCopy::kRowStep < p.kv_len;
-      ptx::cp_async_16(vs + j * VCopy::kRowStep * kHeadDim * 2,
-                       valid ? vg + j * VCopy::kRowStep * p.v_stride_n : v_head, valid);
+      for (int j = 0; j < VCopy::kPasses; ++j)
+        ptx::cp_async_16(vs + j * VCopy::kRowStep * kVRowBytes, vg + j * VCopy::kRowStep * p.k_padded, true);
+    } else {
+      const T* v_head = static_cast<const T*>(head.v);
+      const int64_t v_row = k0 + VCopy::row();
+      const T* vg = v_head + v_row * p.v_stride_n + VCopy::chunk() * 8;
+#pragma unroll
+      for (int j = 0; j < VCopy::kPasses; ++j) {
+        const bool valid = v_row + j * VCopy::kRowStep < p.kv_len;
+        ptx::cp_async_16(vs + j * VCopy::kRowStep * kVRowBytes,
+                         valid ? vg + j * VCopy::kRowStep * p.v_stride_n : v_head, valid);
+      }
     }
     // The tile's K scales travel with it: read from global memory between the QK MMAs and the
     // softmax, their latency stalled every warp once per tile.
     if (threadIdx.x == kThreads - 1) ptx::cp_async_16(s.k_scale(stage), head.k_scale + k0 / kBlockK * 4, true);
     if (head.delta != nullptr && threadIdx.x < kBlockK / 4)
       ptx::cp_async_16(s.delta(stage) + threadIdx.x * 4, head.delta + k0 + threadIdx.x * 4, true);
+  }
+
+  // O += P V in the input dtype (FP32 accumulation). The S fragment of two n8 tiles is the A
+  // fragment of m16n8k16, so P goes from registers straight into the MMA.
+  __device__ static void accumulate_pv_input(const Smem& s, int stage, int lane, const float (&sc)[kSlabs][kKeyTiles][4],
+                                             float (&o)[kSlabs][kDimTiles][4]) {
+#pragma unroll
+    for (int kk = 0; kk < kBlockK / 16; ++kk) {
+      uint32_t pa[kSlabs][4];
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl) {
+        pa[sl][0] = HalfPair<T>::pack(sc[sl][2 * kk][0], sc[sl][2 * kk][1]);
+        pa[sl][1] = HalfPair<T>::pack(sc[sl][2 * kk][2], sc[sl][2 * kk][3]);
+        pa[sl][2] = HalfPair<T>::pack(sc[sl][2 * kk + 1][0], sc[sl][2 * kk + 1][1]);
+        pa[sl][3] = HalfPair<T>::pack(sc[sl][2 * kk + 1][2], sc[sl][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < kDimTiles / 2; ++dp) {
+        uint32_t bv[4];
+        const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+        ptx::ldmatrix_x4_trans(bv, s.v(stage) + swizzled_offset<kVChunks>(key, dp * 2 + lane / 16));
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl) {
+          ptx::mma_m16n8k16_f32<HalfPair<T>::kBf16>(o[sl][2 * dp], pa[sl], bv[0], bv[1]);
+          ptx::mma_m16n8k16_f32<HalfPair<T>::kBf16>(o[sl][2 * dp + 1], pa[sl], bv[2], bv[3]);
+        }
+      }
+    }
+  }
+
+  // O += P~ V with FP8 operands (paper 3.3, 3.4). With V's keys stored in the order of DESIGN.md,
+  // the S fragment of n8 tiles 4c .. 4c+3 is, packed to E4M3, the A fragment of k-step c. Each
+  // pair of n8 channel tiles gets a fresh accumulator over the tile's kPvSteps k-steps, then
+  // folded into O (already rescaled by alpha): the two-level accumulation, which on Ada keeps
+  // the FP22 accumulator of the FP8 MMA to 128 products of a row.
+  __device__ static void accumulate_pv_fp8(const Smem& s, int stage, int lane, const float (&sc)[kSlabs][kKeyTiles][4],
+                                           float (&o)[kSlabs][kDimTiles][4]) {
+    uint32_t pa[kSlabs][kPvSteps][4];
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+      for (int c = 0; c < kPvSteps; ++c)
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+          const int r = reg & 1, n = 4 * c + 2 * (reg >> 1);
+          pa[sl][c][reg] = pack_e4m3x4(sc[sl][n][2 * r], sc[sl][n][2 * r + 1], sc[sl][n + 1][2 * r],
+                                       sc[sl][n + 1][2 * r + 1]);
+        }
+#pragma unroll
+    for (int dp = 0; dp < kDimTiles / 2; ++dp) {
+      float racc[kSlabs][2][4];
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) racc[sl][0][e] = racc[sl][1][e] = 0.0f;
+#pragma unroll
+      for (int c = 0; c < kPvSteps; ++c) {
+        // Matrices: channels 16dp + 0..7 and + 8..15, keys 32c + 0..15 and + 16..31.
+        uint32_t bv[4];
+        const int channel = dp * 16 + (lane % 8) + 8 * (lane / 16);
+        ptx::ldmatrix_x4(bv, s.v(stage) + swizzled_offset<kVChunks>(channel, c * 2 + (lane / 8) % 2));
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl) {
+          ptx::mma_m16n8k32_e4m3(racc[sl][0], pa[sl][c], bv[0], bv[1]);
+          ptx::mma_m16n8k32_e4m3(racc[sl][1], pa[sl][c], bv[2], bv[3]);
+        }
+      }
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          o[sl][2 * dp][e] += racc[sl][0][e];
+          o[sl][2 * dp + 1][e] += racc[sl][1][e];
+        }
+    }
   }
 
   __device__ static void run(const AttentionMmaParams& p, unsigned char* smem_base) {
@@ -136,10 +244,10 @@ struct AttentionMmaKernel {
     const int64_t q0 = static_cast<int64_t>(qb) * kBlockQ;
 
     // ---- Q tile (once) and the first KV tile ----
-    const int8_t* qg = p.q_codes + ((static_cast<int64_t>(b) * p.q_heads + h) * p.q_padded + q0) * kHeadDim;
+    const int8_t* qg = p.q_codes + ((static_cast<int64_t>(b) * p.q_heads + h) * p.q_padded + q0) * kQkRowBytes;
     for (int i = threadIdx.x; i < kBlockQ * kQkChunks; i += kThreads) {
       const int row = i / kQkChunks, chunk = i % kQkChunks;
-      ptx::cp_async_16(s.q() + swizzled_offset<kQkChunks>(row, chunk), qg + row * kHeadDim + chunk * 16, true);
+      ptx::cp_async_16(s.q() + swizzled_offset<kQkChunks>(row, chunk), qg + row * kQkRowBytes + chunk * 16, true);
     }
     int64_t kv_tiles = (p.kv_len + kBlockK - 1) / kBlockK;
     if constexpr (kCausal) {
@@ -148,8 +256,9 @@ struct AttentionMmaKernel {
       kv_tiles = needed < kv_tiles ? needed : kv_tiles;
     }
     const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
-    const KvHead head{p.k_codes + bhk * p.k_padded * kHeadDim, p.k_scale + bhk * (p.k_padded / kBlockK) * 4,
-                      static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h,
+    const void* v_head = kFp8Pv ? static_cast<const void*>(static_cast<const uint8_t*>(p.v) + bhk * kHeadDim * p.k_padded)
+                                : static_cast<const void*>(static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h);
+    const KvHead head{p.k_codes + bhk * p.k_padded * kQkRowBytes, p.k_scale + bhk * (p.k_padded / kBlockK) * 4, v_head,
                       p.delta_s != nullptr ? p.delta_s + (static_cast<int64_t>(b) * p.q_heads + h) * p.k_padded
                                            : nullptr};
     // Prologue: Q and tile 0 form the first group, tiles 1 .. kStages-2 one group each.
@@ -176,8 +285,8 @@ struct AttentionMmaKernel {
       for (int r = 0; r < 2; ++r) row_max[sl][r] = -INFINITY, row_sum[sl][r] = 0.0f;
 
     const int warp_row0 = warp * kRowsPerWarp;
-    // The warp's Q fragments (A operands of m16n8k32, one per 32 channels) stay in registers.
-    uint32_t qa[kSlabs][kHeadDim / 32][4];
+    // The warp's Q fragments (A operands, one per 32 bytes of codes).
+    uint32_t qa[kSlabs][kQkSteps][4];
     for (int64_t it = 0; it < kv_tiles; ++it) {
       const int stage = static_cast<int>(it % kStages);
       const int64_t k0 = it * kBlockK;
@@ -186,17 +295,7 @@ struct AttentionMmaKernel {
       const int64_t ahead = it + kStages - 1;
       if (ahead < kv_tiles) load_kv_tile(p, s, static_cast<int>(ahead % kStages), head, ahead * kBlockK);
       ptx::cp_async_commit();
-      if (it == 0) {
-#pragma unroll
-        for (int kc = 0; kc < kHeadDim / 32; ++kc)
-#pragma unroll
-          for (int sl = 0; sl < kSlabs; ++sl) {
-            const int row = warp_row0 + sl * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-            ptx::ldmatrix_x4(qa[sl][kc], s.q() + swizzled_offset<kQkChunks>(row, kc * 2 + lane / 16));
-          }
-      }
-
-      // ---- S = Q K^T (INT8, exact int32 accumulation) ----
+      // ---- S = Q K^T (INT8 or INT4, exact int32 accumulation) ----
       int32_t acc[kSlabs][kKeyTiles][4];
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl)
@@ -205,7 +304,14 @@ struct AttentionMmaKernel {
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[sl][n][e] = 0;
 #pragma unroll
-      for (int kc = 0; kc < kHeadDim / 32; ++kc) {
+      for (int kc = 0; kc < kQkSteps; ++kc) {
+        if (!kResidentQ || it == 0) {
+#pragma unroll
+          for (int sl = 0; sl < kSlabs; ++sl) {
+            const int row = warp_row0 + sl * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
+            ptx::ldmatrix_x4(qa[sl][kc], s.q() + swizzled_offset<kQkChunks>(row, kc * 2 + lane / 16));
+          }
+        }
 #pragma unroll
         for (int np = 0; np < kKeyTiles / 2; ++np) {
           uint32_t bk[4];
@@ -213,8 +319,13 @@ struct AttentionMmaKernel {
           ptx::ldmatrix_x4(bk, s.k(stage) + swizzled_offset<kQkChunks>(key, kc * 2 + (lane / 8) % 2));
 #pragma unroll
           for (int sl = 0; sl < kSlabs; ++sl) {
-            ptx::mma_m16n8k32_s8(acc[sl][2 * np], qa[sl][kc], bk[0], bk[1]);
-            ptx::mma_m16n8k32_s8(acc[sl][2 * np + 1], qa[sl][kc], bk[2], bk[3]);
+            if constexpr (kQk == QkCodes::kInt8) {
+              ptx::mma_m16n8k32_s8(acc[sl][2 * np], qa[sl][kc], bk[0], bk[1]);
+              ptx::mma_m16n8k32_s8(acc[sl][2 * np + 1], qa[sl][kc], bk[2], bk[3]);
+            } else {
+              ptx::mma_m16n8k64_s4(acc[sl][2 * np], qa[sl][kc], bk[0], bk[1]);
+              ptx::mma_m16n8k64_s4(acc[sl][2 * np + 1], qa[sl][kc], bk[2], bk[3]);
+            }
           }
         }
       }
@@ -234,16 +345,33 @@ struct AttentionMmaKernel {
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float x = small_int_to_float(acc[sl][n][e]) * scale + ((e & 1) ? ds.y : ds.x);
-            if (needs_mask) {
-              const int64_t key = k0 + n * 8 + 2 * t + (e & 1);
-              const int64_t query = q0 + warp_row0 + sl * 16 + g + 8 * (e >> 1);
-              if (key >= p.kv_len || (kCausal && key > query)) x = -INFINITY;
-            }
             sc[sl][n][e] = x;
           }
       }
+      if (needs_mask) {
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            // The row's last visible key as an offset into the tile, in [-1, kBlockK - 1] (int32
+            // compares: the int64 ones cost the registers that spilled at head_dim 128): the
+            // tail of kv_len and, causal, the query's own position.
+            int64_t last = p.kv_len - 1 - k0;
+            if (kCausal) {
+              const int64_t query = q0 + warp_row0 + sl * 16 + g + 8 * r;
+              last = query - k0 < last ? query - k0 : last;
+            }
+            const int last_key = static_cast<int>(last < -1 ? -1 : (last > kBlockK - 1 ? kBlockK - 1 : last));
+#pragma unroll
+            for (int n = 0; n < kKeyTiles; ++n)
+#pragma unroll
+              for (int c = 0; c < 2; ++c)
+                if (n * 8 + 2 * t + c > last_key) sc[sl][n][2 * r + c] = -INFINITY;
+          }
+      }
 
-      // ---- online softmax (base 2) ----
+      // ---- online softmax (base 2). With FP8 PV, x448 of P's E4M3 scale joins the exponent:
+      // P~ * 448 in [0, 448] comes out of exp2 directly (and so does its row sum). ----
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -257,11 +385,12 @@ struct AttentionMmaKernel {
           const float ref = mx == -INFINITY ? 0.0f : mx;
           const float alpha = ptx::exp2_approx(row_max[sl][r] - ref);
           row_max[sl][r] = mx;
+          const float bias = kFp8Pv ? ref - kLog2Fp8Max : ref;
           float sum = 0.0f;
 #pragma unroll
           for (int n = 0; n < kKeyTiles; ++n) {
-            sc[sl][n][2 * r] = ptx::exp2_approx(sc[sl][n][2 * r] - ref);
-            sc[sl][n][2 * r + 1] = ptx::exp2_approx(sc[sl][n][2 * r + 1] - ref);
+            sc[sl][n][2 * r] = ptx::exp2_approx(sc[sl][n][2 * r] - bias);
+            sc[sl][n][2 * r + 1] = ptx::exp2_approx(sc[sl][n][2 * r + 1] - bias);
             sum += sc[sl][n][2 * r] + sc[sl][n][2 * r + 1];
           }
           row_sum[sl][r] = row_sum[sl][r] * alpha + sum;  // lane-partial; reduced at the end
@@ -272,34 +401,15 @@ struct AttentionMmaKernel {
           }
         }
 
-      // ---- O += P V (fp16/bf16 in, FP32 accumulate). The S fragment of two n8 tiles is the
-      // A fragment of m16n8k16, so P goes from registers straight into the MMA. ----
-#pragma unroll
-      for (int kk = 0; kk < kBlockK / 16; ++kk) {
-        uint32_t pa[kSlabs][4];
-#pragma unroll
-        for (int sl = 0; sl < kSlabs; ++sl) {
-          pa[sl][0] = HalfPair<T>::pack(sc[sl][2 * kk][0], sc[sl][2 * kk][1]);
-          pa[sl][1] = HalfPair<T>::pack(sc[sl][2 * kk][2], sc[sl][2 * kk][3]);
-          pa[sl][2] = HalfPair<T>::pack(sc[sl][2 * kk + 1][0], sc[sl][2 * kk + 1][1]);
-          pa[sl][3] = HalfPair<T>::pack(sc[sl][2 * kk + 1][2], sc[sl][2 * kk + 1][3]);
-        }
-#pragma unroll
-        for (int dp = 0; dp < kDimTiles / 2; ++dp) {
-          uint32_t bv[4];
-          const int key = kk * 16 + (lane % 8) + 8 * ((lane / 8) % 2);
-          ptx::ldmatrix_x4_trans(bv, s.v(stage) + swizzled_offset<kVChunks>(key, dp * 2 + lane / 16));
-#pragma unroll
-          for (int sl = 0; sl < kSlabs; ++sl) {
-            ptx::mma_m16n8k16_f32<HalfPair<T>::kBf16>(o[sl][2 * dp], pa[sl], bv[0], bv[1]);
-            ptx::mma_m16n8k16_f32<HalfPair<T>::kBf16>(o[sl][2 * dp + 1], pa[sl], bv[2], bv[3]);
-          }
-        }
-      }
+      if constexpr (kFp8Pv) accumulate_pv_fp8(s, stage, lane, sc, o);
+      else accumulate_pv_input(s, stage, lane, sc, o);
     }
 
-    // ---- epilogue: normalise, write O (and the natural-log LSE) ----
+    // ---- epilogue: normalise (FP8: times V's channel scale, plus its mean), write O (and the
+    // natural-log LSE) ----
     T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
+    const float* v_scale = kFp8Pv ? p.v_scale + bhk * kHeadDim : nullptr;
+    const float* v_mean = kFp8Pv && p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr;
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -312,25 +422,56 @@ struct AttentionMmaKernel {
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         T* row = out + query * p.out_stride_n;
 #pragma unroll
-        for (int n = 0; n < kDimTiles; ++n)
-          *reinterpret_cast<uint32_t*>(row + n * 8 + 2 * t) =
-              HalfPair<T>::pack(o[sl][n][2 * r] * inv, o[sl][n][2 * r + 1] * inv);
+        for (int n = 0; n < kDimTiles; ++n) {
+          const int col = n * 8 + 2 * t;
+          float lo = o[sl][n][2 * r] * inv, hi = o[sl][n][2 * r + 1] * inv;
+          if constexpr (kFp8Pv) {
+            const float2 vs = *reinterpret_cast<const float2*>(v_scale + col);
+            lo *= vs.x;
+            hi *= vs.y;
+            if (v_mean != nullptr) {
+              const float2 vm = *reinterpret_cast<const float2*>(v_mean + col);
+              lo += vm.x;
+              hi += vm.y;
+            }
+          }
+          *reinterpret_cast<uint32_t*>(row + col) = HalfPair<T>::pack(lo, hi);
+        }
         if (p.lse != nullptr && t == 0) {
           constexpr float kLn2 = 0.6931471805599453f;
+          // FP8: l sums P~ * 448.
+          const float log2_l = __log2f(l) - (kFp8Pv ? kLog2Fp8Max : 0.0f);
           p.lse[(static_cast<int64_t>(b) * p.q_heads + h) * p.q_len + query] =
-              l > 0.0f ? (row_max[sl][r] + __log2f(l)) * kLn2 : -INFINITY;
+              l > 0.0f ? (row_max[sl][r] + log2_l) * kLn2 : -INFINITY;
         }
       }
   }
 };
 
-// Two CTAs per SM (a 128-register cap) pay at head_dim 64 (H100, 4K, 64-key tiles: 211 vs 158
-// TOPS; with 128-key tiles ptxas spills 40-60 bytes there) and lose at head_dim 128 (235 vs 248
-// TOPS; 330-490 bytes spilled).
-template <typename T, int kHeadDim, bool kCausal>
-__global__ void __launch_bounds__(kMmaWarps * 32, kHeadDim == 64 ? 2 : 1) attention_mma_kernel(const __grid_constant__ AttentionMmaParams p) {
+// Archs before sm_89 have no FP8 MMA: their code for the FP8 variants is a stub (the launch
+// refuses them there, see attention_mma.cu).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 890
+inline constexpr bool kCompilingFp8Mma = false;
+#else
+inline constexpr bool kCompilingFp8Mma = true;
+#endif
+
+// Two CTAs per SM (a 128-register cap) pay for INT8 + FP16 PV at head_dim 64 (H100, 4K, 64-key
+// tiles: 211 vs 158 TOPS; with 128-key tiles ptxas spills 40-60 bytes there) and lose at
+// head_dim 128 (235 vs 248 TOPS; 330-490 bytes spilled). The FP8 variants run where they are
+// native, Ada, whose 100 KB SM holds one CTA of INT8 + FP8 at either head_dim anyway: they take
+// the registers they need.
+template <int kHeadDim, PvOperands kPv>
+inline constexpr int kMmaMinBlocksPerSm = kHeadDim == 64 && kPv == PvOperands::kInput ? 2 : 1;
+
+template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
+__global__ void __launch_bounds__(kMmaWarps * 32, (kMmaMinBlocksPerSm<kHeadDim, kPv>)) attention_mma_kernel(const __grid_constant__ AttentionMmaParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
-  AttentionMmaKernel<T, kHeadDim, kCausal>::run(p, smem);
+  if constexpr (kPv == PvOperands::kFp8 && !kCompilingFp8Mma) {
+    __trap();
+  } else {
+    AttentionMmaKernel<T, kHeadDim, kCausal, kQk, kPv>::run(p, smem);
+  }
 }
 
 }  // namespace sageattention2

@@ -41,46 +41,80 @@ AttentionOutputs allocate_outputs(const c10::SymInt& batch, const c10::SymInt& q
 AttentionOutputs allocate_attention_mma(const at::Tensor& q_codes, const at::Tensor& q_scale,
                                         const at::Tensor& k_codes, const at::Tensor& k_scale,
                                         const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
-                                        int64_t q_len, bool out_nhd, bool return_lse) {
+                                        const std::optional<at::Tensor>& v_scale,
+                                        const std::optional<at::Tensor>& v_mean, const std::string& qk_dtype,
+                                        int64_t q_len, int64_t kv_len, at::ScalarType out_dtype, bool out_nhd,
+                                        bool return_lse) {
+  TORCH_CHECK(qk_dtype == "int8" || qk_dtype == "int4", "qk_dtype must be 'int8' or 'int4', got '", qk_dtype, "'");
+  const bool int4 = qk_dtype == "int4";
+  const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
   check_codes(q_codes, "q_codes", kMmaBlockQ);
   check_codes(k_codes, "k_codes", kMmaBlockK);
-  TORCH_CHECK(v.dim() == 4, "v must be a 4-D [batch, kv_heads, kv_len, head_dim] tensor");
-  TORCH_CHECK(v.scalar_type() == at::kHalf || v.scalar_type() == at::kBFloat16, "v must be float16 or bfloat16, got ",
-              v.scalar_type());
-  TORCH_CHECK(v.sym_stride(3) == 1, "v must be contiguous in its last dimension");
-  for (int i = 0; i < 3; ++i)
-    TORCH_CHECK(v.sym_stride(i) % 8 == 0, "v.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
+  TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16, "out_dtype must be float16 or bfloat16, got ",
+              out_dtype);
+  TORCH_CHECK(v.dim() == 4, "v must be 4-D: [batch, kv_heads, kv_len, head_dim] (float16/bfloat16) or "
+              "[batch, kv_heads, head_dim, padded_kv_len] (float8_e4m3fn from quantize_kv)");
   const c10::SymInt batch = q_codes.sym_size(0), q_heads = q_codes.sym_size(1);
-  const c10::SymInt kv_heads = k_codes.sym_size(1), kv_len = v.sym_size(2);
-  const int64_t head_dim = q_codes.sym_size(3).guard_int(__FILE__, __LINE__);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128 for attention_mma, got ", head_dim);
-  TORCH_CHECK(k_codes.sym_size(3) == head_dim && v.sym_size(3) == head_dim,
-              "q, k and v must share head_dim (", head_dim, ")");
+  const c10::SymInt kv_heads = k_codes.sym_size(1), k_padded = k_codes.sym_size(2);
+  // INT4 codes hold two channels a byte.
+  const int64_t head_dim = q_codes.sym_size(3).guard_int(__FILE__, __LINE__) * (int4 ? 2 : 1);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128 for attention_mma, got ", head_dim,
+              " (q_codes.size(3) = ", q_codes.sym_size(3), " with qk_dtype '", qk_dtype, "')");
+  TORCH_CHECK(k_codes.sym_size(3) == q_codes.sym_size(3), "q_codes and k_codes must share their last dimension");
   TORCH_CHECK(k_codes.sym_size(0) == batch && v.sym_size(0) == batch, "q, k and v must share the batch size");
   TORCH_CHECK(v.sym_size(1) == kv_heads, "v must have k's heads");
   TORCH_CHECK(q_heads % kv_heads == 0, "q heads (", q_heads, ") must be a multiple of kv heads (", kv_heads, ")");
-  TORCH_CHECK(kv_len > 0, "v must have at least one token");
-  TORCH_CHECK(k_codes.sym_size(2) >= kv_len && k_codes.sym_size(2) < kv_len + kMmaBlockK,
-              "k_codes must be v's tokens padded to a multiple of ", kMmaBlockK);
+  TORCH_CHECK(kv_len > 0, "kv_len must be at least 1, got ", kv_len);
+  TORCH_CHECK(k_padded >= kv_len && k_padded < kv_len + kMmaBlockK,
+              "k_codes must be kv_len tokens padded to a multiple of ", kMmaBlockK);
   TORCH_CHECK(q_len > 0 && q_codes.sym_size(2) >= q_len && q_codes.sym_size(2) < q_len + kMmaBlockQ,
               "q_len must be the unpadded length of q_codes (padded to ", kMmaBlockQ, "), got ", q_len);
-  const c10::SymInt q_blocks = q_codes.sym_size(2) / kMmaBlockQ, k_blocks = k_codes.sym_size(2) / kMmaBlockK;
+  if (fp8_v) {
+    TORCH_CHECK(v.is_contiguous(), "v (float8_e4m3fn) must be contiguous, as quantize_kv returns it");
+    TORCH_CHECK(v.sym_sizes() == c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}),
+                "v (float8_e4m3fn) must have shape [batch, kv_heads, head_dim, padded_kv_len] = ",
+                c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}), ", got ", v.sym_sizes());
+    TORCH_CHECK(v_scale.has_value(), "v_scale is required with float8_e4m3fn v");
+    check_f32(*v_scale, "v_scale", {batch, kv_heads, c10::SymInt(head_dim)});
+    if (v_mean) check_f32(*v_mean, "v_mean", {batch, kv_heads, c10::SymInt(head_dim)});
+  } else {
+    TORCH_CHECK(v.scalar_type() == at::kHalf || v.scalar_type() == at::kBFloat16,
+                "v must be float16, bfloat16 or float8_e4m3fn, got ", v.scalar_type());
+    TORCH_CHECK(!int4, "qk_dtype 'int4' runs with FP8 PV only: pass quantize_kv's float8_e4m3fn v and v_scale");
+    TORCH_CHECK(!v_scale && !v_mean, "v_scale and v_mean go with float8_e4m3fn v only");
+    TORCH_CHECK(out_dtype == v.scalar_type(), "out_dtype (", out_dtype, ") must be v's dtype (", v.scalar_type(), ")");
+    TORCH_CHECK(v.sym_size(3) == head_dim, "v must have head_dim ", head_dim, ", got ", v.sym_size(3));
+    TORCH_CHECK(v.sym_size(2) == kv_len, "v must have kv_len (", kv_len, ") tokens, got ", v.sym_size(2));
+    TORCH_CHECK(v.sym_stride(3) == 1, "v must be contiguous in its last dimension");
+    for (int i = 0; i < 3; ++i)
+      TORCH_CHECK(v.sym_stride(i) % 8 == 0, "v.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
+  }
+  const c10::SymInt q_blocks = q_codes.sym_size(2) / kMmaBlockQ, k_blocks = k_padded / kMmaBlockK;
   check_f32(q_scale, "q_scale", {batch, q_heads, q_blocks, kMmaWarps * 8});
   check_f32(k_scale, "k_scale", {batch, kv_heads, k_blocks, 4});
-  if (delta_s) check_f32(*delta_s, "delta_s", {batch, q_heads, k_codes.sym_size(2)});
+  if (delta_s) check_f32(*delta_s, "delta_s", {batch, q_heads, k_padded});
   for (const at::Tensor* t : {&q_scale, &k_codes, &k_scale, &v})
     TORCH_CHECK(t->device() == q_codes.device(), "all inputs must be on ", q_codes.device());
+  for (const auto* t : {&delta_s, &v_scale, &v_mean})
+    TORCH_CHECK(!*t || (*t)->device() == q_codes.device(), "all inputs must be on ", q_codes.device());
 
-  return allocate_outputs(batch, q_heads, c10::SymInt(q_len), head_dim, v.options(), out_nhd, return_lse);
+  return allocate_outputs(batch, q_heads, c10::SymInt(q_len), head_dim, q_codes.options().dtype(out_dtype), out_nhd,
+                          return_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes, const at::Tensor& q_scale,
                                                       const at::Tensor& k_codes, const at::Tensor& k_scale,
                                                       const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
-                                                      int64_t q_len, bool is_causal, bool out_nhd, bool return_lse) {
-  AttentionOutputs out = allocate_attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, q_len, out_nhd, return_lse);
-  check_launchable(v, "v");
-  const c10::cuda::CUDAGuard guard(v.device());
+                                                      const std::optional<at::Tensor>& v_scale,
+                                                      const std::optional<at::Tensor>& v_mean,
+                                                      const std::string& qk_dtype, int64_t q_len, int64_t kv_len,
+                                                      at::ScalarType out_dtype, bool is_causal, bool out_nhd,
+                                                      bool return_lse) {
+  AttentionOutputs out = allocate_attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, v_scale, v_mean,
+                                                qk_dtype, q_len, kv_len, out_dtype, out_nhd, return_lse);
+  check_launchable(q_codes, "q_codes");
+  const c10::cuda::CUDAGuard guard(q_codes.device());
+  const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
   AttentionMmaParams p;
   p.q_codes = q_codes.data_ptr<int8_t>();
   p.q_scale = q_scale.data_ptr<float>();
@@ -91,6 +125,10 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes,
   p.v_stride_b = v.stride(0);
   p.v_stride_h = v.stride(1);
   p.v_stride_n = v.stride(2);
+  p.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
+  p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
+  p.qk = qk_dtype == "int4" ? QkCodes::kInt4 : QkCodes::kInt8;
+  p.pv = fp8_v ? PvOperands::kFp8 : PvOperands::kInput;
   p.out = out.out.data_ptr();
   p.out_stride_b = out.out.stride(0);
   p.out_stride_h = out.out.stride(1);
@@ -99,14 +137,19 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes,
   p.batch = static_cast<int>(q_codes.size(0));
   p.q_heads = static_cast<int>(q_codes.size(1));
   p.kv_heads = static_cast<int>(k_codes.size(1));
-  p.head_dim = static_cast<int>(q_codes.size(3));
+  p.head_dim = static_cast<int>(out.out.size(3));
   p.q_len = q_len;
-  p.kv_len = v.size(2);
+  p.kv_len = kv_len;
   p.q_padded = q_codes.size(2);
   p.k_padded = k_codes.size(2);
   p.causal = is_causal;
-  const InputDtype dtype = v.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
-  C10_CUDA_CHECK(launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream()));
+  const InputDtype dtype = out_dtype == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  const cudaError_t status = launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status != cudaErrorNotSupported, "attention_mma: ",
+              fp8_v ? "FP8 PV needs an sm_89+ GPU and a build with code for it (TORCH_CUDA_ARCH_LIST 8.9 or 9.0a)"
+                    : "INT8 + FP16/BF16 PV at head_dim 128 needs 162 KB of shared memory per block (sm_80, sm_90); "
+                      "this GPU has less (use FP8 PV on sm_89)");
+  C10_CUDA_CHECK(status);
   return {out.out, out.lse};
 }
 

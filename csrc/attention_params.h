@@ -21,14 +21,31 @@ inline constexpr int kMmaBlockQ = 128;
 inline constexpr int kMmaWarps = 8;
 inline constexpr int kMmaBlockK = 128;
 
+// The variants of the warp-level kernel (template parameters, DESIGN.md): how Q and K are coded
+// for the QK product, and in what type P and V enter the PV product.
+enum class QkCodes : int {
+  kInt8,  // per-thread INT8, mma.m16n8k32.s8
+  kInt4,  // per-thread INT4, two per byte, mma.m16n8k64.s4 (paper 3.2, the 4-bit kernel)
+};
+enum class PvOperands : int {
+  kInput,  // P and V in the input dtype (fp16/bf16 mma.m16n8k16, FP32): GPUs without FP8
+  kFp8,    // P~ * 448 and per-channel V in E4M3, mma.m16n8k32.e4m3 (paper 3.3), sm_89+
+};
+
 struct AttentionMmaParams {
-  const int8_t* q_codes = nullptr;  // [B, Hq, q_padded, D]
+  const int8_t* q_codes = nullptr;  // [B, Hq, q_padded, D] (INT4: D / 2 bytes a row)
   const float* q_scale = nullptr;   // [B, Hq, q_padded / 128, 64], times sm_scale * log2(e)
-  const int8_t* k_codes = nullptr;  // [B, Hkv, k_padded, D]
+  const int8_t* k_codes = nullptr;  // [B, Hkv, k_padded, D] (INT4: D / 2 bytes a row)
   const float* k_scale = nullptr;   // [B, Hkv, k_padded / 128, 4]
   const float* delta_s = nullptr;   // [B, Hq, k_padded] or null
-  const void* v = nullptr;          // [B, Hkv, kv_len, D] with strides below
+  // kInput: [B, Hkv, kv_len, D] in the input dtype with the strides below.
+  // kFp8: [B, Hkv, D, k_padded] E4M3 in the PV-MMA key order (DESIGN.md), contiguous.
+  const void* v = nullptr;
   int64_t v_stride_b = 0, v_stride_h = 0, v_stride_n = 0;
+  const float* v_scale = nullptr;   // kFp8: [B, Hkv, D] per-channel FP8 scale of V
+  const float* v_mean = nullptr;    // kFp8: [B, Hkv, D] or null (smooth V: added to the output)
+  QkCodes qk = QkCodes::kInt8;
+  PvOperands pv = PvOperands::kInput;
   void* out = nullptr;              // [B, Hq, q_len, D] with strides below
   int64_t out_stride_b = 0, out_stride_h = 0, out_stride_n = 0;
   float* lse = nullptr;             // [B, Hq, q_len] or null
@@ -37,6 +54,9 @@ struct AttentionMmaParams {
   bool causal = false;
 };
 
+// dtype is the output's (and, for PvOperands::kInput, V's). cudaErrorNotSupported for an FP8
+// variant on a GPU whose code in this build predates sm_89, or a variant whose shared memory
+// exceeds the GPU's per-block limit (INT8 + FP16 PV at head_dim 128 needs 162 KB: sm_80, sm_90).
 cudaError_t launch_attention_mma(const AttentionMmaParams& p, InputDtype dtype, cudaStream_t stream);
 
 

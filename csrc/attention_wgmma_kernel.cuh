@@ -24,12 +24,6 @@
 
 namespace sageattention2 {
 
-// Four fp32 values to four E4M3 bytes (first value in the lowest byte), saturating to +-448.
-__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
-  return static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(a, b)) |
-         (static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(c, d)) << 16);
-}
-
 template <typename T, int kHeadDim, bool kCausal>
 struct AttentionWgmmaKernel {
   static constexpr int kBlockQ = kWgmmaBlockQ, kBlockK = kWgmmaBlockK;

@@ -32,9 +32,14 @@ pybind11::dict build_info() {
   // kernel has code for sm_90a only (other archs compile it empty).
   kernels["preprocess (smoothing_stats, quantize_q, quantize_kv)"] = archs;
   kernels["attention_mma (INT8 QK, fp16/bf16 PV, mma.sync)"] = archs;
-  std::vector<std::string> hopper;
-  for (const auto& a : archs)
+  // FP8 MMA exists from sm_89 on; the FP8 variants of older archs are stubs.
+  std::vector<std::string> fp8, hopper;
+  for (const auto& a : archs) {
+    const std::string digits = a.substr(a.find('_') + 1);
+    if (std::stoi(digits) >= 89) fp8.push_back(a);
     if (a == "sm_90a") hopper.push_back(a);
+  }
+  kernels["attention_mma_fp8 (INT8/INT4 QK, FP8 PV, mma.sync)"] = fp8;
   kernels["attention_wgmma (INT8 QK, FP8 PV, wgmma)"] = hopper;
   info["kernels"] = kernels;
   return info;

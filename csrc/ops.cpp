@@ -34,8 +34,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_meta(
 std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q_codes, const at::Tensor& q_scale,
                                                       const at::Tensor& k_codes, const at::Tensor& k_scale,
                                                       const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
-                                                      int64_t q_len, bool /*is_causal*/, bool out_nhd, bool return_lse) {
-  auto o = allocate_attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, q_len, out_nhd, return_lse);
+                                                      const std::optional<at::Tensor>& v_scale,
+                                                      const std::optional<at::Tensor>& v_mean,
+                                                      const std::string& qk_dtype, int64_t q_len, int64_t kv_len,
+                                                      at::ScalarType out_dtype, bool /*is_causal*/, bool out_nhd,
+                                                      bool return_lse) {
+  auto o = allocate_attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, v_scale, v_mean, qk_dtype, q_len,
+                                  kv_len, out_dtype, out_nhd, return_lse);
   return {o.out, o.lse};
 }
 
@@ -67,7 +72,8 @@ TORCH_LIBRARY(sageattention2, m) {
       "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s)");
   m.def(
       "attention_mma(Tensor q_codes, Tensor q_scale, Tensor k_codes, Tensor k_scale, Tensor? delta_s, "
-      "Tensor v, int q_len, bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
+      "Tensor v, Tensor? v_scale, Tensor? v_mean, str qk_dtype, int q_len, int kv_len, ScalarType out_dtype, "
+      "bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_wgmma(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? v_mean, "
       "Tensor? k_mean, int kv_len, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "

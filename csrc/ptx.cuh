@@ -69,6 +69,34 @@ __device__ __forceinline__ void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// mma.m16n8k64.row.col.s32.s4.s4.s32 (the 4-bit QK of paper 3.2): native IMMA.16864 on sm_80 and
+// sm_89; sm_90a has no such SASS instruction and emulates it (ANCHORS: ~50 TOPS on the H100).
+// Its fragments are those of m16n8k32.s8 with two nibbles per byte (lower channel in the lower
+// nibble), so the INT8 tile loads serve it unchanged.
+__device__ __forceinline__ void mma_m16n8k64_s4(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k64.row.col.s32.s4.s4.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// mma.m16n8k32.row.col.f32.e4m3.e4m3.f32 (sm_89+): the FP8 PV product of paper 3.3. Native
+// QMMA.16832 on Ada, whose accumulator keeps only FP22 (paper 3.4, hence the two-level
+// accumulation of its callers); emulated on sm_90a (no QMMA.16832 in its SASS). Older archs have
+// no FP8 tensor cores: their launches refuse the FP8 variants, which trap if reached anyway.
+__device__ __forceinline__ void mma_m16n8k32_e4m3(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
 // mma.m16n8k16.row.col.f32.{f16,bf16}.{f16,bf16}.f32: the PV product with a true FP32
 // accumulator (no FP22 truncation, unlike the FP8 instruction of paper 3.4).
 template <bool kBf16>
@@ -330,5 +358,13 @@ struct HalfPair<__nv_bfloat16> {
     return *reinterpret_cast<uint32_t*>(&h);
   }
 };
+
+// Four fp32 values to four E4M3 bytes (first value in the lowest byte), saturating to +-448: the
+// P~ operand of both FP8 PV products (mma.sync m16n8k32 and wgmma k32 take one row's 4
+// consecutive K elements per register).
+__device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float d) {
+  return static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(a, b)) |
+         (static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(c, d)) << 16);
+}
 
 }  // namespace sageattention2

@@ -19,19 +19,38 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-# Tensor-core instructions each kernel family must contain, per arch (the PTX mma.sync and
-# wgmma shapes of csrc/ptx.cuh as the hardware runs them natively). The Hopper kernel has code
-# for sm_90a only; on the other archs of a build it is an empty stub (no expectation).
+# Tensor-core instructions each kernel variant must contain, per arch (the PTX mma.sync and
+# wgmma shapes of csrc/ptx.cuh as the hardware runs them natively). A variant is the kernel's
+# name with, for the warp-level kernel, its QK codes and PV operands (template parameters).
+# No expectation where the hardware has no native instruction: the FP8 variants are stubs before
+# sm_89 and emulate FP8 (and INT4) mma.sync on sm_90; the Hopper kernel has code for sm_90a only.
 EXPECTED: dict[str, dict[str, tuple[str, ...]]] = {
-    "attention_mma_kernel": {
+    "attention_mma_kernel<int8, input>": {
         "sm_80": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
         "sm_89": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
         "sm_90": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
+    },
+    "attention_mma_kernel<int8, fp8>": {
+        "sm_89": ("IMMA.16832.S8.S8", "QMMA.16832.F32.E4M3.E4M3"),
+        "sm_90": ("IMMA.16832.S8.S8",),
+    },
+    "attention_mma_kernel<int4, fp8>": {
+        "sm_89": ("IMMA.16864.S4.S4", "QMMA.16832.F32.E4M3.E4M3"),
     },
     "attention_wgmma_kernel": {
         "sm_90": ("IGMMA.64x128x32.S8.S8", "QGMMA.64x"),
     },
 }
+KERNEL_NAMES = ("attention_mma_kernel", "attention_wgmma_kernel")
+_QK_CODES = {"0": "int8", "1": "int4"}  # csrc/attention_params.h: QkCodes
+_PV_OPERANDS = {"0": "input", "1": "fp8"}  # PvOperands
+
+
+def variant(name: str) -> str:
+    """The EXPECTED key of a (mangled) kernel name, e.g. attention_mma_kernel<int4, fp8>."""
+    kernel = next(k for k in KERNEL_NAMES if k in name)
+    m = re.search(r"QkCodesE(\d)ELNS_\d+PvOperandsE(\d)E", name)
+    return f"{kernel}<{_QK_CODES[m.group(1)]}, {_PV_OPERANDS[m.group(2)]}>" if m else kernel
 
 
 @dataclass
@@ -57,12 +76,15 @@ def find_cuobjdump() -> str | None:
 
 
 def demangled_short(name: str) -> str:
-    """attention_mma_kernel<__half, 128, false> from the mangled name (enough to read a table)."""
-    m = re.search(r"(\w+_kernel)I(\d*_{0,2}\w+?)Li(\d+)ELb([01])E", name)
+    """attention_mma_kernel<fp16, 128, causal, int8, fp8> from the mangled name (enough to read a
+    table)."""
+    m = re.search(r"(attention_\w+?_kernel)I(\d*_{0,2}\w+?)Li(\d+)ELb([01])E", name)
     if not m:
         return name
     dtype = "bf16" if "bfloat16" in m.group(2) else "fp16"
-    return f"{m.group(1)}<{dtype}, {m.group(3)}, {'causal' if m.group(4) == '1' else 'full'}>"
+    short = f"{m.group(1)}<{dtype}, {m.group(3)}, {'causal' if m.group(4) == '1' else 'full'}"
+    codes = variant(name)
+    return short + (codes[codes.index("<") + 1:-1].join([", ", ">"]) if "<" in codes else ">")
 
 
 def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
@@ -105,18 +127,17 @@ def main(argv: list[str] | None = None) -> int:
     if cuobjdump is None:
         print("cuobjdump not found (set CUOBJDUMP)", file=sys.stderr)
         return 2
-    kernels = [k for k in read_kernels(cuobjdump, library) if any(f in k.name for f in EXPECTED)]
+    kernels = [k for k in read_kernels(cuobjdump, library) if any(f in k.name for f in KERNEL_NAMES)]
     failures = []
-    print(f"{'arch':<7}{'kernel':<44}{'regs':>5}{'stack':>7}  tensor-core instructions")
+    print(f"{'arch':<7}{'kernel':<56}{'regs':>5}{'stack':>7}  tensor-core instructions")
     for k in sorted(kernels, key=lambda k: (k.arch, demangled_short(k.name))):
-        family = next(f for f in EXPECTED if f in k.name)
-        want = EXPECTED[family].get(k.arch, ())
+        want = EXPECTED[variant(k.name)].get(k.arch, ())
         missing = [w for w in want if not any(op.startswith(w) for op in k.instructions)]
         spill = k.stack > 0 and not (args.known_spill and re.search(args.known_spill, k.name))
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(k.instructions.items()))
         flag = (" MISSING " + ",".join(missing) if missing else "") + (" SPILLS" if spill else "")
         flag += " (known spill)" if k.stack > 0 and not spill else ""
-        print(f"{k.arch:<7}{demangled_short(k.name):<44}{k.registers:>5}{k.stack:>7}  {ops}{flag}")
+        print(f"{k.arch:<7}{demangled_short(k.name):<56}{k.registers:>5}{k.stack:>7}  {ops}{flag}")
         if missing or spill:
             failures.append(k)
     archs = sorted({k.arch for k in kernels})

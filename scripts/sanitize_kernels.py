@@ -21,20 +21,27 @@ for dtype in (torch.float16, torch.bfloat16):
 torch.cuda.synchronize()
 print("sanitize_preprocess: all variants ran")
 
-# The warp-level attention kernel on the same small shapes (tails, GQA, both causal modes).
+# The warp-level attention kernel on the same small shapes (tails, GQA, both causal modes), every
+# variant: INT8 + FP16/BF16 PV, and (sm_89+) INT8 + FP8 PV and INT4 + FP8 PV with smooth V.
 if hasattr(torch.ops.sageattention2, "attention_mma"):
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    variants = [("int8", False)] + ([("int8", True), ("int4", True)] if fp8 else [])
     for dtype in (torch.float16, torch.bfloat16):
         for n, d in ((130, 128), (33, 64)):
             q = torch.randn(1, 4, n, d, device="cuda", dtype=dtype)
             k = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
             v = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
-            q_mean, k_mean, _, _ = ops.smoothing_stats(q, k, None, False)
-            qc, qs, _ = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, 0.1)
-            kc, ks, _, ds = ops.quantize_kv(k, None, k_mean, None, None, q_mean, ops.MMA_BLOCK_K, "int8", 0.1)
-            for causal in (False, True):
-                torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds, v, n, causal, causal, True)
+            stats = ops.smoothing_stats(q, k, v, True)
+            for qk, fp8_v in variants:
+                qc, qs, _ = ops.quantize_q(q, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, qk, False, 0.1)
+                kv = ops.quantize_kv(k, v if fp8_v else None, stats.k_mean, stats.v_mean if fp8_v else None,
+                                     stats.v_scale if fp8_v else None, stats.q_mean, ops.MMA_BLOCK_K, qk, 0.1)
+                pv = (kv.v_fp8, stats.v_scale, stats.v_mean) if fp8_v else (v, None, None)
+                for causal in (False, True):
+                    torch.ops.sageattention2.attention_mma(qc, qs, kv.k_quant, kv.k_scale, kv.delta_s, *pv, qk, n,
+                                                           n + 7, dtype, causal, causal, True)
     torch.cuda.synchronize()
-    print("sanitize: attention_mma variants ran")
+    print(f"sanitize: attention_mma variants ran: {variants}")
 
 # The Hopper kernel (sm_90 only): both head dims, causal on/off, GQA, a tail tile, NHD output.
 if hasattr(torch.ops.sageattention2, "attention_wgmma") and torch.cuda.get_device_capability() == (9, 0):
