@@ -11,6 +11,7 @@ be timed) and the attention kernel sageattn runs on this GPU, alone, on pre-quan
 from __future__ import annotations
 
 import argparse
+import inspect
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,10 @@ def sdpa_ms(backend: SDPBackend, q, k, v, causal: bool) -> float | None:
 
 def kernel_ms(q, k, v, causal: bool) -> float:
     d = q.shape[-1]
-    call = api._validate(q, k, v, None, 0.0, causal, None, False, "HND", "auto", True, "auto",
-                         False, False, True)
-    if api._kernel_for(call) == "wgmma":
+    bound = inspect.signature(sageattn).bind(q, k, v, is_causal=causal, strict=True)
+    bound.apply_defaults()
+    choice = api._kernel_for(api._validate(**bound.arguments))
+    if choice.kernel == "wgmma":
         stats = ops.smoothing_stats(None, k, v, False)
         kv = ops.quantize_kv(k, v, stats.k_mean, None, stats.v_scale, None, ops.WGMMA_BLOCK_K,
                              "int8", 1.0)
@@ -42,11 +44,14 @@ def kernel_ms(q, k, v, causal: bool) -> float:
                                                      stats.v_scale, None, None, k.shape[2],
                                                      d ** -0.5, causal, False, False))
     mult = d ** -0.5 * LOG2E
-    q_mean, k_mean, _, _ = ops.smoothing_stats(q, k, None, False)
-    qc, qs, _ = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, mult)
-    kc, ks, _, ds = ops.quantize_kv(k, None, k_mean, None, None, q_mean, ops.MMA_BLOCK_K, "int8", mult)
-    return median_ms(lambda: torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds, v, q.shape[2], causal,
-                                                                     False, False))
+    fp8 = choice.pv == "fp8"
+    stats = ops.smoothing_stats(q, k, v if fp8 else None, False)
+    qc, qs, _ = ops.quantize_q(q, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, choice.qk, False, mult)
+    kv = ops.quantize_kv(k, v if fp8 else None, stats.k_mean, None, stats.v_scale if fp8 else None, stats.q_mean,
+                         ops.MMA_BLOCK_K, choice.qk, mult)
+    pv = (kv.v_fp8, stats.v_scale, None) if fp8 else (v, None, None)
+    return median_ms(lambda: ops.attention_mma(qc, qs, kv.k_quant, kv.k_scale, kv.delta_s, *pv, choice.qk,
+                                               q.shape[2], k.shape[2], q.dtype, causal, False, False))
 
 
 def main() -> None:

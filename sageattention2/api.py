@@ -2,11 +2,13 @@
 
 Every call goes through one validation step, :func:`_validate`, which checks the arguments,
 turns q/k/v into canonical ``[B, H, N, D]`` views (no copies) and resolves the quantization
-plan into an :class:`AttentionCall`. :func:`_unsupported_reason` then says whether the quantized
-kernels can serve the call and :func:`_kernel_for` which one does (the Hopper ``attention_wgmma``
-on sm_90, else the warp-level ``attention_mma``); :func:`_quantized` runs that kernel's
-preprocessing ops and the attention op (docs/DESIGN.md). A call the kernels cannot serve runs
-exact ``F.scaled_dot_product_attention`` (or raises, with ``strict=True``).
+plan into an :class:`AttentionCall`. :func:`_kernel_for` alone decides which kernel serves it and
+in which precisions (:class:`KernelChoice`: the Hopper ``attention_wgmma`` on sm_90, else the
+warp-level ``attention_mma`` with INT8 or INT4 QK and FP8 or input-dtype PV);
+:func:`_unsupported_reason` says whether the quantized kernels can serve the call at all, and
+:func:`_quantized` runs the chosen kernel's preprocessing ops and attention op (docs/DESIGN.md).
+A call the kernels cannot serve runs exact ``F.scaled_dot_product_attention`` (or raises, with
+``strict=True``).
 """
 from __future__ import annotations
 
@@ -26,21 +28,21 @@ __all__ = ["AttentionCall", "SageAttentionFallbackWarning", "kernel_plan", "sage
 
 TensorLayout = Literal["HND", "NHD"]
 QKQuant = Literal["auto", "int8", "int4"]
+PVQuant = Literal["auto", "fp8", "none"]
 SmoothQ = Union[bool, Literal["auto", "head", "block"]]
-Kernel = Literal["wgmma", "mma"]
 
 TENSOR_LAYOUTS: tuple[str, ...] = ("HND", "NHD")
 QK_QUANTS: tuple[str, ...] = ("auto", *ops.QK_DTYPES)
+PV_QUANTS: tuple[str, ...] = ("auto", "fp8", "none")
 SMOOTH_Q_MODES: tuple[str, ...] = ("auto", "head", "block")
 
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
-_MAX_HEAD_DIM = 256
 _HEAD_DIM_MULTIPLE = 8
 _MIN_CAPABILITY = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16 with FP32 accumulation
 _LOG2E = math.log2(math.e)
 # What each attention kernel runs (kernel_plan).
-MMA_PLAN = "INT8 QK (per-thread) + FP16/BF16 PV warp-level kernel (mma.sync)"
+MMA_PLAN = "per-thread quantized QK warp-level kernel (mma.sync)"
 WGMMA_PLAN = "INT8 QK (per-thread, Q quantized in the kernel) + FP8 PV Hopper kernel (wgmma)"
 
 # The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still
@@ -50,6 +52,19 @@ _exact_sdpa = torch._C._nn.scaled_dot_product_attention
 
 class SageAttentionFallbackWarning(UserWarning):
     """sageattn computed a call with exact ``F.scaled_dot_product_attention``."""
+
+
+class KernelChoice(NamedTuple):
+    """The attention kernel that serves a call (:func:`_kernel_for`) and its precisions.
+
+    ``kernel``: "wgmma" (the Hopper ``attention_wgmma``) or "mma" (the warp-level
+    ``attention_mma``); ``qk``: the integer format of Q and K; ``pv``: "fp8" (P~ and V in E4M3,
+    paper 3.3) or "input" (P and V in the input dtype, FP32 accumulation).
+    """
+
+    kernel: Literal["wgmma", "mma"]
+    qk: Literal["int8", "int4"]
+    pv: Literal["fp8", "input"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,6 +86,7 @@ class AttentionCall:
     tensor_layout: TensorLayout
     input_ndim: int
     qk_quant: Literal["int8", "int4"]
+    pv_quant: PVQuant
     smooth_q: Literal["auto", "head", "block", "none"]
     smooth_k: bool
     smooth_v: bool
@@ -157,6 +173,7 @@ def _validate(
     enable_gqa: object,
     tensor_layout: object,
     qk_quant: object,
+    pv_quant: object,
     smooth_k: object,
     smooth_q: object,
     smooth_v: object,
@@ -166,6 +183,7 @@ def _validate(
     """Check every argument of :func:`sageattn` and build the :class:`AttentionCall`."""
     layout = cast(TensorLayout, _choice("tensor_layout", tensor_layout, TENSOR_LAYOUTS))
     qk = _choice("qk_quant", qk_quant, QK_QUANTS)
+    pv = cast(PVQuant, _choice("pv_quant", pv_quant, PV_QUANTS))
     smooth_q_mode = _smooth_q_mode(smooth_q)
     p = _real("dropout_p", dropout_p)
     if not 0.0 <= p < 1.0:
@@ -249,7 +267,7 @@ def _validate(
     return AttentionCall(
         q=qc, k=kc, v=vc, attn_mask=attn_mask, dropout_p=p, is_causal=causal, scale=scale,
         enable_gqa=gqa, tensor_layout=layout, input_ndim=q.dim(),
-        qk_quant=cast(Literal["int8", "int4"], "int8" if qk == "auto" else qk),
+        qk_quant=cast(Literal["int8", "int4"], "int8" if qk == "auto" else qk), pv_quant=pv,
         smooth_q=smooth_q_mode, smooth_k=_flag("smooth_k", smooth_k),
         smooth_v=_flag("smooth_v", smooth_v), return_lse=_flag("return_lse", return_lse),
         strict=_flag("strict", strict),
@@ -271,12 +289,20 @@ def _cuda_index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of a CUDA ``device``; None for any other device (without touching
+    torch.cuda: a CPU call must not initialise CUDA) or when no GPU is available."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return _capability(_cuda_index(device))
+
+
 def _device_reason(device: torch.device) -> str | None:
     if device.type != "cuda":
         return f"the quantized kernels need CUDA tensors, got {device.type}"
-    if not torch.cuda.is_available():
+    capability = _cuda_capability(device)
+    if capability is None:
         return "no CUDA GPU is available"
-    capability = _capability(_cuda_index(device))
     if capability < _MIN_CAPABILITY:
         return (f"the quantized kernels need a GPU of compute capability "
                 f"{_MIN_CAPABILITY[0]}.{_MIN_CAPABILITY[1]} or newer, "
@@ -284,18 +310,25 @@ def _device_reason(device: torch.device) -> str | None:
     return None
 
 
+def _family_archs(family: str) -> str:
+    """The archs the build compiled kernel ``family`` for, as text."""
+    info = ops.build_info()
+    archs = [] if info is None else [a for key, built in info.kernels.items()
+                                     if ops.kernel_family(key) == family for a in built]
+    return ", ".join(archs) or "no architectures"
+
+
 @functools.lru_cache(maxsize=None)
 def _arch_reason(capability: tuple[int, int]) -> str | None:
     """The build has no attention_mma code that runs on ``capability`` (only checked when the
     build reports an attention_mma kernel family at all)."""
     info = ops.build_info()
-    if info is None or not any(f.startswith("attention_mma") for f in info.kernels):
+    if info is None or not any(ops.kernel_family(f) == ops.MMA_FAMILY for f in info.kernels):
         return None
-    if any(f.startswith("attention_mma") for f in ops.kernels_for_capability(capability)):
+    if ops.family_runs_on(ops.MMA_FAMILY, capability):
         return None
-    built = ", ".join(info.archs) or "no architectures"
     return (f"the attention kernel is not compiled for sm_{capability[0]}{capability[1]} "
-            f"(built for {built})")
+            f"(built for {_family_archs(ops.MMA_FAMILY)})")
 
 
 def _build_reason(device: torch.device | None = None) -> str | None:
@@ -305,40 +338,81 @@ def _build_reason(device: torch.device | None = None) -> str | None:
         return "the sageattention2._C extension is not available"
     if not ops.has_op("attention_mma"):
         return "the attention kernels are not built yet"
-    if device is not None and device.type == "cuda" and torch.cuda.is_available():
-        return _arch_reason(_capability(_cuda_index(device)))
-    return None
+    capability = None if device is None else _cuda_capability(device)
+    return None if capability is None else _arch_reason(capability)
 
 
 @functools.lru_cache(maxsize=None)
 def _wgmma_runs_on(capability: tuple[int, int]) -> bool:
-    return ops.has_op("attention_wgmma") and any(
-        f.startswith("attention_wgmma") for f in ops.kernels_for_capability(capability))
+    return ops.has_op("attention_wgmma") and ops.family_runs_on(ops.WGMMA_FAMILY, capability)
 
 
-def _kernel_for(call: AttentionCall) -> Kernel:
-    """The attention kernel that serves ``call`` (once :func:`_unsupported_reason` said one can):
-    the Hopper kernel on an sm_90 GPU whose build has it, for what it computes (INT8 QK without
-    Q smoothing, head_dim 64/128), else the warp-level kernel."""
-    device = call.q.device
-    if (call.qk_quant == "int8" and call.smooth_q in ("auto", "none")
-            and call.head_dim in ops.WGMMA_HEAD_DIMS and device.type == "cuda"
-            and torch.cuda.is_available() and _wgmma_runs_on(_capability(_cuda_index(device)))):
-        return "wgmma"
-    return "mma"
+def _native_fp8_mma(capability: tuple[int, int]) -> bool:
+    """FP8 mma.sync is a native tensor-core instruction (QMMA) on Ada (sm_89) and consumer
+    Blackwell (sm_12x); sm_90 has it only emulated (ANCHORS.md), where the INT8 + FP8 variant
+    measured 284 TOPS against 363 for INT8 + FP16 (H100, 4K, hd128; benchmarks/RESULTS.md)."""
+    return capability == (8, 9) or capability[0] == 12
+
+
+@functools.lru_cache(maxsize=None)
+def _mma_fp8_runs_on(capability: tuple[int, int]) -> bool:
+    """attention_mma's FP8 PV variants (INT8 and INT4 QK) run on ``capability``: FP8 mma.sync
+    exists from sm_89 on, and the build compiles them only for those archs."""
+    return ops.has_op("attention_mma") and ops.family_runs_on(ops.MMA_FP8_FAMILY, capability)
+
+
+def _kernel_head_dim(head_dim: int) -> int | None:
+    """The head_dim the attention kernels run a call of ``head_dim`` at: itself when they are
+    built for it (ops.MMA_HEAD_DIMS, the Hopper kernel's as well), else the next larger one, the
+    inputs zero-padded (a zero channel adds nothing to a score, so scores, softmax and LSE are
+    unchanged, and its output channel, 0, is cut off). None when ``head_dim`` is not a positive
+    multiple of 8 or above the largest."""
+    if head_dim <= 0 or head_dim % _HEAD_DIM_MULTIPLE != 0:
+        return None
+    return next((d for d in sorted(ops.MMA_HEAD_DIMS) if d >= head_dim), None)
+
+
+def _kernel_for(call: AttentionCall) -> KernelChoice:
+    """The attention kernel that serves ``call`` and its precisions; the single place that
+    decides (:func:`_kernel_reason` only checks what this picked, :func:`_quantized` runs it).
+
+    The Hopper kernel on an sm_90 GPU whose build has it, for what it computes: INT8 QK with
+    FP8 PV (pv_quant "auto" or "fp8"), no Q smoothing (smooth_q "auto" or off), head_dim 64/128
+    after padding. Else the warp-level kernel with the requested QK format and FP8 PV when asked
+    for (pv_quant="fp8"), when INT4 QK needs it (the INT4 variant exists with FP8 PV only), or
+    for pv_quant="auto" where FP8 mma.sync is native (:func:`_native_fp8_mma`) and the build's
+    attention_mma_fp8 code runs; otherwise PV in the input dtype. CPU calls never touch
+    torch.cuda."""
+    capability = _cuda_capability(call.q.device)
+    if (call.qk_quant == "int8" and call.pv_quant in ("auto", "fp8")
+            and call.smooth_q in ("auto", "none")
+            and _kernel_head_dim(call.head_dim) in ops.WGMMA_HEAD_DIMS
+            and capability is not None and _wgmma_runs_on(capability)):
+        return KernelChoice("wgmma", "int8", "fp8")
+    fp8 = (call.pv_quant == "fp8" or call.qk_quant == "int4"
+           or (call.pv_quant == "auto" and capability is not None
+               and _native_fp8_mma(capability) and _mma_fp8_runs_on(capability)))
+    return KernelChoice("mma", call.qk_quant, "fp8" if fp8 else "input")
 
 
 def _kernel_reason(call: AttentionCall) -> str | None:
-    """What the warp-level kernel (attention_mma) itself cannot do (the Hopper kernel serves a
-    subset of it)."""
-    if call.qk_quant == "int4":
-        return "the INT4 kernel is not built yet"
+    """What the kernel :func:`_kernel_for` picks cannot do for ``call`` (the Hopper kernel is
+    only picked for calls it serves; the warp-level kernel has these limits)."""
+    choice = _kernel_for(call)
+    if choice.kernel == "wgmma":
+        return None
+    if choice.qk == "int4" and call.pv_quant == "none":
+        return "INT4 QK runs with FP8 PV only; pv_quant='none' needs qk_quant='int8'"
     if call.smooth_q == "block":
         return ("the attention kernel smooths Q per head, not per block (smooth_q='block'); "
                 "smooth_q='head' (the default) is exact as well")
-    if call.head_dim not in ops.MMA_HEAD_DIMS:
-        dims = " and ".join(map(str, ops.MMA_HEAD_DIMS))
-        return f"the attention kernel is built for head_dim {dims}, got {call.head_dim}"
+    capability = _cuda_capability(call.q.device)
+    if choice.pv == "fp8" and capability is not None and not _mma_fp8_runs_on(capability):
+        needs = ("qk_quant='int4' (INT4 QK runs with FP8 PV only)" if choice.qk == "int4"
+                 else "pv_quant='fp8'")
+        return (f"FP8 PV needs an sm_89+ GPU and a build with {ops.MMA_FP8_FAMILY} code for it "
+                f"({needs}); this GPU is sm_{capability[0]}{capability[1]}, "
+                f"{ops.MMA_FP8_FAMILY} is built for {_family_archs(ops.MMA_FP8_FAMILY)}")
     return None
 
 
@@ -355,9 +429,11 @@ def _unsupported_reason(call: AttentionCall) -> str | None:
     if call.attn_mask is not None:
         return "the quantized kernels take no attn_mask"
     d = call.head_dim
-    if not (0 < d <= _MAX_HEAD_DIM and d % _HEAD_DIM_MULTIPLE == 0):
-        return (f"the quantized kernels need a head_dim that is a multiple of "
-                f"{_HEAD_DIM_MULTIPLE} in [{_HEAD_DIM_MULTIPLE}, {_MAX_HEAD_DIM}], got {d}")
+    if _kernel_head_dim(d) is None:
+        dims = " and ".join(map(str, ops.MMA_HEAD_DIMS))
+        return (f"the attention kernels are built for head_dim {dims} (other multiples of "
+                f"{_HEAD_DIM_MULTIPLE} below {max(ops.MMA_HEAD_DIMS)} are zero-padded to the "
+                f"next), got {d}")
     if call.head_dim_v != d:
         return (f"the quantized kernels need v's head_dim to be q's and k's, got {call.head_dim_v} "
                 f"and {d}")
@@ -414,17 +490,6 @@ def _exact(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     return call.result(out, lse)
 
 
-class _MmaInputs(NamedTuple):
-    """The inputs attention_mma takes besides v, and K's mean (for the LSE's row constant)."""
-
-    q_codes: Tensor
-    q_scale: Tensor
-    k_codes: Tensor
-    k_scale: Tensor
-    delta_s: Tensor | None
-    k_mean: Tensor | None
-
-
 def _kernel_view(t: Tensor) -> Tensor:
     """``t`` if the preprocessing and attention ops can read it in place (last dimension
     contiguous, the other strides multiples of 8 elements, 16-byte aligned), else a contiguous
@@ -435,21 +500,21 @@ def _kernel_view(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _quantize_for_mma(q: Tensor, k: Tensor, *, smooth_q: bool, smooth_k: bool,
-                      sm_scale: float) -> _MmaInputs:
-    """The preprocessing of the warp-level kernel (docs/DESIGN.md) on ``[B, H, N, D]`` fp16/bf16
-    views: one smoothing_stats pass (Q's per-head mean, K's mean), per-thread INT8 Q and K with
-    ``sm_scale * log2(e)`` folded into the Q scales and Delta-S."""
-    multiplier = sm_scale * _LOG2E
-    q_mean = k_mean = None
-    if smooth_q or smooth_k:
-        stats = ops.smoothing_stats(q if smooth_q else None, k if smooth_k else None, None, False)
-        q_mean = stats.q_mean if smooth_q else None
-        k_mean = stats.k_mean if smooth_k else None
-    qq = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, multiplier)
-    kv = ops.quantize_kv(k, None, k_mean, None, None, q_mean, ops.MMA_BLOCK_K, "int8", multiplier)
-    return _MmaInputs(qq.q_quant, qq.q_scale, kv.k_quant, kv.k_scale,
-                      kv.delta_s if q_mean is not None else None, k_mean)
+def _kernel_input(t: Tensor, head_dim: int) -> Tensor:
+    """``t`` ``[B, H, N, D]`` as the kernels read it: zero-padded to ``head_dim`` channels (a
+    contiguous copy) when D is smaller, else :func:`_kernel_view`."""
+    if t.shape[-1] < head_dim:
+        return torch.nn.functional.pad(t, (0, head_dim - t.shape[-1]))
+    return _kernel_view(t)
+
+
+def _unpad_head_dim(out: Tensor, head_dim: int, out_nhd: bool) -> Tensor:
+    """The first ``head_dim`` channels of a kernel output ``[B, H, N, D_kernel]`` (NHD memory
+    when ``out_nhd``), copied so that sageattn's output is contiguous in the caller's layout,
+    as SDPA's is."""
+    memory = out.transpose(1, 2) if out_nhd else out
+    memory = memory[..., :head_dim].contiguous()
+    return memory.transpose(1, 2) if out_nhd else memory
 
 
 def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
@@ -468,29 +533,62 @@ def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
     )
 
 
-def _quantized(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
-    """Serve ``call`` with the quantized kernel :func:`_kernel_for` picks (only after
-    :func:`_unsupported_reason` said one can)."""
-    q, k, v = (_kernel_view(t) for t in (call.q, call.k, call.v))
-    sm_scale = 1.0 / math.sqrt(call.head_dim) if call.scale is None else call.scale
-    if _kernel_for(call) == "wgmma":
-        out, lse = _wgmma(call, q, k, v, sm_scale)
-        return call.result(out, lse if call.return_lse else None)
-    inputs = _quantize_for_mma(q, k, smooth_q=call.smooth_q in ("auto", "head"),
-                               smooth_k=call.smooth_k, sm_scale=sm_scale)
+def _mma(call: AttentionCall, choice: KernelChoice, q: Tensor, k: Tensor, v: Tensor,
+         sm_scale: float) -> tuple[Tensor, Tensor]:
+    """The warp-level kernel's call (docs/DESIGN.md): one smoothing_stats pass (Q's per-head
+    mean, K's mean and, for FP8 PV, V's per-channel range and, with smooth_v, mean), quantize_q
+    and quantize_kv (per-thread INT8/INT4 Q and K with ``sm_scale * log2(e)`` folded into the Q
+    scales and Delta-S; for FP8 PV, V in E4M3 transposed in the PV-MMA order), then attention_mma
+    with V in FP8 or the caller's fp16/bf16 V. Returns the complete LSE (the kernel's lacks the
+    row constant of K smoothing, added here)."""
+    multiplier = sm_scale * _LOG2E
+    smooth_q = call.smooth_q in ("auto", "head")
+    fp8 = choice.pv == "fp8"
+    q_mean = k_mean = v_mean = v_scale = None
+    if smooth_q or call.smooth_k or fp8:
+        stats = ops.smoothing_stats(q if smooth_q else None, k if call.smooth_k else None,
+                                    v if fp8 else None, fp8 and call.smooth_v)
+        q_mean = stats.q_mean if smooth_q else None
+        k_mean = stats.k_mean if call.smooth_k else None
+        if fp8:
+            v_scale = stats.v_scale
+            v_mean = stats.v_mean if call.smooth_v else None
+    qq = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, choice.qk, False, multiplier)
+    kv = ops.quantize_kv(k, v if fp8 else None, k_mean, v_mean, v_scale, q_mean, ops.MMA_BLOCK_K,
+                         choice.qk, multiplier)
     out, lse = ops.attention_mma(
-        inputs.q_codes, inputs.q_scale, inputs.k_codes, inputs.k_scale, inputs.delta_s, v,
-        q.shape[2], call.is_causal, call.tensor_layout == "NHD", call.return_lse,
+        qq.q_quant, qq.q_scale, kv.k_quant, kv.k_scale,
+        kv.delta_s if q_mean is not None else None, kv.v_fp8 if fp8 else v, v_scale, v_mean,
+        choice.qk, q.shape[2], k.shape[2], q.dtype, call.is_causal, call.tensor_layout == "NHD",
+        call.return_lse,
     )
-    if not call.return_lse:
-        return call.result(out, None)
-    if inputs.k_mean is not None:
+    if call.return_lse and k_mean is not None:
         # The kernel's scores lack the row constant sm_scale * q_i . k_mean that K smoothing
         # drops (softmax ignores it, the LSE does not): one extra float32 pass over Q, only here.
-        k_mean = inputs.k_mean.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq, D]
+        k_mean = k_mean.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq, D]
         row = torch.matmul(q.float(), k_mean.unsqueeze(-1)).squeeze(-1)  # [B, Hq, Nq]
         lse = lse + sm_scale * row
-    return call.result(out, lse)
+    return out, lse
+
+
+def _quantized(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
+    """Serve ``call`` with the quantized kernel :func:`_kernel_for` picks (only after
+    :func:`_unsupported_reason` said one can), at the kernel's head_dim (the only place that pads
+    and cuts back)."""
+    choice = _kernel_for(call)
+    head_dim = call.head_dim
+    kernel_head_dim = _kernel_head_dim(head_dim)
+    assert kernel_head_dim is not None  # _unsupported_reason checked it
+    # The softmax scale of the true head_dim: padding must not change the scores.
+    sm_scale = 1.0 / math.sqrt(head_dim) if call.scale is None else call.scale
+    q, k, v = (_kernel_input(t, kernel_head_dim) for t in (call.q, call.k, call.v))
+    if choice.kernel == "wgmma":
+        out, lse = _wgmma(call, q, k, v, sm_scale)
+    else:
+        out, lse = _mma(call, choice, q, k, v, sm_scale)
+    if kernel_head_dim != head_dim:
+        out = _unpad_head_dim(out, head_dim, call.tensor_layout == "NHD")
+    return call.result(out, lse if call.return_lse else None)
 
 
 def sageattn(
@@ -505,6 +603,7 @@ def sageattn(
     *,
     tensor_layout: TensorLayout = "HND",
     qk_quant: QKQuant = "auto",
+    pv_quant: PVQuant = "auto",
     smooth_k: bool = True,
     smooth_q: SmoothQ = "auto",
     smooth_v: bool = False,
@@ -534,40 +633,63 @@ def sageattn(
         enable_gqa: allow fewer k/v heads than q heads (H_q a multiple of H_kv); as in SDPA,
             unequal head counts without it are an error.
         tensor_layout: ``"HND"`` or ``"NHD"`` (see q, k, v). The output uses the same layout.
-        qk_quant: ``"int8"``, ``"int4"`` or ``"auto"`` (currently INT8) for Q and K. INT4 has no
-            kernel yet (fallback).
+        qk_quant: ``"int8"``, ``"int4"`` or ``"auto"`` (INT8) for Q and K. INT4 (paper 3.2) is
+            about 4x coarser: on inputs without channel offsets its error is several times
+            INT8's; smoothing Q and K (the defaults) is what makes it usable. It runs with FP8
+            PV only, on sm_89+ GPUs (fast on Ada; emulated by the H100's tensor cores).
+        pv_quant: ``"fp8"``: P~ and V in E4M3 (paper 3.3: P~ times 448, V per channel), FP32
+            accumulation per 128-key tile folded into the FP32 output; ``"none"``: P and V in
+            the input dtype with FP32 accumulation (more accurate, and the only PV of GPUs
+            without FP8 tensor cores); ``"auto"`` (default): FP8 on the Hopper kernel and where
+            FP8 mma.sync is native (Ada sm_89, consumer Blackwell sm_12x, with a build that has
+            the FP8 code for it), else the input dtype (also for the warp-level kernel on
+            sm_90, whose FP8 mma.sync is emulated: slower and less accurate than FP16 there).
         smooth_k: subtract K's per-head mean before quantizing (exact: softmax is invariant to it).
-        smooth_q: ``"head"`` (one mean per head; the default via ``"auto"`` or ``True``),
-            ``"block"`` (the paper's per-Q-block mean; no kernel yet, fallback) or ``False``.
-        smooth_v: subtract V's per-channel mean before FP8 quantization (added back to the output).
-            The current kernel runs PV in fp16/bf16 without quantizing V, so it has no effect.
+        smooth_q: ``"head"`` (one mean per head, corrected exactly by Delta-S), ``"block"`` (the
+            paper's per-Q-block mean; no kernel, fallback), ``False``, or ``"auto"`` (the
+            kernel's choice: off on the Hopper kernel, which serves INT8 calls without Q
+            smoothing on sm_90, "head" on the warp-level kernel). ``True`` means ``"head"``.
+        smooth_v: subtract V's per-channel mean before FP8 quantization (paper A.3; added back to
+            the output). Only matters with FP8 PV; with PV in the input dtype V is not
+            quantized and it has no effect.
         return_lse: also return the float32 log-sum-exp of the scaled scores (natural log),
             ``[B, H_q, N_q]`` (``[H_q, N_q]`` for 3-D inputs) in either layout; ``-inf`` for a
             query that sees no key.
         strict: raise ``NotImplementedError`` instead of falling back to exact attention.
 
     Returns:
-        The attention output with q's shape except the last dimension, ``D_v`` (a view in the
-        input layout), in q's dtype; ``(out, lse)`` with ``return_lse=True``.
+        The attention output with q's shape except the last dimension, ``D_v``, contiguous in
+        the input layout, in q's dtype; ``(out, lse)`` with ``return_lse=True``.
 
     Quantized path: CUDA float16/bfloat16 inputs on a GPU of compute capability 8.0 or newer,
-    head_dim 64 or 128 (v's the same), ``qk_quant`` "auto"/"int8", ``smooth_q`` "head" or off.
-    It runs ``smoothing_stats`` (Q's per-head and K's means), ``quantize_q`` and ``quantize_kv``
-    (per-thread INT8, docs/DESIGN.md) and the warp-level ``attention_mma`` kernel (INT8 QK^T,
-    PV in the input dtype with FP32 accumulation); the output is written in the input layout.
-    Inputs whose strides the kernels cannot read in place (last dimension not contiguous, other
-    strides not multiples of 8 elements, not 16-byte aligned) are copied first. With
-    ``return_lse`` and ``smooth_k``, the row constant ``scale * q_i . k_mean`` that smoothing
-    drops is added back in an extra float32 pass over Q.
+    head_dim a multiple of 8 up to 128 (v's the same). The kernels are built for head_dim 64 and
+    128; a smaller head_dim is zero-padded to the next of them (a copy of q, k and v; the scores,
+    with the softmax scale of the true head_dim, and the LSE are unchanged) and the output cut
+    back. Which kernel runs (``kernel_plan`` says it for a GPU):
+
+    * sm_90 with the Hopper build, ``qk_quant`` INT8, ``pv_quant`` "auto"/"fp8", ``smooth_q``
+      "auto"/off: ``attention_wgmma`` (INT8 QK with Q quantized in the kernel, FP8 PV);
+    * otherwise the warp-level ``attention_mma``, after ``smoothing_stats`` (Q's per-head and
+      K's means, V's per-channel range and mean for FP8 PV), ``quantize_q`` and ``quantize_kv``
+      (per-thread INT8/INT4 Q and K, FP8 V; docs/DESIGN.md): INT8 QK with FP8 PV (sm_89+) or
+      PV in the input dtype (``pv_quant="none"``, or any GPU without FP8), INT4 QK with FP8 PV
+      (``qk_quant="int4"``, sm_89+).
+
+    The output is written in the input layout. Inputs whose strides the kernels cannot read in
+    place (last dimension not contiguous, other strides not multiples of 8 elements, not 16-byte
+    aligned) are copied first. With ``return_lse`` and ``smooth_k`` on the warp-level kernel, the
+    row constant ``scale * q_i . k_mean`` that smoothing drops is added back in an extra float32
+    pass over Q.
 
     Fallback: a call the quantized kernels cannot serve (CPU tensors, float32/float64, a GPU
-    older than sm_80, dropout, any attn_mask, a head_dim other than 64 and 128, differing v
-    head_dim, inputs requiring grad while grad is enabled, ``qk_quant="int4"``,
-    ``smooth_q="block"``, a build without the attention kernel) is computed by exact
-    ``F.scaled_dot_product_attention`` with the same arguments, in the input dtype, with a
-    :class:`SageAttentionFallbackWarning` the first time each reason occurs. ``strict=True``
-    raises ``NotImplementedError`` naming the reason instead. The lse of the fallback is
-    computed exactly (float64 reference, cast to float32).
+    older than sm_80, dropout, any attn_mask, a head_dim above 128 or not a multiple of 8,
+    differing v head_dim, inputs requiring grad while grad is enabled, ``smooth_q="block"``,
+    ``qk_quant="int4"`` with ``pv_quant="none"``, FP8 PV (``pv_quant="fp8"`` or
+    ``qk_quant="int4"``) on a GPU without the FP8 code (older than sm_89), a build without the
+    attention kernel) is computed by exact ``F.scaled_dot_product_attention`` with the same
+    arguments, in the input dtype, with a :class:`SageAttentionFallbackWarning` the first time
+    each reason occurs. ``strict=True`` raises ``NotImplementedError`` naming the reason instead.
+    The lse of the fallback is computed exactly (float64 reference, cast to float32).
 
     Empty inputs (B, H, N_q or D_v zero) return a correctly shaped empty output without computing
     anything; with no keys (N_kv = 0) the output is zeros (what SDPA returns on CPU) and lse is
@@ -578,15 +700,16 @@ def sageattn(
     or Inf in k or v poisons every output row that attends to that key). The quantized path
     shares one scale per quantization group, computed from the group's max |x|, so a NaN or Inf
     poisons its whole group: in q, every row of its Q group (docs/DESIGN.md), and with smooth_q
-    every row of its Q block ("block") or head ("head", the default); in k, every key of its K
-    group, and with smooth_k (the default) every key of the head, hence every output row of the
-    head; in v (not quantized by the current kernel), the output rows that attend to that key,
-    and possibly the other rows of the same query tile (a masked key is multiplied by 0, and
-    0 * NaN is NaN). Inputs are not checked for non-finite values.
+    every row of its Q block ("block") or head ("head"); in k, every key of its K group, and with
+    smooth_k (the default) every key of the head, hence every output row of the head; in v with
+    FP8 PV (one scale per channel over all keys), that channel of every output row of the head;
+    in v with PV in the input dtype, the output rows that attend to that key, and possibly the
+    other rows of the same query tile (a masked key is multiplied by 0, and 0 * NaN is NaN).
+    Inputs are not checked for non-finite values.
     """
     call = _validate(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-        tensor_layout, qk_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
+        tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
     )
     if call.is_empty:
         return _empty(call)
@@ -618,26 +741,40 @@ def _resolve_device(device: torch.device | str | int | None) -> torch.device:
     return dev
 
 
+def _mma_variants(capability: tuple[int, int]) -> str:
+    """The variants of the warp-level kernel that run on ``capability`` (kernel_plan)."""
+    if _mma_fp8_runs_on(capability) and _native_fp8_mma(capability):
+        return ("INT8 QK + FP8 PV (pv_quant='none': FP16/BF16 PV), "
+                "INT4 QK + FP8 PV with qk_quant='int4'")
+    if _mma_fp8_runs_on(capability):
+        return ("INT8 QK + FP16/BF16 PV (pv_quant='fp8': INT8 QK + FP8 PV, emulated FP8 "
+                "mma.sync here), INT4 QK + FP8 PV with qk_quant='int4' (emulated)")
+    return "INT8 QK + FP16/BF16 PV (FP8 PV and INT4 QK need sm_89+)"
+
+
 def kernel_plan(device: torch.device | str | int | None = None) -> str:
     """What :func:`sageattn` runs for float16/bfloat16 inputs on ``device`` (default: the current
     CUDA device, else the CPU), and which kernels the extension has for it. A call the kernel
     cannot serve (see :func:`sageattn`, "Fallback") still runs exact SDPA."""
     dev = _resolve_device(device)
     reason = _device_reason(dev) or _build_reason(dev)
-    dims = " and ".join(map(str, ops.MMA_HEAD_DIMS))
-    if reason:
-        plan = f"exact SDPA fallback ({reason})"
-    elif _wgmma_runs_on(_capability(_cuda_index(dev))):
-        plan = (f"quantized SageAttention2: {WGMMA_PLAN}, head_dim {dims}, INT8 without Q "
-                f"smoothing; the {MMA_PLAN} for smooth_q='head'/True (other calls: exact SDPA)")
+    capability = _cuda_capability(dev)
+    dims = (f"head_dim {' and '.join(map(str, ops.MMA_HEAD_DIMS))} (smaller multiples of "
+            f"{_HEAD_DIM_MULTIPLE} zero-padded)")
+    if reason or capability is None:
+        plan = f"exact SDPA fallback ({reason or 'the quantized kernels need a CUDA GPU'})"
+    elif _wgmma_runs_on(capability):
+        plan = (f"quantized SageAttention2: {WGMMA_PLAN}, {dims}, INT8 without Q smoothing; the "
+                f"{MMA_PLAN} for smooth_q='head'/True, pv_quant='none' or qk_quant='int4': "
+                f"{_mma_variants(capability)} (other calls: exact SDPA)")
     else:
-        plan = f"quantized SageAttention2: {MMA_PLAN}, head_dim {dims} (other calls: exact SDPA)"
+        plan = (f"quantized SageAttention2: {MMA_PLAN}: {_mma_variants(capability)}, {dims} "
+                f"(other calls: exact SDPA)")
     info = ops.build_info()
-    if dev.type != "cuda" or not torch.cuda.is_available() or info is None:
+    if capability is None or info is None:
         return plan
-    major, minor = torch.cuda.get_device_capability(dev)
-    arch = f"sm_{major}{minor}"
-    kernels = ops.kernels_for_capability((major, minor))
+    arch = f"sm_{capability[0]}{capability[1]}"
+    kernels = ops.kernels_for_capability(capability)
     if not kernels:
         built = ", ".join(info.archs) or "no architectures"
         return f"{plan}; no kernels compiled for {arch} (built for {built})"

@@ -30,7 +30,7 @@ def patch_sdpa(**sageattn_kwargs: Any) -> Iterator[Callable[..., Any]]:
     Only code that looks the function up as ``F.scaled_dot_product_attention`` /
     ``torch.nn.functional.scaled_dot_product_attention`` at call time is affected, not a
     reference taken earlier (``from torch.nn.functional import scaled_dot_product_attention``).
-    Allowed keywords: qk_quant, smooth_k, smooth_q, smooth_v, strict (tensor_layout and
+    Allowed keywords: qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, strict (tensor_layout and
     return_lse would change SDPA's calling convention or return type).
     """
     unknown = sorted(set(sageattn_kwargs) - _PATCHABLE)

@@ -1,4 +1,4 @@
-"""The compiled extension: its three preprocessing ops and the attention op.
+"""The compiled extension: its three preprocessing ops and the two attention ops.
 
 ``sageattention2._C`` registers the ops of ``docs/DESIGN.md`` (namespace ``sageattention2``) with
 their CUDA implementations. This module
@@ -7,8 +7,8 @@ their CUDA implementations. This module
 * wraps the ops in typed functions returning named tuples,
 * registers, for each preprocessing op, a CPU implementation calling the pure-PyTorch reference
   (``sageattention2.reference``), so ``torch.library.opcheck`` runs on machines without a GPU
-  (``attention_mma`` has CUDA and Meta implementations only; ``has_op`` says whether the loaded
-  build registers it).
+  (the attention ops have CUDA and Meta implementations only; ``has_op`` says whether the loaded
+  build registers one).
   Output shapes for FakeTensor / ``torch.compile`` come from the extension's own Meta kernels
   (``csrc/preprocess_shapes.cpp``, SymInt-aware, so dynamic sequence lengths trace once): the
   one place that knows the shapes,
@@ -47,15 +47,20 @@ __all__ = [
     "SmoothingStats",
     "MMA_BLOCK_K",
     "MMA_BLOCK_Q",
+    "MMA_FAMILY",
+    "MMA_FP8_FAMILY",
     "MMA_HEAD_DIMS",
     "MMA_WARPS",
     "WGMMA_BLOCK_K",
+    "WGMMA_FAMILY",
     "WGMMA_HEAD_DIMS",
     "arch_runs_on",
     "attention_mma",
     "attention_wgmma",
     "build_info",
+    "family_runs_on",
     "has_op",
+    "kernel_family",
     "kernels_for_capability",
     "quantize_kv",
     "quantize_q",
@@ -76,6 +81,12 @@ MMA_HEAD_DIMS = (64, 128)
 # The Hopper kernel (csrc/attention_params.h: kWgmmaBlockK): K from quantize_kv(block_k=128).
 WGMMA_BLOCK_K = 128
 WGMMA_HEAD_DIMS = (64, 128)
+# Kernel families of build_info()["kernels"], named by the first word of their keys (the rest
+# describes them): attention_mma's INT8 QK + fp16/bf16 PV variant (every arch of the build), its
+# FP8 PV variants, INT8 or INT4 QK (archs >= sm_89: FP8 mma.sync), and the Hopper kernel (sm_90a).
+MMA_FAMILY = "attention_mma"
+MMA_FP8_FAMILY = "attention_mma_fp8"
+WGMMA_FAMILY = "attention_wgmma"
 # Absent outputs are empty float32 tensors of shape [0] (DESIGN.md).
 
 
@@ -176,25 +187,42 @@ def attention_mma(
     k_scale: Tensor,
     delta_s: Tensor | None,
     v: Tensor,
+    v_scale: Tensor | None,
+    v_mean: Tensor | None,
+    qk_dtype: str,
     q_len: int,
+    kv_len: int,
+    out_dtype: torch.dtype,
     is_causal: bool,
     out_nhd: bool,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Warp-level attention (INT8 QK^T per thread, fp16/bf16 PV, DESIGN.md) on the outputs of
-    quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, "int8", scale_multiplier=sm_scale*log2(e))
-    and quantize_kv(block_k=MMA_BLOCK_K, "int8", delta_s_multiplier=sm_scale*log2(e)).
+    """Warp-level attention (``mma.sync``, DESIGN.md) on the outputs of
+    quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, qk_dtype, scale_multiplier=sm_scale*log2(e))
+    and quantize_kv(block_k=MMA_BLOCK_K, qk_dtype, delta_s_multiplier=sm_scale*log2(e)).
 
-    ``v`` is the caller's ``[B, Hkv, Nk, D]`` view; returns ``(out [B, Hq, q_len, D]`` in v's
-    dtype, NHD memory when ``out_nhd``; ``lse [B, Hq, q_len]`` float32 natural log without the
-    row constant that K smoothing drops, or ``[0]`` unless ``return_lse``). An empty
-    ``delta_s`` (quantize_kv without q_mean) is passed as absent.
+    ``qk_dtype`` is "int8" or "int4" (packed codes, last dimension D/2). PV runs either
+
+    * in the input dtype: ``v`` is the caller's fp16/bf16 ``[B, Hkv, kv_len, D]`` view,
+      ``v_scale`` and ``v_mean`` are None and ``out_dtype`` is v's dtype (INT8 QK only; every
+      arch), or
+    * in FP8: ``v`` is quantize_kv's ``v_fp8`` ``[B, Hkv, D, Nk_pad]`` float8_e4m3fn with its
+      per-channel ``v_scale [B, Hkv, D]`` and, for smooth V, ``v_mean [B, Hkv, D]`` (added back
+      in the epilogue); ``out_dtype`` float16 or bfloat16 (sm_89+ builds, family
+      MMA_FP8_FAMILY).
+
+    ``q_len`` and ``kv_len`` are the true lengths (the codes are padded). Returns ``(out
+    [B, Hq, q_len, D]`` in ``out_dtype``, NHD memory when ``out_nhd``; ``lse [B, Hq, q_len]``
+    float32 natural log without the row constant that K smoothing drops, or ``[0]`` unless
+    ``return_lse``). Empty optional tensors (absent outputs of the preprocessing ops) are passed
+    as absent.
     """
     _require_op("attention_mma")
-    if delta_s is not None and delta_s.numel() == 0:
-        delta_s = None
+    delta_s, v_scale, v_mean = (None if t is not None and t.numel() == 0 else t
+                                for t in (delta_s, v_scale, v_mean))
     out, lse = torch.ops.sageattention2.attention_mma.default(
-        q_codes, q_scale, k_codes, k_scale, delta_s, v, q_len, is_causal, out_nhd, return_lse
+        q_codes, q_scale, k_codes, k_scale, delta_s, v, v_scale, v_mean, qk_dtype, q_len, kv_len,
+        out_dtype, is_causal, out_nhd, return_lse,
     )
     return out, lse
 
@@ -293,6 +321,18 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
     if kind == "compute":
         return built <= capability
     return built[0] == capability[0] and built[1] <= capability[1]
+
+
+def kernel_family(key: str) -> str:
+    """The family a ``build_info().kernels`` key names: its first word (e.g. "attention_mma_fp8"
+    of "attention_mma_fp8 (INT8/INT4 QK, FP8 PV, mma.sync)"), so that one family's name is never
+    taken for the prefix of another's."""
+    return key.split(" ", 1)[0]
+
+
+def family_runs_on(family: str, capability: tuple[int, int]) -> bool:
+    """Whether the extension has code of kernel ``family`` (MMA_FAMILY, ...) for ``capability``."""
+    return any(kernel_family(key) == family for key in kernels_for_capability(capability))
 
 
 def kernels_for_capability(capability: tuple[int, int]) -> dict[str, list[str]]:

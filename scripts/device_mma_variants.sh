@@ -2,7 +2,7 @@
 # One device call for the warp-level kernel's variants (issue 3): build for sm_90a, the ops
 # against their emulation (scripts/smoke_mma_variants.py), compute-sanitizer memcheck/racecheck on
 # small shapes of every variant, then (unless --no-bench) bench_mma_variants.py. Logs under $OUT.
-#   bash scripts/device_mma_variants.sh [--no-bench] [pytest -k expression]
+#   bash scripts/device_mma_variants.sh [--no-bench] [pytest -k expression | all]
 set -uo pipefail
 OUT=${OUT:-/tmp/sage_out}
 mkdir -p "$OUT"
@@ -20,7 +20,9 @@ step "smoke: variants vs emulation"
 python3 "$REPO/scripts/smoke_mma_variants.py" 2>&1 | tee "$OUT/smoke_mma_variants.txt" | tail -60
 if [ -n "$K" ]; then
   step "pytest -k $K"
-  python3 -m pytest "$REPO/tests" -q -p no:cacheprovider --import-mode=importlib -rxf -k "$K" 2>&1 | tee "$OUT/pytest.txt" | tail -30
+  [ "$K" = all ] && K=""
+  python3 -m pytest "$REPO/tests" -q -p no:cacheprovider --import-mode=importlib -rxf ${K:+-k "$K"} -s 2>&1 \
+    | tee "$OUT/pytest.txt" | grep -vE "^[.sxXF]+( +\[ *[0-9]+%\])?$" | tail -80
 fi
 step "compute-sanitizer"
 for tool in memcheck racecheck; do

@@ -14,6 +14,6 @@ mult = 128 ** -0.5 * 1.4426950408889634
 qm, km, _, _ = ops.smoothing_stats(q, k, None, False)
 qc, qs, _ = ops.quantize_q(q, qm, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8", False, mult)
 kc, ks, _, ds = ops.quantize_kv(k, None, km, None, None, qm, ops.MMA_BLOCK_K, "int8", mult)
-for _ in range(4):
-    torch.ops.sageattention2.attention_mma(qc, qs, kc, ks, ds, v, 4096, False, False, False)
+for _ in range(4):  # the INT8 + FP16 PV variant
+    ops.attention_mma(qc, qs, kc, ks, ds, v, None, None, "int8", 4096, 4096, q.dtype, False, False, False)
 torch.cuda.synchronize()

@@ -5,6 +5,7 @@ the ops on CPU tensors through the CPU implementations that call the reference.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import os
 import re
@@ -14,7 +15,6 @@ import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -83,6 +83,13 @@ def fallback_warnings(record: list[warnings.WarningMessage]) -> list[str]:
     return [str(w.message) for w in record if issubclass(w.category, SageAttentionFallbackWarning)]
 
 
+def validated(*args: Any, **kwargs: Any) -> api.AttentionCall:
+    """api._validate of the call sageattn(*args, **kwargs) (sageattn's defaults and names)."""
+    bound = inspect.signature(sageattn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return api._validate(**bound.arguments)
+
+
 # ------------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------------
@@ -121,6 +128,10 @@ META_V = torch.empty(V.shape, device="meta")
         ((Q, K, V), {"tensor_layout": None}, ValueError, r"^tensor_layout must be one of"),
         ((Q, K, V), {"qk_quant": "fp8"}, ValueError,
          r"^qk_quant must be one of 'auto', 'int8', 'int4'; got 'fp8'"),
+        ((Q, K, V), {"pv_quant": "e4m3"}, ValueError,
+         r"^pv_quant must be one of 'auto', 'fp8', 'none'; got 'e4m3'"),
+        ((Q, K, V), {"pv_quant": None}, ValueError, r"^pv_quant must be one of"),
+        ((Q, K, V), {"pv_quant": False}, ValueError, r"^pv_quant must be one of .*; got False"),
         ((Q, K, V), {"smooth_q": "token"}, ValueError,
          r"^smooth_q must be True, False, 'auto', 'head' or 'block'; got 'token'"),
         ((Q, K, V), {"smooth_q": 1}, ValueError, r"^smooth_q must be"),
@@ -165,25 +176,26 @@ def test_invalid_arguments(args: tuple[Any, ...], kwargs: dict[str, Any],
     assert not fallback_warnings(record)  # validation happens before any fallback
 
 
-def test_smooth_q_and_qk_quant_resolution() -> None:
+def test_smooth_q_qk_quant_and_pv_quant_resolution() -> None:
     q, k, v = qkv()
-    common = (q, k, v, None, 0.0, False, None, False, "HND")
-    resolve = lambda qk, sq: api._validate(*common, qk, True, sq, False, False, False)  # noqa: E731
-    assert resolve("auto", "auto").qk_quant == "int8"
-    assert resolve("int4", True).qk_quant == "int4"
+    assert validated(q, k, v).qk_quant == "int8"
+    assert validated(q, k, v, qk_quant="int4", smooth_q=True).qk_quant == "int4"
     # "auto" stays for the kernel to decide (none on the Hopper kernel, "head" on the warp-level).
-    assert [resolve("int8", m).smooth_q for m in ("auto", True, False, "head", "block")] == [
+    assert [validated(q, k, v, smooth_q=m).smooth_q for m in ("auto", True, False, "head",
+                                                               "block")] == [
         "auto", "head", "none", "head", "block"]
+    # pv_quant "auto" stays too: FP8 or the input dtype depends on the GPU (_kernel_for).
+    assert [validated(q, k, v, pv_quant=m).pv_quant for m in ("auto", "fp8", "none")] == [
+        "auto", "fp8", "none"]
+    assert validated(q, k, v).pv_quant == "auto"
 
 
 def test_canonical_views_do_not_copy() -> None:
     q, k, v = qkv(layout="NHD")
-    call = api._validate(q, k, v, None, 0.0, False, None, False, "NHD", "auto", True, "auto",
-                         False, False, False)
+    call = validated(q, k, v, tensor_layout="NHD")
     assert call.q.shape == (2, 4, 9, 16)
     assert call.q.data_ptr() == q.data_ptr() and call.q._base is q
-    call3 = api._validate(q[0], k[0], v[0], None, 0.0, False, None, False, "NHD", "auto", True,
-                          "auto", False, False, False)
+    call3 = validated(q[0], k[0], v[0], tensor_layout="NHD")
     assert call3.q.shape == (1, 4, 9, 16) and call3.q.data_ptr() == q.data_ptr()
 
 
@@ -357,12 +369,20 @@ def test_strict_raises_with_reason() -> None:
         (torch.float64, {}, {}, "got torch.float64"),
         (torch.float16, {}, {"dropout_p": 0.1}, "no dropout (dropout_p > 0)"),
         (torch.bfloat16, {}, {"attn_mask": torch.ones(9, 9, dtype=torch.bool)}, "no attn_mask"),
-        (torch.float16, {"d": 12}, {}, "head_dim that is a multiple of 8 in [8, 256], got 12"),
+        (torch.float16, {"d": 12}, {},
+         "the attention kernels are built for head_dim 64 and 128 (other multiples of 8 below "
+         "128 are zero-padded to the next), got 12"),
+        (torch.float16, {"d": 136}, {}, "built for head_dim 64 and 128 (other multiples of 8 "
+                                        "below 128 are zero-padded to the next), got 136"),
+        (torch.float16, {"d": 256}, {}, "got 256"),
         (torch.float16, {"d": 264}, {}, "got 264"),
         (torch.float16, {"dv": 32}, {}, "v's head_dim to be q's and k's, got 32 and 16"),
         (torch.float16, {}, {"requires_grad": True}, "require grad"),
-        (torch.float16, {}, {}, None),
+        (torch.float16, {}, {}, None),  # head_dim 16: zero-padded to 64
+        (torch.float16, {"d": 8}, {}, None),
         (torch.float16, {"d": 64}, {}, None),
+        (torch.bfloat16, {"d": 96}, {}, None),
+        (torch.float16, {"d": 128}, {}, None),
     ],
 )
 def test_unsupported_reasons(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype,
@@ -374,21 +394,28 @@ def test_unsupported_reasons(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
     kwargs = dict(kwargs)
     if kwargs.pop("requires_grad", False):
         q.requires_grad_()
-    call = api._validate(q, k, v, kwargs.get("attn_mask"), kwargs.get("dropout_p", 0.0), False,
-                         None, False, "HND", "auto", True, "auto", False, False, False)
+    call = validated(q, k, v, **kwargs)
     if reason is not None:
         assert reason in str(api._unsupported_reason(call))
     elif not ops.HAS_EXTENSION:
         assert "extension is not available" in str(api._unsupported_reason(call))
     elif not ops.has_op("attention_mma"):
         assert "attention kernels are not built yet" in str(api._unsupported_reason(call))
-    elif q.shape[-1] in ops.MMA_HEAD_DIMS:
-        assert api._unsupported_reason(call) is None
     else:
-        assert "built for head_dim 64 and 128, got 16" in str(api._unsupported_reason(call))
+        assert api._unsupported_reason(call) is None
     if kwargs == {} and q.requires_grad:
         with torch.no_grad():  # without grad tracking the quantized path could serve it
             assert "require grad" not in str(api._unsupported_reason(call))
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "kernel_head_dim"),
+    [(8, 64), (16, 64), (32, 64), (56, 64), (64, 64), (72, 128), (80, 128), (96, 128),
+     (120, 128), (128, 128), (136, None), (256, None), (12, None), (0, None), (100, None)],
+)
+def test_kernel_head_dim(head_dim: int, kernel_head_dim: int | None) -> None:
+    """The head_dim the kernels run: the next built one (64, 128) for a multiple of 8."""
+    assert api._kernel_head_dim(head_dim) == kernel_head_dim
 
 
 def test_build_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -399,39 +426,179 @@ def test_build_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
             assert api._build_reason() == "the attention kernels are not built yet"
             q, k, v = qkv(d=64, dtype=torch.float16)
             with pytest.raises(RuntimeError, match="has no attention_mma op"):
-                ops.attention_mma(q, q, k, k, None, v, 9, False, False, False)
+                ops.attention_mma(q, q, k, k, None, v, None, None, "int8", 9, 9, torch.float16,
+                                  False, False, False)
     monkeypatch.setattr(ops, "HAS_EXTENSION", False)
     assert not ops.has_op("smoothing_stats")
     assert api._build_reason() == "the sageattention2._C extension is not available"
 
 
-@pytest.mark.parametrize(
-    ("shape", "options", "reason"),
-    [
-        ({"d": 64}, {}, None),
-        ({"d": 128, "hkv": 1}, {"smooth_q": False, "smooth_k": False, "gqa": True}, None),
-        ({"d": 64}, {"smooth_v": True}, None),  # V is not quantized: smooth_v changes nothing
-        ({"d": 64}, {"qk_quant": "int4"}, "the INT4 kernel is not built yet"),
-        ({"d": 64}, {"smooth_q": "block"}, "smooths Q per head, not per block"),
-        ({"d": 96}, {}, "the attention kernel is built for head_dim 64 and 128, got 96"),
-        ({"d": 256}, {}, "got 256"),
-    ],
-)
-def test_kernel_reasons(monkeypatch: pytest.MonkeyPatch, shape: dict[str, Any],
-                        options: dict[str, Any], reason: str | None) -> None:
-    """What the warp-level kernel itself cannot serve (device and build pretended present)."""
+# ------------------------------------------------------------------------------------------------
+# Which kernel serves a call (_kernel_for) and what falls back, on pretended GPUs and builds
+# ------------------------------------------------------------------------------------------------
+
+ALL_ARCHS = ["sm_80", "sm_89", "sm_90a"]
+# The kernel families of a default build (csrc/module.cpp): what build_info() reports.
+PREPROCESS_KEY = "preprocess (smoothing_stats, quantize_q, quantize_kv)"
+MMA_KEY = "attention_mma (INT8 QK, fp16/bf16 PV, mma.sync)"
+MMA_FP8_KEY = "attention_mma_fp8 (INT8/INT4 QK, FP8 PV, mma.sync)"
+WGMMA_KEY = "attention_wgmma (INT8 QK, FP8 PV, wgmma)"
+DEFAULT_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS, MMA_FP8_KEY: ["sm_89", "sm_90a"],
+                 WGMMA_KEY: ["sm_90a"]}
+# TORCH_CUDA_ARCH_LIST="8.0": no FP8 code at all; and a build from before the FP8 variants.
+SM80_BUILD = {PREPROCESS_KEY: ["sm_80"], MMA_KEY: ["sm_80"], MMA_FP8_KEY: []}
+OLD_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS, WGMMA_KEY: ["sm_90a"]}
+
+
+def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+                kernels: dict[str, list[str]]) -> None:
+    """Make every call look like it runs on a CUDA GPU of ``capability`` with a build whose
+    build_info() lists ``kernels`` (and registers both attention ops); the capability-keyed
+    caches are bypassed so that each test sees its own build."""
+    archs = sorted({a for built in kernels.values() for a in built})
+    monkeypatch.setattr(ops, "HAS_EXTENSION", True)
+    monkeypatch.setattr(ops, "build_info", lambda: ops.BuildInfo("13.0", archs, dict(kernels)))
+    monkeypatch.setattr(ops, "has_op", lambda name: name in (
+        "smoothing_stats", "quantize_q", "quantize_kv", "attention_mma", "attention_wgmma"))
+    for name in ("_wgmma_runs_on", "_mma_fp8_runs_on", "_arch_reason"):
+        monkeypatch.setattr(api, name, getattr(api, name).__wrapped__)
     monkeypatch.setattr(api, "_device_reason", lambda device: None)
-    monkeypatch.setattr(api, "_build_reason", lambda device=None: None)
-    q, k, v = qkv(dtype=torch.float16, **shape)
-    call = api._validate(q, k, v, None, 0.0, False, None, options.get("gqa", False), "HND",
-                         options.get("qk_quant", "auto"), options.get("smooth_k", True),
-                         options.get("smooth_q", "auto"), options.get("smooth_v", False), False,
-                         False)
-    got = api._unsupported_reason(call)
-    if reason is None:
-        assert got is None
-    else:
-        assert got is not None and reason in got
+    monkeypatch.setattr(api, "_cuda_capability", lambda device: capability)
+
+
+WGMMA = api.KernelChoice("wgmma", "int8", "fp8")
+MMA_INT8_FP8 = api.KernelChoice("mma", "int8", "fp8")
+MMA_INT8_INPUT = api.KernelChoice("mma", "int8", "input")
+MMA_INT4_FP8 = api.KernelChoice("mma", "int4", "fp8")
+INT4_NONE = "INT4 QK runs with FP8 PV only; pv_quant='none' needs qk_quant='int8'"
+NO_FP8 = "FP8 PV needs an sm_89+ GPU and a build with attention_mma_fp8 code for it"
+BLOCK = "smooths Q per head, not per block"
+
+
+def routing_cases() -> list[Any]:
+    sm90, sm89, sm86, sm80 = (9, 0), (8, 9), (8, 6), (8, 0)
+    cases = [
+        # sm_90 with the Hopper build: INT8 + FP8 PV without Q smoothing runs on wgmma.
+        (sm90, DEFAULT_BUILD, {}, WGMMA),
+        (sm90, DEFAULT_BUILD, {"smooth_q": False}, WGMMA),
+        (sm90, DEFAULT_BUILD, {"pv_quant": "fp8"}, WGMMA),
+        (sm90, DEFAULT_BUILD, {"qk_quant": "int8", "smooth_k": False}, WGMMA),
+        (sm90, DEFAULT_BUILD, {"d": 64}, WGMMA),
+        (sm90, DEFAULT_BUILD, {"d": 96}, WGMMA),  # padded to 128
+        (sm90, DEFAULT_BUILD, {"d": 32, "smooth_v": True}, WGMMA),  # padded to 64
+        (sm90, DEFAULT_BUILD, {"pv_quant": "none"}, MMA_INT8_INPUT),
+        (sm90, DEFAULT_BUILD, {"pv_quant": "none", "smooth_q": False}, MMA_INT8_INPUT),
+        (sm90, DEFAULT_BUILD, {"smooth_q": "head"}, MMA_INT8_INPUT),  # FP8 mma.sync emulated
+        (sm90, DEFAULT_BUILD, {"smooth_q": True, "pv_quant": "fp8"}, MMA_INT8_FP8),
+        (sm90, DEFAULT_BUILD, {"smooth_q": True, "pv_quant": "none"}, MMA_INT8_INPUT),
+        (sm90, DEFAULT_BUILD, {"d": 80, "smooth_q": "head"}, MMA_INT8_INPUT),
+        (sm90, DEFAULT_BUILD, {"d": 80, "smooth_q": "head", "pv_quant": "fp8"}, MMA_INT8_FP8),
+        (sm90, DEFAULT_BUILD, {"qk_quant": "int4"}, MMA_INT4_FP8),
+        (sm90, DEFAULT_BUILD, {"qk_quant": "int4", "smooth_q": False}, MMA_INT4_FP8),
+        (sm90, DEFAULT_BUILD, {"qk_quant": "int4", "pv_quant": "fp8", "d": 96}, MMA_INT4_FP8),
+        (sm90, DEFAULT_BUILD, {"qk_quant": "int4", "pv_quant": "none"}, INT4_NONE),
+        (sm90, DEFAULT_BUILD, {"smooth_q": "block"}, BLOCK),
+        (sm90, DEFAULT_BUILD, {"smooth_q": "block", "qk_quant": "int4"}, BLOCK),
+        (sm90, DEFAULT_BUILD, {"d": 256}, "built for head_dim 64 and 128"),
+        # sm_90 without the Hopper kernel in the build: the warp-level kernel, FP16 PV unless
+        # FP8 is asked for (FP8 mma.sync is emulated on sm_90).
+        (sm90, {k: v for k, v in DEFAULT_BUILD.items() if k != WGMMA_KEY}, {}, MMA_INT8_INPUT),
+        (sm90, {k: v for k, v in DEFAULT_BUILD.items() if k != WGMMA_KEY}, {"pv_quant": "fp8"},
+         MMA_INT8_FP8),
+        # A build from before the FP8 variants: FP16/BF16 PV everywhere, INT4 falls back.
+        (sm90, OLD_BUILD, {"smooth_q": "head"}, MMA_INT8_INPUT),
+        (sm90, OLD_BUILD, {"qk_quant": "int4"}, NO_FP8),
+        (sm89, OLD_BUILD, {}, MMA_INT8_INPUT),
+        # sm_89 (Ada): FP8 tensor cores, no wgmma.
+        (sm89, DEFAULT_BUILD, {}, MMA_INT8_FP8),
+        (sm89, DEFAULT_BUILD, {"smooth_q": False}, MMA_INT8_FP8),
+        (sm89, DEFAULT_BUILD, {"pv_quant": "fp8"}, MMA_INT8_FP8),
+        (sm89, DEFAULT_BUILD, {"pv_quant": "none"}, MMA_INT8_INPUT),
+        (sm89, DEFAULT_BUILD, {"qk_quant": "int4"}, MMA_INT4_FP8),
+        (sm89, DEFAULT_BUILD, {"qk_quant": "int4", "smooth_q": False, "d": 32}, MMA_INT4_FP8),
+        (sm89, DEFAULT_BUILD, {"qk_quant": "int4", "pv_quant": "none"}, INT4_NONE),
+        (sm89, DEFAULT_BUILD, {"smooth_q": "block"}, BLOCK),
+        # sm_80/86: no FP8 tensor cores: PV in the input dtype; FP8 PV and INT4 fall back.
+        (sm80, DEFAULT_BUILD, {}, MMA_INT8_INPUT),
+        (sm86, DEFAULT_BUILD, {}, MMA_INT8_INPUT),
+        (sm80, DEFAULT_BUILD, {"smooth_q": False}, MMA_INT8_INPUT),
+        (sm80, DEFAULT_BUILD, {"pv_quant": "none", "d": 96}, MMA_INT8_INPUT),
+        (sm80, DEFAULT_BUILD, {"pv_quant": "fp8"}, NO_FP8),
+        (sm86, DEFAULT_BUILD, {"qk_quant": "int4"}, NO_FP8),
+        (sm80, DEFAULT_BUILD, {"qk_quant": "int4", "pv_quant": "none"}, INT4_NONE),
+        (sm80, DEFAULT_BUILD, {"smooth_q": "block"}, BLOCK),
+        (sm80, SM80_BUILD, {}, MMA_INT8_INPUT),
+        # The build has no attention code for this GPU at all.
+        (sm89, SM80_BUILD | {MMA_KEY: ["sm_90a"]}, {}, "not compiled for sm_89"),
+        ((12, 0), DEFAULT_BUILD, {}, "not compiled for sm_120 (built for sm_80, sm_89, sm_90a)"),
+    ]
+    names = {id(DEFAULT_BUILD): "default", id(SM80_BUILD): "sm80-build", id(OLD_BUILD): "old-build"}
+    params = []
+    for capability, build, options, want in cases:
+        tag = "-".join([f"sm{capability[0]}{capability[1]}", names.get(id(build), "other-build"),
+                        *(f"{k}={v}" for k, v in options.items())])
+        params.append(pytest.param(capability, build, options, want, id=tag))
+    return params
+
+
+@pytest.mark.parametrize(("capability", "build", "options", "want"), routing_cases())
+def test_kernel_routing(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+                        build: dict[str, list[str]], options: dict[str, Any],
+                        want: api.KernelChoice | str) -> None:
+    """Which kernel and precisions serve a float16 call on a GPU of ``capability`` with a build
+    of ``build``'s kernel families, or why it falls back: wgmma for INT8 + FP8 PV without Q
+    smoothing on sm_90; else the warp-level kernel, with FP8 PV where asked for, for INT4, or
+    for pv_quant="auto" where the build's FP8 code runs (sm_89+); PV in the input dtype else."""
+    pretend_gpu(monkeypatch, capability, build)
+    options = dict(options)
+    q, k, v = qkv(d=options.pop("d", 128), dtype=torch.float16)
+    call = validated(q, k, v, **options)
+    reason = api._unsupported_reason(call)
+    if isinstance(want, str):
+        assert reason is not None and want in reason, reason
+        return
+    assert reason is None, reason
+    assert api._kernel_for(call) == want
+
+
+def test_fp8_reason_names_the_gpu_and_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    pretend_gpu(monkeypatch, (8, 6), DEFAULT_BUILD)
+    q, k, v = qkv(d=64, dtype=torch.float16)
+    reason = api._unsupported_reason(validated(q, k, v, qk_quant="int4"))
+    assert reason == (f"{NO_FP8} (qk_quant='int4' (INT4 QK runs with FP8 PV only)); this GPU is "
+                      "sm_86, attention_mma_fp8 is built for sm_89, sm_90a")
+    reason = api._unsupported_reason(validated(q, k, v, pv_quant="fp8"))
+    assert reason is not None and "(pv_quant='fp8'); this GPU is sm_86" in reason
+
+
+@pytest.mark.parametrize(
+    ("capability", "build", "starts", "contains"),
+    [
+        ((9, 0), DEFAULT_BUILD, f"quantized SageAttention2: {api.WGMMA_PLAN}, head_dim 64 and 128",
+         [f"the {api.MMA_PLAN} for smooth_q='head'/True", "INT8 QK + FP8 PV",
+          "INT4 QK + FP8 PV with qk_quant='int4'", f"{MMA_FP8_KEY} [sm_90a]"]),
+        ((8, 9), DEFAULT_BUILD, f"quantized SageAttention2: {api.MMA_PLAN}: INT8 QK + FP8 PV",
+         ["INT4 QK + FP8 PV with qk_quant='int4'", "zero-padded",
+          f"kernels for sm_89: {PREPROCESS_KEY} [sm_80, sm_89], {MMA_KEY} [sm_80, sm_89], "
+          f"{MMA_FP8_KEY} [sm_89]"]),
+        ((8, 0), DEFAULT_BUILD,
+         f"quantized SageAttention2: {api.MMA_PLAN}: INT8 QK + FP16/BF16 PV (FP8 PV and INT4 QK "
+         "need sm_89+)", [f"kernels for sm_80: {PREPROCESS_KEY} [sm_80], {MMA_KEY} [sm_80]"]),
+        ((12, 0), DEFAULT_BUILD, "exact SDPA fallback (the attention kernel is not compiled for "
+                                 "sm_120", ["no kernels compiled for sm_120"]),
+    ],
+    ids=["sm90", "sm89", "sm80", "sm120"],
+)
+def test_kernel_plan_on_pretended_gpus(monkeypatch: pytest.MonkeyPatch,
+                                       capability: tuple[int, int], build: dict[str, list[str]],
+                                       starts: str, contains: list[str]) -> None:
+    pretend_gpu(monkeypatch, capability, build)
+    plan = sageattention2.kernel_plan("cuda:0")
+    assert plan.startswith(starts), plan
+    for text in contains:
+        assert text in plan, (text, plan)
+    if capability < (8, 9):
+        assert "INT4 QK + FP8 PV" not in plan and "INT8 QK + FP8 PV" not in plan
 
 
 def test_mma_geometry_matches_csrc() -> None:
@@ -463,59 +630,27 @@ def test_wgmma_geometry_matches_csrc() -> None:
 @pytest.mark.parametrize(
     "options",
     [{}, {"smooth_q": False}, {"smooth_q": True}, {"smooth_q": "head"}, {"smooth_q": "block"},
-     {"qk_quant": "int4"}, {"qk_quant": "int8", "d": 64}, {"d": 96}],
+     {"qk_quant": "int4"}, {"qk_quant": "int8", "d": 64}, {"d": 96}, {"pv_quant": "fp8"},
+     {"pv_quant": "none"}, {"qk_quant": "int4", "pv_quant": "none"}],
 )
 def test_kernel_for_cpu_calls_is_mma(monkeypatch: pytest.MonkeyPatch,
                                      options: dict[str, Any]) -> None:
-    """CPU tensors never go to the Hopper kernel, and choosing the kernel never touches
-    torch.cuda (nor the cached capability) for them."""
+    """CPU tensors never go to the Hopper kernel, "auto" PV is the input dtype there (no FP8
+    tensor cores to ask about), and choosing the kernel never touches torch.cuda (nor the
+    cached capability) for them."""
     def no_cuda(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("_kernel_for touched torch.cuda for a CPU call")
 
     for name in ("is_available", "current_device", "get_device_capability", "device_count"):
         monkeypatch.setattr(torch.cuda, name, no_cuda)
-    monkeypatch.setattr(api, "_capability", no_cuda)
-    monkeypatch.setattr(api, "_wgmma_runs_on", no_cuda)
+    for name in ("_capability", "_wgmma_runs_on", "_mma_fp8_runs_on"):
+        monkeypatch.setattr(api, name, no_cuda)
     options = dict(options)
     q, k, v = qkv(d=options.pop("d", 128), dtype=torch.float16)
-    call = api._validate(q, k, v, None, 0.0, False, None, False, "HND",
-                         options.get("qk_quant", "auto"), True, options.get("smooth_q", "auto"),
-                         False, False, False)
-    assert api._kernel_for(call) == "mma"
-
-
-@pytest.mark.parametrize(
-    ("options", "runs_wgmma", "kernel"),
-    [
-        ({}, True, "wgmma"),
-        ({"smooth_q": False}, True, "wgmma"),
-        ({"qk_quant": "int8", "d": 64}, True, "wgmma"),
-        ({"smooth_q": True}, True, "mma"),
-        ({"smooth_q": "head"}, True, "mma"),
-        ({"smooth_q": "block"}, True, "mma"),
-        ({"qk_quant": "int4"}, True, "mma"),
-        ({"d": 96}, True, "mma"),
-        ({}, False, "mma"),
-    ],
-)
-def test_kernel_for_cuda_calls(monkeypatch: pytest.MonkeyPatch, options: dict[str, Any],
-                               runs_wgmma: bool, kernel: str) -> None:
-    """Which kernel a CUDA call gets (the device pretended: q's device is cuda:0, whose
-    capability has attention_wgmma code or not): the Hopper kernel serves INT8 QK without Q
-    smoothing at head_dim 64/128, the warp-level kernel everything else."""
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(api, "_capability", lambda index: (9, 0))
-    monkeypatch.setattr(api, "_wgmma_runs_on", lambda capability: runs_wgmma)
-    options = dict(options)
-    q, k, v = qkv(d=options.pop("d", 128), dtype=torch.float16)
-    call = api._validate(q, k, v, None, 0.0, False, None, False, "HND",
-                         options.get("qk_quant", "auto"), True, options.get("smooth_q", "auto"),
-                         False, False, False)
-    # What _kernel_for reads of the call, with q on cuda:0.
-    on_cuda = SimpleNamespace(qk_quant=call.qk_quant, smooth_q=call.smooth_q,
-                              head_dim=call.head_dim,
-                              q=SimpleNamespace(device=torch.device("cuda", 0)))
-    assert api._kernel_for(on_cuda) == kernel  # type: ignore[arg-type]
+    call = validated(q, k, v, **options)
+    qk = options.get("qk_quant", "int8")
+    fp8 = options.get("pv_quant") == "fp8" or qk == "int4"
+    assert api._kernel_for(call) == api.KernelChoice("mma", qk, "fp8" if fp8 else "input")
 
 
 @pytest.mark.parametrize(
@@ -549,25 +684,55 @@ def test_kernel_view(make: Any) -> None:
 # ------------------------------------------------------------------------------------------------
 
 LOG2E = math.log2(math.e)
+# attention_mma's argument names (the op schema, DESIGN.md), for recording its calls.
+MMA_ARG_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "delta_s", "v", "v_scale", "v_mean",
+                 "qk_dtype", "q_len", "kv_len", "out_dtype", "is_causal", "out_nhd", "return_lse")
 
 
 def attention_mma_stand_in(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor,
                            k_scale: torch.Tensor, delta_s: torch.Tensor | None, v: torch.Tensor,
-                           q_len: int, is_causal: bool, out_nhd: bool,
+                           v_scale: torch.Tensor | None, v_mean: torch.Tensor | None,
+                           qk_dtype: str, q_len: int, kv_len: int, out_dtype: torch.dtype,
+                           is_causal: bool, out_nhd: bool,
                            return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's contract (DESIGN.md) in float64: dequantize the per-thread groups, add Delta-S,
-    exact base-2 softmax, top-left causal mask, output in v's dtype and the requested memory
-    layout, natural-log LSE of the scores the kernel sees."""
-    b, hq, nq_pad, d = q_codes.shape
-    hkv, nk = k_codes.shape[1], v.shape[2]
-    assert q_codes.dtype == torch.int8 and k_codes.dtype == torch.int8 and d in ops.MMA_HEAD_DIMS
-    assert nq_pad % ops.MMA_BLOCK_Q == 0 and k_codes.shape[2] % ops.MMA_BLOCK_K == 0
+    """The op's contract (DESIGN.md) in float64: dequantize the per-thread groups (INT8, or INT4
+    unpacked from its nibbles), add Delta-S, exact base-2 softmax, top-left causal mask; V as
+    given (fp16/bf16) or dequantized from FP8 (keys un-permuted, code * v_scale, plus v_mean);
+    output in ``out_dtype`` and the requested memory layout, natural-log LSE of the scores the
+    kernel sees. P is not rounded (to the input dtype or E4M3) as the kernel does."""
+    b, hq, nq_pad, _ = q_codes.shape
+    hkv, nk_pad = k_codes.shape[1], k_codes.shape[2]
+    assert q_codes.dtype == torch.int8 and k_codes.dtype == torch.int8
+    if qk_dtype == "int4":
+        q_codes, k_codes = ref.unpack_int4(q_codes), ref.unpack_int4(k_codes)
+    else:
+        assert qk_dtype == "int8"
+    d = q_codes.shape[-1]
+    assert d in ops.MMA_HEAD_DIMS and k_codes.shape[-1] == d
+    assert nq_pad % ops.MMA_BLOCK_Q == 0 and nk_pad % ops.MMA_BLOCK_K == 0
+    assert nq_pad - ops.MMA_BLOCK_Q < q_len <= nq_pad
+    assert nk_pad - ops.MMA_BLOCK_K < kv_len <= nk_pad
     assert q_scale.shape == (b, hq, nq_pad // ops.MMA_BLOCK_Q, ops.MMA_WARPS * 8)
-    assert v.stride(-1) == 1
+    if v.dtype == torch.float8_e4m3fn:
+        assert v.shape == (b, hkv, d, nk_pad) and v.is_contiguous()
+        assert v_scale is not None and v_scale.shape == (b, hkv, d)
+        assert out_dtype in (torch.float16, torch.bfloat16)
+        # Stored key s of transposed V is key perm[s] (DESIGN.md "FP8 P and V"): un-permute,
+        # transpose back, and scale: code * v_scale (= P~ * 448 * code / 448 * v_scale).
+        v_t = torch.empty(v.shape, dtype=torch.float64)
+        v_t[..., ref.v_key_permutation(nk_pad)] = v.double()
+        values = v_t.transpose(-1, -2)[:, :, :kv_len] * v_scale.double()[:, :, None, :]
+        if v_mean is not None:
+            assert v_mean.shape == (b, hkv, d)
+            values = values + v_mean.double()[:, :, None, :]
+    else:
+        assert qk_dtype == "int8" and v_scale is None and v_mean is None
+        assert v.dtype == out_dtype and v.shape == (b, hkv, kv_len, d) and v.stride(-1) == 1
+        values = v.double()
     r = torch.arange(nq_pad)
     qs = q_scale[:, :, r // ops.MMA_BLOCK_Q,
                  ref.q_group_index(ops.MMA_BLOCK_Q, ops.MMA_WARPS)[r % ops.MMA_BLOCK_Q]]
-    j = torch.arange(k_codes.shape[2])
+    j = torch.arange(nk_pad)
     k_group = ref.k_group_index(ops.MMA_BLOCK_K)[j % ops.MMA_BLOCK_K]
     ks = k_scale[:, :, j // ops.MMA_BLOCK_K, k_group]
     qd = q_codes.double() * qs.double()[..., None]
@@ -575,12 +740,13 @@ def attention_mma_stand_in(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes
     s2 = qd @ kd.transpose(-1, -2)  # log2 units (sm_scale * log2(e) is in the Q scales)
     if delta_s is not None:
         s2 = s2 + delta_s.double()[:, :, None, :]
-    s = s2[:, :, :q_len, :nk] / LOG2E
+    s = s2[:, :, :q_len, :kv_len] / LOG2E
     if is_causal:
-        s = s.masked_fill(torch.ones(q_len, nk, dtype=torch.bool).tril().logical_not(), -math.inf)
+        s = s.masked_fill(torch.ones(q_len, kv_len, dtype=torch.bool).tril().logical_not(),
+                          -math.inf)
     lse = torch.logsumexp(s, dim=-1)
-    out = torch.softmax(s, dim=-1) @ v.double().repeat_interleave(hq // hkv, dim=1)
-    out = out.to(v.dtype)
+    out = torch.softmax(s, dim=-1) @ values.repeat_interleave(hq // hkv, dim=1)
+    out = out.to(out_dtype)
     if out_nhd:
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
     else:
@@ -596,13 +762,11 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
     if not ops.has_op("attention_mma"):
         pytest.skip("this build has no attention_mma op")
     calls: list[dict[str, Any]] = []
-    names = ("q_codes", "q_scale", "k_codes", "k_scale", "delta_s", "v", "q_len", "is_causal",
-             "out_nhd", "return_lse")
     qualname = f"{ops.NAMESPACE}::attention_mma"
     lib = None
     if not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
         def cpu_kernel(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            calls.append(dict(zip(names, args)))
+            calls.append(dict(zip(MMA_ARG_NAMES, args)))
             return attention_mma_stand_in(*args)
 
         lib = torch.library.Library(ops.NAMESPACE, "IMPL")
@@ -611,7 +775,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
         real = ops.attention_mma
 
         def recording(*args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-            calls.append(dict(zip(names, args)))
+            calls.append(dict(zip(MMA_ARG_NAMES, args)))
             return real(*args)
 
         monkeypatch.setattr(ops, "attention_mma", recording)
@@ -625,6 +789,16 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, Any]]]:
 
 def rel_l1(out: torch.Tensor, want: torch.Tensor) -> float:
     return float((out.double() - want).abs().sum() / want.abs().sum())
+
+
+def dequantized_v(v4: torch.Tensor, smooth_v: bool) -> torch.Tensor:
+    """V as FP8 PV sees it (float64), written from the reference's per-channel quantizer in the
+    natural key order (independent of the transposed, permuted op format): E4M3 code times
+    v_scale, plus V's mean with smooth_v."""
+    v_mean = ref.smoothing_stats_reference(None, None, v4, True)[2] if smooth_v else None
+    codes, scale = ref.quantize_v_per_channel(v4, v_mean)
+    values = codes.double() * scale.double()[:, :, None, :]
+    return values + v_mean.double()[:, :, None, :] if smooth_v else values
 
 
 @pytest.mark.parametrize(
@@ -641,18 +815,40 @@ def rel_l1(out: torch.Tensor, want: torch.Tensor) -> float:
         dict(smooth_k=False),
         dict(smooth_q=False, smooth_k=False, scale=0.3),
         dict(packed=True, layout="NHD"),
+        dict(pv="fp8"),
+        dict(pv="fp8", layout="NHD", dtype=torch.bfloat16, causal=True, smooth_v=True),
+        dict(pv="fp8", hkv=2, gqa=True, nq=7, nk=150, smooth_q=False, smooth_v=True),
+        dict(pv="fp8", b=None, smooth_k=False, d=128),
+        dict(pv="fp8", packed=True, layout="NHD", smooth_v=True),
+        dict(qk="int4"),
+        dict(qk="int4", layout="NHD", dtype=torch.bfloat16, causal=True, smooth_v=True, d=128),
+        dict(qk="int4", hkv=1, gqa=True, nq=150, nk=7, causal=True, smooth_q=False),
+        dict(d=96, layout="NHD"),
+        dict(d=32, pv="fp8", smooth_v=True),
+        dict(d=80, qk="int4", b=None, layout="NHD", causal=True),
     ],
     ids=["hnd", "nhd-bf16", "3d", "3d-nhd", "mqa-causal", "gqa-causal-nq<nk", "causal-nq>nk",
-         "d128-no-smooth-q", "no-smooth-k", "no-smoothing-scale", "packed-nhd"],
+         "d128-no-smooth-q", "no-smooth-k", "no-smoothing-scale", "packed-nhd",
+         "fp8", "fp8-nhd-bf16-causal-smooth-v", "fp8-gqa-no-smooth-q-smooth-v",
+         "fp8-3d-no-smooth-k-d128", "fp8-packed-smooth-v", "int4", "int4-nhd-bf16-causal-smooth-v",
+         "int4-mqa-causal-nq>nk-no-smooth-q", "d96-nhd", "d32-fp8-smooth-v", "d80-int4-3d-nhd"],
 )
 def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, Any]) -> None:
+    """What sageattn gives attention_mma (its CPU stand-in) for each variant, and that the
+    result is the emulation of the same quantization: INT8 or INT4 Q/K codes, V in the input
+    dtype (read in place) or FP8 with its scale and (smooth_v) mean, the true lengths, the
+    output dtype and layout, and the LSE with the row constant added back."""
     layout = case.get("layout", "HND")
     dtype = case.get("dtype", torch.float16)
     causal, gqa = case.get("causal", False), case.get("gqa", False)
     smooth_q, smooth_k = case.get("smooth_q", "auto"), case.get("smooth_k", True)
+    smooth_v, qk = case.get("smooth_v", False), case.get("qk", "int8")
+    # On CPU "auto" is the input dtype (no FP8 tensor cores to ask about); INT4 implies FP8.
+    fp8 = case.get("pv") == "fp8" or qk == "int4"
     gen = torch.Generator().manual_seed(7)
     b, hq, hkv = case.get("b", 2), 4, case.get("hkv", 4)
     nq, nk, d = case.get("nq", 70), case.get("nk", case.get("nq", 70)), case.get("d", 64)
+    d_kernel = 64 if d <= 64 else 128
 
     def make(h: int, n: int, bias: float) -> torch.Tensor:  # [B, H, N, D], offsets per channel
         x = torch.randn(b or 1, h, n, d, generator=gen) + bias * torch.randn(b or 1, h, 1, d,
@@ -667,7 +863,8 @@ def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, A
     if b is None:
         args = [t[0] for t in args]
     kwargs = dict(is_causal=causal, enable_gqa=gqa, tensor_layout=layout, smooth_q=smooth_q,
-                  smooth_k=smooth_k, scale=case.get("scale"))
+                  smooth_k=smooth_k, smooth_v=smooth_v, scale=case.get("scale"), qk_quant=qk,
+                  pv_quant=case.get("pv", "auto"))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         out, lse = sageattn(*args, return_lse=True, strict=True, **kwargs)
@@ -675,12 +872,29 @@ def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, A
     assert not fallback_warnings(record)
     assert len(stand_in) == 2
     call = stand_in[0]
-    assert call["q_len"] == nq and call["is_causal"] is causal
+    assert call["qk_dtype"] == qk and call["q_len"] == nq and call["kv_len"] == nk
+    assert call["out_dtype"] == dtype and call["is_causal"] is causal
     assert call["out_nhd"] is (layout == "NHD") and call["return_lse"] is True
     assert stand_in[1]["return_lse"] is False
     assert (call["delta_s"] is not None) is (smooth_q != False)  # noqa: E712
-    assert call["v"].data_ptr() == v4.data_ptr()  # v is read in place, never copied
     assert call["q_scale"].shape[-1] == ops.MMA_WARPS * 8
+    assert call["q_codes"].shape[-1] == call["k_codes"].shape[-1] == (
+        d_kernel // 2 if qk == "int4" else d_kernel)
+    k_pad = -(-nk // ops.MMA_BLOCK_K) * ops.MMA_BLOCK_K
+    if fp8:
+        assert call["v"].dtype == torch.float8_e4m3fn
+        assert call["v"].shape == (b or 1, hkv, d_kernel, k_pad)
+        v_kernel = torch.nn.functional.pad(v4, (0, d_kernel - d))
+        stats = ref.smoothing_stats_reference(None, None, v_kernel, smooth_v)
+        torch.testing.assert_close(call["v_scale"], stats[3], rtol=0, atol=0)
+        if smooth_v:
+            torch.testing.assert_close(call["v_mean"], stats[2], rtol=0, atol=0)
+        else:
+            assert call["v_mean"] is None
+    else:
+        assert call["v_scale"] is None and call["v_mean"] is None
+        if d == d_kernel:
+            assert call["v"].data_ptr() == v4.data_ptr()  # v is read in place, never copied
 
     assert out.shape == (*args[0].shape[:-1], d) and out.dtype == dtype
     assert torch.equal(out, out_only)
@@ -692,16 +906,18 @@ def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, A
     out4 = out4 if layout == "HND" else out4.transpose(1, 2)
     lse4 = lse if b is not None else lse[None]
     assert lse4.dtype == torch.float32 and lse4.shape == want_lse.shape
-    if smooth_k:  # unsmoothed K with offsets of 4 quantizes coarsely: what smoothing is for
+    if smooth_k and qk == "int8":  # unsmoothed K with offsets of 4 quantizes coarsely: what
+        # smoothing is for; INT4 is coarser still (compared with its emulation below)
         assert rel_l1(out4, want) < 0.03
         torch.testing.assert_close(lse4.double(), want_lse, rtol=0, atol=0.05)
-    # Against the emulation of the same quantization with exact PV (what the stand-in does):
-    # the same output up to its final rounding, and the same LSE, whose row constant
-    # sm_scale * q . k_mean (dropped by K smoothing) sageattn adds back (k's offsets of 4 make
-    # it large, so forgetting it fails by far).
+    # Against the emulation of the same quantization with exact PV on V as the kernel sees it
+    # (what the stand-in does): the same output up to its final rounding, and the same LSE,
+    # whose row constant sm_scale * q . k_mean (dropped by K smoothing) sageattn adds back (k's
+    # offsets of 4 make it large, so forgetting it fails by far). FP8 V is dequantized here from
+    # the natural key order, so a wrong V permutation, scale or mean fails too.
     emu, emu_lse = ref.sage_attention_reference(
-        q4, k4, v4, is_causal=causal,
-        scale=case.get("scale"), qk_dtype="int8", granularity="thread",
+        q4, k4, dequantized_v(v4, smooth_v) if fp8 else v4, is_causal=causal,
+        scale=case.get("scale"), qk_dtype=qk, granularity="thread",
         block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
         smooth_k=smooth_k, smooth_q=None if smooth_q is False else "head", smooth_v=False,
         pv_dtype="fp32", two_level=False, fp22=False, return_lse=True)
@@ -709,16 +925,53 @@ def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, A
     torch.testing.assert_close(lse4, emu_lse, rtol=0, atol=1e-4)
 
 
-def test_quantized_path_int4_and_block_fall_back(stand_in: list[dict[str, Any]]) -> None:
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize(
+    ("d", "options"),
+    [(96, {}), (32, {"pv_quant": "fp8", "smooth_v": True}), (96, {"qk_quant": "int4"}),
+     (8, {"smooth_q": False, "is_causal": True}), (120, {"pv_quant": "fp8"})],
+    ids=["d96", "d32-fp8-smooth-v", "d96-int4", "d8-causal", "d120-fp8"],
+)
+def test_head_dim_padding(stand_in: list[dict[str, Any]], layout: str, d: int,
+                          options: dict[str, Any]) -> None:
+    """A head_dim the kernels are not built for runs zero-padded to the next built one: exactly
+    what sageattn computes on inputs padded by hand with the softmax scale of the true head_dim,
+    cut back to d channels, contiguous in the caller's layout (as SDPA's output is); the padded
+    output channels are zero."""
+    gen = torch.Generator().manual_seed(d)
+    d_kernel = 64 if d <= 64 else 128
+    q4, k4, v4 = ((torch.randn(2, 4, 70, d, generator=gen)
+                   + bias * torch.randn(2, 4, 1, d, generator=gen)).half()
+                  for bias in (1.0, 3.0, 1.0))
+    args = [t if layout == "HND" else t.transpose(1, 2).contiguous() for t in (q4, k4, v4)]
+    out, lse = sageattn(*args, tensor_layout=layout, return_lse=True, strict=True, **options)
+    codes_dim = d_kernel // 2 if options.get("qk_quant") == "int4" else d_kernel
+    assert stand_in[0]["q_codes"].shape[-1] == codes_dim
+    assert out.shape == args[0].shape and out.dtype == torch.float16 and out.is_contiguous()
+    padded = [torch.nn.functional.pad(t, (0, d_kernel - d)) for t in args]
+    out_p, lse_p = sageattn(*padded, tensor_layout=layout, scale=d ** -0.5, return_lse=True,
+                            strict=True, **options)
+    assert torch.equal(out, out_p[..., :d]) and torch.equal(lse, lse_p)
+    assert not out_p[..., d:].any()
+    if options.get("qk_quant") != "int4":  # the 8-bit error level vs exact attention
+        want = ref.exact_attention(q4, k4, v4, is_causal=options.get("is_causal", False))
+        assert rel_l1(out if layout == "HND" else out.transpose(1, 2), want) < 0.03
+
+
+def test_quantized_path_fallbacks(stand_in: list[dict[str, Any]]) -> None:
     q, k, v = qkv(d=64, dtype=torch.float16)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
-        sageattn(q, k, v, qk_quant="int4")
+        sageattn(q, k, v, qk_quant="int4", pv_quant="none")
         sageattn(q, k, v, smooth_q="block")
+        sageattn(q, k, v, qk_quant="int4")
         sageattn(q, k, v)
     messages = fallback_warnings(record)
-    assert len(messages) == 2 and "INT4" in messages[0] and "per block" in messages[1]
-    assert len(stand_in) == 1
+    assert len(messages) == 2
+    assert messages[0].startswith("sageattn is computing exact F.scaled_dot_product_attention "
+                                  "instead of quantized attention: INT4 QK runs with FP8 PV only")
+    assert "per block" in messages[1]
+    assert [call["qk_dtype"] for call in stand_in] == ["int4", "int8"]
 
 
 @pytest.mark.parametrize(
@@ -729,21 +982,26 @@ def test_quantized_path_int4_and_block_fall_back(stand_in: list[dict[str, Any]])
         dict(b=None, smooth_k=False, smooth_v=True),
         dict(hkv=1, gqa=True, nq=7, nk=150, d=64, smooth_q=False),
         dict(packed=True, layout="NHD", smooth_v=True),
+        dict(d=96, layout="NHD", smooth_v=True),
+        dict(d=40, b=None, causal=True),
     ],
-    ids=["hnd", "nhd-bf16-causal-scale", "3d-no-smooth-k-smooth-v", "mqa-d64", "packed-nhd"],
+    ids=["hnd", "nhd-bf16-causal-scale", "3d-no-smooth-k-smooth-v", "mqa-d64", "packed-nhd",
+         "d96-nhd-smooth-v", "d40-3d-causal"],
 )
 def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]) -> None:
     """The arguments sageattn gives attention_wgmma (where _kernel_for picks it), from the real
     preprocessing ops (their CPU reference implementations): q read in place, K/V quantized for
     block_k=WGMMA_BLOCK_K, K's mean only with smooth_k, V's only with smooth_v, the kv length,
     softmax scale, mask, output layout and LSE flag; and what the op returns is what sageattn
-    returns, in the caller's layout."""
+    returns, in the caller's layout (a head_dim the kernel is not built for zero-padded to the
+    next built one, with the softmax scale of the true head_dim, the output cut back)."""
     if not ops.HAS_EXTENSION:
         pytest.skip("the preprocessing ops need the compiled extension")
     layout = case.get("layout", "HND")
     dtype = case.get("dtype", torch.float16)
     b, hq, hkv = case.get("b", 2), 4, case.get("hkv", 4)
     nq, nk, d = case.get("nq", 70), case.get("nk", 70), case.get("d", 128)
+    d_kernel = 64 if d <= 64 else 128
     smooth_k, smooth_v = case.get("smooth_k", True), case.get("smooth_v", False)
     gen = torch.Generator().manual_seed(3)
     q4, k4, v4 = (torch.randn(b or 1, h, n, d, generator=gen).to(dtype)
@@ -772,7 +1030,7 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
 
     monkeypatch.setattr(api, "_device_reason", lambda device: None)
     monkeypatch.setattr(api, "_build_reason", lambda device=None: None)
-    monkeypatch.setattr(api, "_kernel_for", lambda call: "wgmma")
+    monkeypatch.setattr(api, "_kernel_for", lambda call: api.KernelChoice("wgmma", "int8", "fp8"))
     monkeypatch.setattr(ops, "attention_wgmma", stand_in)
     monkeypatch.setattr(ops, "attention_mma", None)  # must not run
     kwargs = dict(is_causal=case.get("causal", False), enable_gqa=case.get("gqa", False),
@@ -782,14 +1040,20 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
     out_only = sageattn(*args, **kwargs)
     assert len(calls) == 2
     call = calls[0]
-    assert call["q"].data_ptr() == q4.data_ptr() and call["q"].shape == (b or 1, hq, nq, d)
-    assert torch.equal(call["q"], q4)  # the caller's q, not quantized nor copied
+    assert call["q"].shape == (b or 1, hq, nq, d_kernel)
+    if d == d_kernel:
+        assert call["q"].data_ptr() == q4.data_ptr()
+        assert torch.equal(call["q"], q4)  # the caller's q, not quantized nor copied
+    else:  # zero-padded
+        assert torch.equal(call["q"][..., :d], q4) and not call["q"][..., d:].any()
     k_pad = -(-nk // ops.WGMMA_BLOCK_K) * ops.WGMMA_BLOCK_K
-    assert call["k_codes"].shape == (b or 1, hkv, k_pad, d) and call["k_codes"].dtype == torch.int8
+    assert call["k_codes"].shape == (b or 1, hkv, k_pad, d_kernel)
+    assert call["k_codes"].dtype == torch.int8
     assert call["k_scale"].shape == (b or 1, hkv, k_pad // ops.WGMMA_BLOCK_K, 4)
-    assert call["v_fp8"].shape == (b or 1, hkv, d, k_pad)
+    assert call["v_fp8"].shape == (b or 1, hkv, d_kernel, k_pad)
     assert call["v_fp8"].dtype == torch.float8_e4m3fn
-    want_stats = ref.smoothing_stats_reference(None, k4, v4, smooth_v)
+    k_kernel, v_kernel = (torch.nn.functional.pad(t, (0, d_kernel - d)) for t in (k4, v4))
+    want_stats = ref.smoothing_stats_reference(None, k_kernel, v_kernel, smooth_v)
     torch.testing.assert_close(call["v_scale"], want_stats[3])
     if smooth_k:
         torch.testing.assert_close(call["k_mean"], want_stats[1])
@@ -809,7 +1073,7 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
     calls.pop()
     out4 = out if b is not None else out[None]
     out4 = out4 if layout == "HND" else out4.transpose(1, 2)
-    assert torch.equal(out4, want_out) and torch.equal(out, out_only)
+    assert torch.equal(out4, want_out[..., :d]) and torch.equal(out, out_only)
     assert torch.equal(lse if b is not None else lse[None], want_lse)
     if b is not None:  # the output is contiguous in the caller's layout
         assert out.is_contiguous()
@@ -817,27 +1081,82 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
 
 def test_attention_mma_meta_shapes() -> None:
     """attention_mma's Meta implementation (what torch.compile traces): shapes, dtypes and the
-    NHD memory of out_nhd."""
+    NHD memory of out_nhd for each variant (INT8 QK with fp16/bf16 V; INT8 and packed INT4 QK
+    with FP8 V and out_dtype); calls outside the built variants raise."""
     if not ops.has_op("attention_mma"):
         pytest.skip("this build has no attention_mma")
     b, hq, hkv, nq, nk, d = 2, 8, 2, 200, 70, 128
+    k_pad = ops.MMA_BLOCK_K
     meta = dict(device="meta")
     q_codes = torch.empty(b, hq, 256, d, dtype=torch.int8, **meta)
     q_scale = torch.empty(b, hq, 2, ops.MMA_WARPS * 8, **meta)
-    k_codes = torch.empty(b, hkv, 128, d, dtype=torch.int8, **meta)
-    k_scale = torch.empty(b, hkv, 128 // ops.MMA_BLOCK_K, 4, **meta)
-    delta_s = torch.empty(b, hq, 128, **meta)
+    k_codes = torch.empty(b, hkv, k_pad, d, dtype=torch.int8, **meta)
+    k_scale = torch.empty(b, hkv, k_pad // ops.MMA_BLOCK_K, 4, **meta)
+    delta_s = torch.empty(b, hq, k_pad, **meta)
     v = torch.empty(b, nk, hkv, d, dtype=torch.bfloat16, **meta).transpose(1, 2)
-    for out_nhd in (False, True):
-        out, lse = ops.attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, nq, True,
-                                     out_nhd, True)
-        assert out.shape == (b, hq, nq, d) and out.dtype == torch.bfloat16
-        memory = out.transpose(1, 2) if out_nhd else out
-        assert memory.is_contiguous()
-        assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
-    out, lse = ops.attention_mma(q_codes, q_scale, k_codes, k_scale, None, v, nq, False, False,
-                                 False)
-    assert lse.shape == (0,)
+    q4, k4 = q_codes[..., : d // 2], k_codes[..., : d // 2]  # packed INT4 codes
+    q4, k4 = q4.contiguous(), k4.contiguous()
+    v_fp8 = torch.empty(b, hkv, d, k_pad, dtype=torch.float8_e4m3fn, **meta)
+    v_scale = torch.empty(b, hkv, d, **meta)
+    v_mean = torch.empty(b, hkv, d, **meta)
+    variants = [
+        ((q_codes, q_scale, k_codes, k_scale, delta_s, v, None, None, "int8"), torch.bfloat16),
+        ((q_codes, q_scale, k_codes, k_scale, delta_s, v_fp8, v_scale, v_mean, "int8"),
+         torch.float16),
+        ((q4, q_scale, k4, k_scale, None, v_fp8, v_scale, None, "int4"), torch.bfloat16),
+    ]
+    for args, out_dtype in variants:
+        for out_nhd in (False, True):
+            out, lse = ops.attention_mma(*args, nq, nk, out_dtype, True, out_nhd, True)
+            assert out.shape == (b, hq, nq, d) and out.dtype == out_dtype
+            assert out.device.type == "meta"
+            memory = out.transpose(1, 2) if out_nhd else out
+            assert memory.is_contiguous()
+            assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
+        out, lse = ops.attention_mma(*args, nq, nk, out_dtype, False, False, False)
+        assert out.shape == (b, hq, nq, d) and lse.shape == (0,)
+    # kv_len anywhere in the last padded tile of the FP8 V
+    out, _ = ops.attention_mma(q4, q_scale, k4, k_scale, None, v_fp8, v_scale, None, "int4", nq,
+                               1, torch.float16, False, False, False)
+    assert out.shape == (b, hq, nq, d)
+
+    def call(**changes: Any) -> None:
+        args = dict(q_codes=q_codes, q_scale=q_scale, k_codes=k_codes, k_scale=k_scale,
+                    delta_s=delta_s, v=v_fp8, v_scale=v_scale, v_mean=None, qk_dtype="int8",
+                    q_len=nq, kv_len=nk, out_dtype=torch.float16, is_causal=False,
+                    out_nhd=False, return_lse=True)
+        args.update(changes)
+        ops.attention_mma(**args)
+
+    call()  # the baseline is valid: each change below alone makes it invalid
+    bad = {
+        # INT4 QK is built with FP8 PV only.
+        "int4-fp16-v": dict(q_codes=q4, k_codes=k4, qk_dtype="int4", v=v, v_scale=None,
+                            out_dtype=torch.bfloat16),
+        # INT8 codes called INT4 (the last dimension is D, not D/2), and the reverse.
+        "int4-unpacked": dict(qk_dtype="int4"),
+        "int8-packed": dict(q_codes=q4, k_codes=k4),
+        "bogus-qk-dtype": dict(qk_dtype="fp8"),
+        # FP8 V needs its scale; fp16 V takes neither scale nor mean, and gives v's dtype.
+        "fp8-v-no-scale": dict(v_scale=None),
+        "fp16-v-with-scale": dict(v=v, out_dtype=torch.bfloat16),
+        "fp16-v-with-mean": dict(v=v, v_scale=None, v_mean=v_mean, out_dtype=torch.bfloat16),
+        "fp16-v-out-dtype": dict(v=v, v_scale=None, out_dtype=torch.float16),
+        "fp8-v-float32-out": dict(out_dtype=torch.float32),
+        # kv_len must be the true key count: v's length for fp16 V, within the padding for FP8.
+        "fp16-v-kv-len": dict(v=v, v_scale=None, out_dtype=torch.bfloat16, kv_len=nk + 1),
+        "fp8-v-kv-len-past-pad": dict(kv_len=k_pad + 1),
+        "fp8-v-length": dict(v=torch.empty(b, hkv, d, 2 * k_pad, dtype=torch.float8_e4m3fn,
+                                           **meta)),  # not k_codes' padded length
+        "fp8-v-not-transposed": dict(v=torch.empty(b, hkv, k_pad, 64, dtype=torch.float8_e4m3fn,
+                                                   **meta)),
+        "v-scale-shape": dict(v_scale=torch.empty(b, hkv, d // 2, **meta)),
+        "v-mean-shape": dict(v_mean=torch.empty(b, hq, d, **meta)),
+    }
+    for name, changes in bad.items():
+        with pytest.raises(RuntimeError):
+            call(**changes)
+            pytest.fail(f"{name}: no error")
 
 
 def test_attention_wgmma_meta_shapes() -> None:

@@ -1,25 +1,33 @@
-"""GPU tests of the attention kernels (docs/DESIGN.md): the warp-level ``attention_mma``, the
-Hopper ``attention_wgmma`` (sm_90a builds on sm_90 GPUs), and ``sageattn``'s quantized path on
-both (``sageattn`` picks the kernel with ``api._kernel_for``: on sm_90 with the wgmma build, the
-default call runs attention_wgmma and ``smooth_q="head"`` attention_mma; elsewhere both run
-attention_mma; the sageattn tests run a "default" and an "mma" path and compare each with the
-emulation of the kernel it ran).
+"""GPU tests of the attention kernels (docs/DESIGN.md): the warp-level ``attention_mma`` in its
+three variants (INT8 QK + fp16/bf16 PV on every arch; INT8 QK + FP8 PV and INT4 QK + FP8 PV on
+sm_89+ builds), the Hopper ``attention_wgmma`` (sm_90a builds on sm_90 GPUs), and ``sageattn``'s
+quantized path on all of them. ``sageattn`` picks the kernel and precisions with
+``api._kernel_for`` (a :class:`api.KernelChoice`); the sageattn tests run the PATHS below (on an
+H100: "default" attention_wgmma, "mma" INT8 + FP8 PV, "mma-fp16" INT8 + FP16/BF16 PV, "int4"
+INT4 + FP8 PV) and compare each with the emulation of the variant it ran.
 
 Three references:
 - the emulation of the same algorithm (``reference.sage_attention_reference`` with the kernel's
   geometry, :func:`emulate`), run on the GPU in float64: relative L1 <= 1e-3 (the acceptance
   criterion), both outputs rounded to the kernel's output dtype (bf16 rounding alone is ~1.4e-3
-  rel. L1), and the LSE to ~1e-3.
-  attention_mma: per-thread INT8 groups of quantize_q(block_q=128, warps=ops.MMA_WARPS) (Q
-  smoothed per head) and quantize_kv(block_k=ops.MMA_BLOCK_K), P and V rounded to the input dtype,
-  FP32 accumulation, no two-level buffer, no FP22.
+  rel. L1), and the LSE to ~1e-3 (INT8; INT4's coarser codes move it further, see
+  LSE_EMULATION_ATOL).
+  attention_mma: per-thread INT8/INT4 groups of quantize_q(block_q=128, warps=ops.MMA_WARPS) (Q
+  smoothed per head) and quantize_kv(block_k=ops.MMA_BLOCK_K); PV either with P and V rounded to
+  the input dtype, FP32 accumulation, no two-level buffer, or (FP8 variants) P~ (x448) and V per
+  channel (minus its mean with smooth_v) in E4M3, two-level FP32 accumulation per 128-key tile,
+  no FP22 (the H100 has no native FP8 mma.sync; on Ada's native one the FP22 rounding of a
+  128-key tile, ~1e-4 relative, stays far below the 1e-3 criterion).
   attention_wgmma: Q unsmoothed, quantized in the kernel in groups of rows {g, g+8} of 16-row warp
-  slabs (block_q=128, warps=8), K of quantize_kv(block_k=ops.WGMMA_BLOCK_K), P~ (x448) and V per
-  channel (minus its mean with smooth_v) in E4M3, two-level FP32 accumulation, no FP22;
+  slabs (block_q=128, warps=8), K of quantize_kv(block_k=ops.WGMMA_BLOCK_K), FP8 PV as above;
 - exact float64 attention (``reference.exact_attention``): the 8-bit error level (randn inputs
-  give rel. L1 ~0.01 with FP16 PV, bound 0.03; ~0.038 with FP8 PV, bound 0.05) and the
-  ANCHORS.md accuracy families (attention_wgmma: no worse than the official 8-bit sm90 kernel);
+  give rel. L1 ~0.01 with FP16 PV, bound 0.03; ~0.038 with FP8 PV, bound 0.05), INT4's level
+  derived from its emulation (it depends on the input far more than 8-bit's), and the ANCHORS.md
+  accuracy families (attention_wgmma: no worse than the official 8-bit sm90 kernel);
 - exact LSE (natural log).
+
+A head_dim the kernels are not built for (32, 96, ...) runs zero-padded to the next built one
+(64, 128); the emulation runs on the unpadded inputs (zero channels change nothing).
 
 Every op allocates its outputs, so calls are preceded by freeing blocks of 0xFF bytes (NaN in
 fp16/bf16/fp32) to the caching allocator: an element the kernel forgot to write is NaN.
@@ -38,6 +46,7 @@ import torch
 
 from sageattention2 import SageAttentionFallbackWarning, api, kernel_plan, ops, sageattn
 from sageattention2 import reference as ref
+from sageattention2.api import KernelChoice
 
 pytestmark = pytest.mark.gpu
 
@@ -48,21 +57,45 @@ if not ops.has_op("attention_mma"):
 
 DEVICE = "cuda"
 LOG2E = math.log2(math.e)
+WGMMA = KernelChoice("wgmma", "int8", "fp8")
+MMA_INT8_INPUT = KernelChoice("mma", "int8", "input")
+MMA_INT8_FP8 = KernelChoice("mma", "int8", "fp8")
+MMA_INT4_FP8 = KernelChoice("mma", "int4", "fp8")
 EMULATION_L1 = 1e-3  # kernel vs emulation of the same algorithm
-EXACT_L1 = 0.03  # attention_mma (FP16/BF16 PV) vs float64 attention on randn inputs (~0.01)
-# attention_wgmma (FP8 PV) vs float64 attention on randn inputs: nearly uniform attention, whose
-# small outputs carry P's and V's E4M3 rounding (the emulation gives up to 0.038 on the shapes
-# below; the official 8-bit sm90 kernel 0.0383 on ANCHORS bias0).
+EXACT_L1 = 0.03  # FP16/BF16 PV vs float64 attention on randn inputs (~0.01)
+# FP8 PV vs float64 attention on randn inputs: nearly uniform attention, whose small outputs
+# carry P's and V's E4M3 rounding (the emulation gives up to 0.038 on the shapes below; the
+# official 8-bit sm90 kernel 0.0383 on ANCHORS bias0).
 EXACT_L1_FP8 = 0.05
-EXACT_L1_OF = {"mma": EXACT_L1, "wgmma": EXACT_L1_FP8}
+# 8-bit variants vs float64 attention on randn inputs. INT4 has no fixed entry: see
+# exact_l1_bound.
+EXACT_L1_OF = {MMA_INT8_INPUT: EXACT_L1, MMA_INT8_FP8: EXACT_L1_FP8, WGMMA: EXACT_L1_FP8}
+# LSE, kernel vs emulation (atol), by QK format. The emulation takes its own float64 means, the
+# kernel's preprocessing float32 ones, so a few codes at a rounding boundary sit one step apart;
+# a row that few keys dominate moves its LSE by about one code step's score change. An INT4 step
+# is 127/7 ~ 18x an INT8 one, hence 18x the INT8 tolerance (rounded up).
+LSE_EMULATION_ATOL = {"int8": 1e-3, "int4": 0.02}
+# The same for the op tests, whose inputs have larger K offsets (4 instead of 2).
+OP_LSE_ATOL = {"int8": 5e-3, "int4": 0.1}
 # The Q groups attention_wgmma forms in the kernel (csrc/attention_params.h): rows {g, g+8} of the
 # 16-row warp slabs of a 128-query CTA, the reference geometry block_q=128, warps=8.
 WGMMA_BLOCK_Q = 128
 WGMMA_WARPS = 8
-# The sageattn paths of the sageattn tests: "default" passes no smoothing option (attention_wgmma
-# on an sm_90 GPU with the wgmma build, else attention_mma); "mma" passes smooth_q="head", which
-# attention_mma serves everywhere.
-PATHS: dict[str, dict[str, Any]] = {"default": {}, "mma": {"smooth_q": "head"}}
+# The sageattn paths of the sageattn tests, one per variant on an H100 with the default build:
+# "default" passes no option (attention_wgmma on sm_90 with the wgmma build, else attention_mma
+# with FP8 PV on sm_89, FP16/BF16 PV elsewhere); "mma" smooths Q per head, which the Hopper kernel
+# does not, and asks for FP8 PV (attention_mma INT8 + FP8, emulated FP8 mma.sync on sm_90);
+# "mma-fp16" asks for PV in the input dtype (attention_mma INT8 + FP16/BF16 PV everywhere);
+# "int4" INT4 QK with FP8 PV (sm_89+).
+PATHS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "mma": {"smooth_q": "head", "pv_quant": "fp8"},
+    "mma-fp16": {"smooth_q": "head", "pv_quant": "none"},
+    "int4": {"qk_quant": "int4"},
+}
+# INT4 mma.sync has no native instruction on Hopper (emulated at ~50 TOPS, ANCHORS.md) and its
+# exact bound needs the emulation of every case: the int4 path keeps to shapes up to this length.
+INT4_MAX_LEN = 2000
 
 
 @pytest.fixture(autouse=True)
@@ -83,6 +116,15 @@ def wgmma_kernel() -> None:
         pytest.skip(f"no attention_wgmma code for sm_{capability[0]}{capability[1]} in this build")
 
 
+@pytest.fixture
+def mma_fp8_kernel() -> None:
+    """Skip unless the build has attention_mma's FP8 PV variants for this GPU (sm_89+)."""
+    if not mma_fp8_on_device():
+        capability = torch.cuda.get_device_capability()
+        pytest.skip(f"no {ops.MMA_FP8_FAMILY} code for sm_{capability[0]}{capability[1]} in "
+                    "this build")
+
+
 # ------------------------------------------------------------------------------------------------
 # Helpers
 # ------------------------------------------------------------------------------------------------
@@ -94,8 +136,19 @@ def wgmma_on_device() -> bool:
     info = ops.build_info()
     return (ops.has_op("attention_wgmma") and info is not None
             and torch.cuda.get_device_capability() == (9, 0)
-            and any(family.startswith("attention_wgmma") and "sm_90a" in archs
+            and any(ops.kernel_family(family) == ops.WGMMA_FAMILY and "sm_90a" in archs
                     for family, archs in info.kernels.items()))
+
+
+def mma_fp8_on_device() -> bool:
+    """Whether the build has attention_mma's FP8 PV code (family attention_mma_fp8) that runs on
+    this GPU (from build_info, not from api's own decision)."""
+    capability = torch.cuda.get_device_capability()
+    info = ops.build_info()
+    return info is not None and any(
+        ops.kernel_family(family) == ops.MMA_FP8_FAMILY
+        and any(ops.arch_runs_on(a, capability) for a in archs)
+        for family, archs in info.kernels.items())
 
 
 def poison_allocator() -> None:
@@ -171,55 +224,74 @@ def exact(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
 
 def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
             smooth_q: bool | None = None, smooth_k: bool = True, scale: float | None = None, *,
-            smooth_v: bool = False, kernel: str = "mma",
+            smooth_v: bool = False, kernel: KernelChoice = MMA_INT8_INPUT,
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The algorithm of ``kernel`` in float64: (out float32, lse with the row constant).
 
-    "mma" (attention_mma): Q smoothed per head (``smooth_q`` None or True) or not (False), P and V
-    in the input dtype; V is not quantized, so ``smooth_v`` changes nothing there (ignored).
-    "wgmma" (attention_wgmma): no Q smoothing (``smooth_q`` must be None or False), Q groups of
+    attention_mma: Q smoothed per head (``smooth_q`` None or True) or not (False), QK in
+    ``kernel.qk``; PV in the input dtype (V is not quantized, so ``smooth_v`` changes nothing
+    there: ignored) or in FP8 (P~ x448 and V per channel, minus its mean with ``smooth_v``,
+    two-level accumulation).
+    attention_wgmma: no Q smoothing (``smooth_q`` must be None or False), Q groups of
     WGMMA_BLOCK_Q / WGMMA_WARPS, K of ops.WGMMA_BLOCK_K, FP8 PV with V's mean when ``smooth_v``.
     """
-    if kernel == "mma":
-        return ref.sage_attention_reference(
-            q4, k4, v4, is_causal=causal, scale=scale, qk_dtype="int8", granularity="thread",
-            block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
-            smooth_k=smooth_k, smooth_q=None if smooth_q is False else "head", smooth_v=False,
-            pv_dtype="bf16" if v4.dtype == torch.bfloat16 else "fp16", two_level=False,
-            fp22=False, return_lse=True,
-        )
-    if kernel == "wgmma":
+    common = dict(is_causal=causal, scale=scale, qk_dtype=kernel.qk, granularity="thread",
+                  smooth_k=smooth_k, fp22=False, return_lse=True)
+    if kernel.kernel == "wgmma":
         if smooth_q:
             raise ValueError("attention_wgmma does not smooth Q")
         return ref.sage_attention_reference(
-            q4, k4, v4, is_causal=causal, scale=scale, qk_dtype="int8", granularity="thread",
-            block_q=WGMMA_BLOCK_Q, warps=WGMMA_WARPS, block_k=ops.WGMMA_BLOCK_K,
-            smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True,
-            fp22=False, return_lse=True,
+            q4, k4, v4, block_q=WGMMA_BLOCK_Q, warps=WGMMA_WARPS, block_k=ops.WGMMA_BLOCK_K,
+            smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, **common,
         )
-    raise ValueError(f"unknown kernel {kernel!r}")
+    mma = dict(block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
+               smooth_q=None if smooth_q is False else "head")
+    if kernel.pv == "fp8":
+        return ref.sage_attention_reference(
+            q4, k4, v4, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, **mma, **common)
+    return ref.sage_attention_reference(
+        q4, k4, v4, smooth_v=False, pv_dtype="bf16" if v4.dtype == torch.bfloat16 else "fp16",
+        two_level=False, **mma, **common,
+    )
 
 
-def sageattn_kernel(*args: Any, **kwargs: Any) -> str:
-    """The kernel ("wgmma" or "mma") that sageattn runs on this device for these arguments: the
-    choice of ``api._kernel_for`` on the validated call (which must not fall back)."""
+def exact_l1_bound(kernel: KernelChoice, emu_out: torch.Tensor | None, want: torch.Tensor,
+                   dtype: torch.dtype) -> float:
+    """The largest rel. L1 vs exact attention (``want``) the kernel may have. 8-bit: the fixed
+    level of EXACT_L1_OF. INT4: its error depends on the input far more (ANCHORS.md: ~0.2 on
+    randn, ~0.02 with channel offsets and smoothing), so the bound is what its emulation
+    ``emu_out`` gives, with 10 % slack, plus twice EMULATION_L1 (by the triangle inequality the
+    kernel, within EMULATION_L1 of the emulation, can be at most that much further away)."""
+    if kernel.qk == "int8":
+        return EXACT_L1_OF[kernel]
+    assert emu_out is not None, "INT4's exact bound needs the emulation"
+    return 1.1 * rel_l1(emu_out.to(dtype), want) + 2 * EMULATION_L1
+
+
+def sageattn_kernel(*args: Any, **kwargs: Any) -> KernelChoice:
+    """The kernel and precisions that sageattn runs on this device for these arguments: the
+    choice of ``api._kernel_for`` on the validated call (which must not fall back; a call that
+    needs FP8 PV on a GPU or build without it skips the test)."""
     bound = inspect.signature(sageattn).bind(*args, **kwargs)
     bound.apply_defaults()
     call = api._validate(**bound.arguments)
     reason = api._unsupported_reason(call)
+    if reason is not None and reason.startswith("FP8 PV needs") and not mma_fp8_on_device():
+        pytest.skip(reason)
     assert reason is None, reason
     return api._kernel_for(call)
 
 
-def assert_first_query_sees_first_key(out4: torch.Tensor, v4: torch.Tensor, kernel: str) -> None:
+def assert_first_query_sees_first_key(out4: torch.Tensor, v4: torch.Tensor,
+                                      kernel: KernelChoice) -> None:
     """Causal query 0 attends key 0 alone: its output is v[0], to an ulp of the output dtype
-    (attention_mma), or to v's per-channel E4M3 rounding (attention_wgmma without smooth_v:
+    (PV in the input dtype), or to v's per-channel E4M3 rounding (FP8 PV without smooth_v:
     at most 2^-4 |v| in E4M3's normal range, half a subnormal step, 2^-10 * max_n |v_c| / 448,
     below it; P~ of the lone key is 448, exact in E4M3)."""
     v = v4.repeat_interleave(out4.shape[1] // v4.shape[1], dim=1)
     v0, got = v[:, :, 0], out4[:, :, 0]
     eps = torch.finfo(out4.dtype).eps
-    if kernel == "mma":
+    if kernel.pv == "input":
         torch.testing.assert_close(got, v0, rtol=eps, atol=1e-6)
         return
     channel_scale = v.double().abs().amax(dim=2) / 448
@@ -235,26 +307,34 @@ def row_constant(q4: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> tor
 
 
 def run_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, *,
-           smooth_q: bool = True, smooth_k: bool = True, out_nhd: bool = False,
-           return_lse: bool = True, scale: float | None = None,
+           qk: str = "int8", pv: str = "input", smooth_q: bool = True, smooth_k: bool = True,
+           smooth_v: bool = False, out_nhd: bool = False, return_lse: bool = True,
+           scale: float | None = None,
            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The preprocessing of DESIGN.md written out, then attention_mma on poisoned memory.
+    """The preprocessing of DESIGN.md written out, then attention_mma on poisoned memory:
+    ``qk`` "int8"/"int4" codes; ``pv`` "input" (the caller's fp16/bf16 v) or "fp8" (V's scale
+    and, with ``smooth_v``, mean from smoothing_stats, FP8 V from quantize_kv).
     Returns (out, lse, k_mean or None)."""
     sm_scale = q4.shape[-1] ** -0.5 if scale is None else scale
     mult = sm_scale * LOG2E
-    q_mean = k_mean = None
-    if smooth_q or smooth_k:
-        stats = ops.smoothing_stats(q4 if smooth_q else None, k4 if smooth_k else None, None, False)
+    fp8 = pv == "fp8"
+    q_mean = k_mean = v_scale = v_mean = None
+    if smooth_q or smooth_k or fp8:
+        stats = ops.smoothing_stats(q4 if smooth_q else None, k4 if smooth_k else None,
+                                    v4 if fp8 else None, fp8 and smooth_v)
         q_mean = stats.q_mean if smooth_q else None
         k_mean = stats.k_mean if smooth_k else None
-    q_codes, q_scale, _ = ops.quantize_q(q4, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8",
-                                         False, mult)
-    k_codes, k_scale, _, delta_s = ops.quantize_kv(k4, None, k_mean, None, None, q_mean,
-                                                   ops.MMA_BLOCK_K, "int8", mult)
+        v_scale = stats.v_scale if fp8 else None
+        v_mean = stats.v_mean if fp8 and smooth_v else None
+    q_codes, q_scale, _ = ops.quantize_q(q4, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, qk, False,
+                                         mult)
+    kv = ops.quantize_kv(k4, v4 if fp8 else None, k_mean, v_mean, v_scale, q_mean,
+                         ops.MMA_BLOCK_K, qk, mult)
     poison_allocator()
-    out, lse = ops.attention_mma(q_codes, q_scale, k_codes, k_scale,
-                                 delta_s if smooth_q else None, v4, q4.shape[2], causal, out_nhd,
-                                 return_lse)
+    out, lse = ops.attention_mma(q_codes, q_scale, kv.k_quant, kv.k_scale,
+                                 kv.delta_s if smooth_q else None, kv.v_fp8 if fp8 else v4,
+                                 v_scale, v_mean, qk, q4.shape[2], k4.shape[2], q4.dtype, causal,
+                                 out_nhd, return_lse)
     return out, lse, k_mean
 
 
@@ -325,45 +405,74 @@ OP_SHAPES = [
     (1, 2, 2, 4097, 4097, 64),
 ]
 SMOOTHING = [(True, True), (False, True), (True, False)]
+OP_KERNELS = {"int8-input-pv": MMA_INT8_INPUT, "int8-fp8-pv": MMA_INT8_FP8,
+              "int4-fp8-pv": MMA_INT4_FP8}
+# The variants of attention_mma with smooth_v (which only matters with FP8 PV).
+OP_VARIANTS = {**{name: (kernel, False) for name, kernel in OP_KERNELS.items()},
+               "int8-fp8-pv-smooth-v": (MMA_INT8_FP8, True),
+               "int4-fp8-pv-smooth-v": (MMA_INT4_FP8, True)}
 
 
+def require_kernel(kernel: KernelChoice) -> None:
+    """Skip unless this GPU and build run ``kernel``'s variant of attention_mma (FP8 PV: sm_89+
+    with the attention_mma_fp8 family)."""
+    if kernel.pv == "fp8" and not mma_fp8_on_device():
+        capability = torch.cuda.get_device_capability()
+        pytest.skip(f"no {ops.MMA_FP8_FAMILY} code for sm_{capability[0]}{capability[1]} in "
+                    "this build")
+
+
+@pytest.mark.parametrize("variant", OP_VARIANTS)
 @pytest.mark.parametrize("shape", OP_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("smoothing", SMOOTHING, ids=["smooth-qk", "smooth-k", "smooth-q"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_op_matches_emulation(shape: tuple[int, ...], smoothing: tuple[bool, bool], causal: bool,
-                              dtype: torch.dtype) -> None:
+                              dtype: torch.dtype, variant: str) -> None:
+    kernel, smooth_v = OP_VARIANTS[variant]
+    require_kernel(kernel)
     smooth_q, smooth_k = smoothing
     b, hq, hkv, nq, nk, d = shape
-    q4, k4, v4 = make_qkv(b, hq, hkv, nq, nk, d, dtype, seed=nq + d, bias=(1.0, 4.0, 1.0))
+    # V's channel offsets (4 * randn with smooth_v, else 1) make smooth_v change its FP8 codes,
+    # and the output by far more than EMULATION_L1.
+    q4, k4, v4 = make_qkv(b, hq, hkv, nq, nk, d, dtype, seed=nq + d,
+                          bias=(1.0, 4.0, 4.0 if smooth_v else 1.0))
     out_nhd = (nq + causal) % 2 == 1
-    out, lse, k_mean = run_op(q4, k4, v4, causal, smooth_q=smooth_q, smooth_k=smooth_k,
-                              out_nhd=out_nhd)
+    out, lse, k_mean = run_op(q4, k4, v4, causal, qk=kernel.qk, pv=kernel.pv, smooth_q=smooth_q,
+                              smooth_k=smooth_k, smooth_v=smooth_v, out_nhd=out_nhd)
     assert out.shape == (b, hq, nq, d) and out.dtype == dtype
     assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
     assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
     assert_finite(out, lse)
-    want, want_lse = emulate(q4, k4, v4, causal, smooth_q, smooth_k)
+    want, want_lse = emulate(q4, k4, v4, causal, smooth_q, smooth_k, smooth_v=smooth_v,
+                             kernel=kernel)
     l1 = rel_l1(out, want.to(dtype))
     assert l1 <= EMULATION_L1, f"rel. L1 vs emulation {l1:.2e}"
     # The op's LSE lacks the row constant sm_scale * q . k_mean (DESIGN.md).
     full_lse = lse.double() + (row_constant(q4, k_mean, d ** -0.5) if smooth_k else 0.0)
     # The emulation takes its own float64 means, so a few codes sit one step from the kernel's
-    # (float32 means): a row's LSE moves by up to a few 1e-3 then (relative to the LSE itself,
-    # which is large without K smoothing), the output by far less.
-    torch.testing.assert_close(full_lse, want_lse.double(), rtol=1e-3, atol=5e-3)
+    # (float32 means): a row's LSE moves by up to a few 1e-3 then with INT8 (relative to the
+    # LSE itself, which is large without K smoothing), the output by far less.
+    torch.testing.assert_close(full_lse, want_lse.double(), rtol=1e-3, atol=OP_LSE_ATOL[kernel.qk])
     # Unsmoothed K with offsets of 4 quantizes coarsely (what smoothing is for): a sanity bound.
-    assert rel_l1(out, exact(q4, k4, v4, causal)[0]) <= (EXACT_L1 if smooth_k else 0.2)
+    exact_out = exact(q4, k4, v4, causal)[0]
+    bound = exact_l1_bound(kernel, want, exact_out, dtype)
+    assert rel_l1(out, exact_out) <= (bound if smooth_k else max(bound, 0.2))
 
 
-def test_op_without_lse_and_scale() -> None:
+@pytest.mark.parametrize("variant", OP_KERNELS)
+def test_op_without_lse_and_scale(variant: str) -> None:
+    kernel = OP_KERNELS[variant]
+    require_kernel(kernel)
     q4, k4, v4 = make_qkv(2, 4, 4, 333, 333, 128, torch.float16, seed=3, bias=(0.0, 2.0, 0.0))
-    out, lse, _ = run_op(q4, k4, v4, True, return_lse=False, scale=0.05)
+    out, lse, _ = run_op(q4, k4, v4, True, qk=kernel.qk, pv=kernel.pv, return_lse=False,
+                         scale=0.05)
     assert lse.shape == (0,)
     assert_finite(out)
-    want, _ = emulate(q4, k4, v4, True, scale=0.05)
+    want, _ = emulate(q4, k4, v4, True, scale=0.05, kernel=kernel)
     assert rel_l1(out, want.half()) <= EMULATION_L1
-    out_lse, _, _ = run_op(q4, k4, v4, True, return_lse=True, scale=0.05)
+    out_lse, _, _ = run_op(q4, k4, v4, True, qk=kernel.qk, pv=kernel.pv, return_lse=True,
+                           scale=0.05)
     assert torch.equal(out, out_lse)
 
 
@@ -408,7 +517,7 @@ def test_wgmma_op_matches_emulation(shape: tuple[int, ...], smoothing: tuple[boo
     assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
     assert_finite(out, lse)
     want, want_lse = emulate(q4, k4, v4, causal, smooth_k=smooth_k, smooth_v=smooth_v,
-                             kernel="wgmma")
+                             kernel=WGMMA)
     l1 = rel_l1(out, want.to(dtype))
     assert l1 <= EMULATION_L1, f"rel. L1 vs emulation {l1:.2e}"
     # The kernel's LSE is complete: it adds the row constant of K smoothing itself.
@@ -438,7 +547,7 @@ def test_wgmma_op_reads_q_views(layout: str, shape: tuple[int, ...], causal: boo
     view = q_view(q4, layout)
     out, lse = run_wgmma_op(view, k4, v4, causal, out_nhd=layout == "NHD")
     assert_finite(out, lse)
-    want, want_lse = emulate(q4, k4, v4, causal, kernel="wgmma")
+    want, want_lse = emulate(q4, k4, v4, causal, kernel=WGMMA)
     assert rel_l1(out, want.to(dtype)) <= EMULATION_L1
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=WGMMA_OP_LSE_ATOL)
     out_c, lse_c = run_wgmma_op(q4, k4, v4, causal, out_nhd=layout == "NHD")
@@ -453,7 +562,7 @@ def test_wgmma_op_without_lse_and_scale(out_nhd: bool, dtype: torch.dtype) -> No
     out, lse = run_wgmma_op(q4, k4, v4, True, return_lse=False, out_nhd=out_nhd, scale=0.05)
     assert lse.shape == (0,)
     assert_finite(out)
-    want, want_lse = emulate(q4, k4, v4, True, scale=0.05, kernel="wgmma")
+    want, want_lse = emulate(q4, k4, v4, True, scale=0.05, kernel=WGMMA)
     assert rel_l1(out, want.to(dtype)) <= EMULATION_L1
     out_lse, lse = run_wgmma_op(q4, k4, v4, True, return_lse=True, out_nhd=out_nhd, scale=0.05)
     assert torch.equal(out, out_lse)
@@ -465,10 +574,18 @@ def test_wgmma_op_without_lse_and_scale(out_nhd: bool, dtype: torch.dtype) -> No
 # ANCHORS.md accuracy families (numbers for the closing note)
 # ------------------------------------------------------------------------------------------------
 
-# family -> (min CosSim, max rel. L1).
-# attention_mma: the official 8-bit sm90 kernel's level (ANCHORS.md); the FP16 PV here should be
-# at least as good. Outliers: the official kernel's 0.9984 / 0.0397.
+# 8-bit, family -> (min CosSim, max rel. L1): issue 3's bounds, the official 8-bit sm90 kernel's
+# non-causal level (ANCHORS.md). FP16/BF16 PV should be at least as good on every family and mask
+# (outliers: the official kernel's 0.9984 / 0.0397). With FP8 PV the bounds hold non-causal; causal,
+# the official kernel itself is below the bias4 bound (0.99987), so there the FP8 path must be no
+# worse than the official causal figure (OFFICIAL_SM90); the outliers family is printed only (the
+# emulated algorithm is at the official kernel's level there, see KNOWN_GAPS for the Hopper kernel).
 ANCHOR_BOUNDS = {"bias0": (0.9992, 0.040), "bias4": (0.9999, 0.015), "outliers": (0.998, 0.040)}
+ANCHOR_BOUNDS_OF = {
+    MMA_INT8_INPUT: ANCHOR_BOUNDS,
+    MMA_INT8_FP8: {name: ANCHOR_BOUNDS[name] for name in ("bias0", "bias4")},
+}
+OFFICIAL_BOUNDS_WHEN_CAUSAL = {MMA_INT8_FP8}
 # ANCHORS.md: the official 8-bit sm90 kernel, (family, causal) -> (CosSim, rel. L1). attention_wgmma
 # (FP8 PV like the official kernel) must be no worse on the same family and mask (issue 4's
 # acceptance point), up to the rounding of the printed figures (half a unit of the last digit).
@@ -479,14 +596,23 @@ OFFICIAL_ROUNDING = (5e-6, 5e-5)
 # Measured on the H100 (2026-11-22): on the outliers family attention_wgmma is at 0.998348 / 0.0403
 # (official 0.998399 / 0.0397) and 0.998456 / 0.0389 causal (0.99846 / 0.0387): a known gap of the
 # algorithm as emulated (the kernel matches its emulation to 1e-5 there), reported as xfail.
-KNOWN_GAPS = {("wgmma", "outliers")}
+KNOWN_GAPS = {(WGMMA, "outliers")}
+ANCHOR_SHAPE = (1, 8, 4096, 128)
+ANCHOR_FAMILIES = ("bias0", "bias4", "outliers")
+# The 8-bit paths (INT4 has its own test below).
+ANCHOR_PATHS = [path for path, options in PATHS.items() if options.get("qk_quant") != "int4"]
 
 
-@pytest.mark.parametrize("path", PATHS)
-def test_anchor_families(path: str, capsys: pytest.CaptureFixture[str]) -> None:
+def anchor_families() -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The ANCHORS.md families, drawn as its protocol says (manual_seed(0), in this order)."""
     torch.manual_seed(0)
-    families = {name: ref.make_input_family(name, (1, 8, 4096, 128), torch.float16, DEVICE)
-                for name in ("bias0", "bias4", "outliers")}
+    return {name: ref.make_input_family(name, ANCHOR_SHAPE, torch.float16, DEVICE)
+            for name in ANCHOR_FAMILIES}
+
+
+@pytest.mark.parametrize("path", ANCHOR_PATHS)
+def test_anchor_families(path: str, capsys: pytest.CaptureFixture[str]) -> None:
+    families = anchor_families()
     lines, failures, gaps, kernels = [], [], [], set()
     for name, (q, k, v) in families.items():
         for causal in (False, True):
@@ -506,22 +632,93 @@ def test_anchor_families(path: str, capsys: pytest.CaptureFixture[str]) -> None:
                          f"   emulation {emu_cos:.6f} / {emu_l1:.5f}"
                          f"   kernel vs emulation rel.L1 {vs_emu:.2e}"
                          f"   (official sm90 {official[0]:.6f} / {official[1]:.4f})")
-            if kernel == "wgmma":
-                min_cos, max_l1 = official[0] - OFFICIAL_ROUNDING[0], official[1] + OFFICIAL_ROUNDING[1]
-            else:
-                min_cos, max_l1 = ANCHOR_BOUNDS[name]
-            if not (cos >= min_cos and l1 <= max_l1):
-                short = f"{lines[-1]}: needs CosSim >= {min_cos}, rel.L1 <= {max_l1}"
+            bounds = ANCHOR_BOUNDS_OF.get(kernel, {}).get(name)
+            if kernel == WGMMA or (causal and bounds is not None
+                                   and kernel in OFFICIAL_BOUNDS_WHEN_CAUSAL):
+                bounds = (official[0] - OFFICIAL_ROUNDING[0], official[1] + OFFICIAL_ROUNDING[1])
+            if bounds is not None and not (cos >= bounds[0] and l1 <= bounds[1]):
+                short = f"{lines[-1]}: needs CosSim >= {bounds[0]}, rel.L1 <= {bounds[1]}"
                 (gaps if (kernel, name) in KNOWN_GAPS else failures).append(short)
             if vs_emu > EMULATION_L1:
                 failures.append(f"{lines[-1]}: kernel vs emulation above {EMULATION_L1}")
+    ran = ", ".join(f"attention_{c.kernel} {c.qk.upper()} QK + {c.pv} PV" for c in sorted(kernels))
     with capsys.disabled():
-        print(f"\nANCHORS families, B1 H8 N4096 D128 fp16, sageattn ({path} call: "
-              f"{', '.join(f'attention_{k}' for k in sorted(kernels))}) vs float64 SDPA:")
+        print(f"\nANCHORS families, B1 H8 N4096 D128 fp16, sageattn ({path} call: {ran}) vs "
+              f"float64 SDPA:")
         print("\n".join(lines))
     assert not failures, "\n".join(failures)
     if gaps:
         pytest.xfail("known gap (KNOWN_GAPS): " + "; ".join(gaps))
+
+
+# 4-bit on the bias4 family (channel offsets, which smoothing removes): with Q and K smoothed the
+# error must come down to near the 8-bit level (ANCHORS' idealised simulation: 0.9998 / 0.0182),
+# and smoothing Q must at least halve it (the simulation: 0.0463 -> 0.0182).
+INT4_BIAS4_BOUNDS = (0.9995, 0.03)
+INT4_Q_SMOOTHING_GAIN = 2.0
+
+
+@pytest.mark.usefixtures("mma_fp8_kernel")
+def test_anchor_families_int4(capsys: pytest.CaptureFixture[str]) -> None:
+    """sageattn(qk_quant="int4") on the ANCHORS families, with and without Q smoothing (K always
+    smoothed); and, emulation only, whether finer query groups than the kernel's would help on
+    the outlier family (which smoothing cannot fix: its large channels vary per token)."""
+    families = anchor_families()
+    lines, failures, results = [], [], {}
+    for name, (q, k, v) in families.items():
+        want, _ = exact(q, k, v, False)
+        for smooth_q in (True, False):
+            kwargs = dict(qk_quant="int4", smooth_q=smooth_q)
+            kernel = sageattn_kernel(q, k, v, **kwargs)
+            assert kernel == MMA_INT4_FP8
+            poison_allocator()
+            out = sageattn_no_fallback(q, k, v, **kwargs)
+            assert_finite(out)
+            emu, _ = emulate(q, k, v, False, smooth_q=smooth_q, kernel=kernel)
+            cos, l1 = ref.cosine_similarity(out, want), rel_l1(out, want)
+            results[name, smooth_q] = (cos, l1)
+            emu_cos, emu_l1 = ref.cosine_similarity(emu.half(), want), rel_l1(emu.half(), want)
+            vs_emu = rel_l1(out, emu.half())
+            lines.append(f"{name:<9} smooth Q {'yes' if smooth_q else 'no ':<3}  kernel CosSim "
+                         f"{cos:.6f} rel.L1 {l1:.5f}   emulation {emu_cos:.6f} / {emu_l1:.5f}"
+                         f"   kernel vs emulation rel.L1 {vs_emu:.2e}")
+            if vs_emu > EMULATION_L1:
+                failures.append(f"{lines[-1]}: kernel vs emulation above {EMULATION_L1}")
+    cos, l1 = results["bias4", True]
+    if not (cos >= INT4_BIAS4_BOUNDS[0] and l1 <= INT4_BIAS4_BOUNDS[1]):
+        failures.append(f"bias4 with Q+K smoothing: CosSim {cos:.6f} rel.L1 {l1:.5f}, needs "
+                        f">= {INT4_BIAS4_BOUNDS[0]} and <= {INT4_BIAS4_BOUNDS[1]}")
+    if not INT4_Q_SMOOTHING_GAIN * l1 <= results["bias4", False][1]:
+        failures.append(f"bias4: smoothing Q takes rel.L1 from {results['bias4', False][1]:.5f} "
+                        f"to {l1:.5f}, not by a factor {INT4_Q_SMOOTHING_GAIN}")
+
+    # Would finer query groups help where smoothing cannot (outliers)? The kernel's geometry
+    # (block_q=128, 8 warps: 16-row slabs, groups of 2 rows {g, g+8}) against the paper's
+    # coarser c_w=4 (32-row slabs, groups of 4 rows) and the finest, one scale per token
+    # (per-token Q and K), all with Q and K smoothed and the kernel's FP8 PV.
+    q, k, v = families["outliers"]
+    want, _ = exact(q, k, v, False)
+    geometries = {
+        "warps=8 (this kernel: Q groups of 2 rows)": dict(granularity="thread", warps=8),
+        "warps=4 (paper's c_w=4: Q groups of 4 rows)": dict(granularity="thread", warps=4),
+        "per token (Q and K)": dict(granularity="token", warps=8),
+    }
+    finer = []
+    for label, geometry in geometries.items():
+        emu = ref.sage_attention_reference(
+            q, k, v, qk_dtype="int4", block_q=ops.MMA_BLOCK_Q, block_k=ops.MMA_BLOCK_K,
+            smooth_k=True, smooth_q="head", smooth_v=False, pv_dtype="e4m3", two_level=True,
+            fp22=False, **geometry)
+        finer.append(f"  {label:<45} CosSim {ref.cosine_similarity(emu.half(), want):.6f} "
+                     f"rel.L1 {rel_l1(emu.half(), want):.5f}")
+    with capsys.disabled():
+        print("\nANCHORS families, B1 H8 N4096 D128 fp16, sageattn(qk_quant='int4') "
+              "(attention_mma INT4 QK + FP8 PV, K smoothed) vs float64 SDPA:")
+        print("\n".join(lines))
+        print("INT4 query-group geometry on the outliers family, emulation only (Q and K "
+              "smoothed, FP8 PV):")
+        print("\n".join(finer))
+    assert not failures, "\n".join(failures)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -529,7 +726,11 @@ def test_anchor_families(path: str, capsys: pytest.CaptureFixture[str]) -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def shape_cases() -> list[Any]:
+def is_int4_path(path: str) -> bool:
+    return PATHS[path].get("qk_quant") == "int4"
+
+
+def shape_cases() -> list[tuple[Any, ...]]:
     cases = []
     # b, hq, hkv, nq, nk, d, causal, layout, dtype, emulate
     for i, n in enumerate([1, 17, 64, 127, 128, 1000, 4097]):
@@ -554,17 +755,36 @@ def shape_cases() -> list[Any]:
         (1, 4, 2, 200, 400, 128, True, "3d-HND", torch.bfloat16, False),
         (2, 4, 4, 250, 250, 128, False, "strided", torch.float16, True),
     ]
+    # Head dims the kernels are not built for: zero-padded to 128 (96) and 64 (32).
+    cases += [
+        (2, 4, 4, 200, 200, 96, False, "HND", torch.float16, True),
+        (2, 4, 4, 200, 200, 96, True, "NHD", torch.bfloat16, True),
+        (2, 4, 4, 129, 129, 32, False, "NHD", torch.float16, True),
+        (2, 4, 4, 129, 129, 32, True, "HND", torch.bfloat16, True),
+        (1, 8, 2, 300, 700, 32, False, "NHD", torch.bfloat16, True),  # GQA 4:1
+        (1, 4, 4, 1000, 1000, 96, True, "packed", torch.float16, False),
+        (1, 4, 4, 17, 17, 32, True, "3d-NHD", torch.float16, True),
+        (1, 4, 4, 4097, 4097, 96, True, "HND", torch.bfloat16, False),
+    ]
+    return cases
+
+
+def sageattn_shape_params() -> list[Any]:
     params = []
-    for c in cases:
-        b, hq, hkv, nq, nk, d, causal, layout, dtype, emu = c
-        tag = (f"b{b}h{hq}:{hkv}-{nq}x{nk}-d{d}-{'causal' if causal else 'full'}-{layout}-"
-               f"{'bf16' if dtype == torch.bfloat16 else 'fp16'}{'-emu' if emu else ''}")
-        params.append(pytest.param(*c, id=tag))
+    for path in PATHS:
+        for c in shape_cases():
+            b, hq, hkv, nq, nk, d, causal, layout, dtype, emu = c
+            if is_int4_path(path) and max(nq, nk) > INT4_MAX_LEN:
+                continue
+            tag = (f"{path}-b{b}h{hq}:{hkv}-{nq}x{nk}-d{d}-{'causal' if causal else 'full'}-"
+                   f"{layout}-{'bf16' if dtype == torch.bfloat16 else 'fp16'}"
+                   f"{'-emu' if emu else ''}")
+            params.append(pytest.param(path, *c, id=tag))
     return params
 
 
-@pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("b,hq,hkv,nq,nk,d,causal,layout,dtype,emu", shape_cases())
+@pytest.mark.parametrize("path,b,hq,hkv,nq,nk,d,causal,layout,dtype,emu",
+                         sageattn_shape_params())
 def test_sageattn_shapes(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal: bool,
                          layout: str, dtype: torch.dtype, emu: bool, path: str) -> None:
     q4, k4, v4 = make_qkv(b, hq, hkv, nq, nk, d, dtype, seed=nq * 7 + nk)
@@ -581,9 +801,10 @@ def test_sageattn_shapes(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, ca
     assert_finite(out)
     out4 = to_bhnd(out, tensor_layout, three_d)
     want, _ = exact(*views, causal)
-    assert rel_l1(out4, want) <= EXACT_L1_OF[kernel]
-    if emu:
-        emu_out, _ = emulate(*views, causal, kernel=kernel)
+    # INT4's exact bound comes from its emulation, so INT4 always runs it.
+    emu_out = emulate(*views, causal, kernel=kernel)[0] if emu or kernel.qk == "int4" else None
+    assert rel_l1(out4, want) <= exact_l1_bound(kernel, emu_out, want, dtype)
+    if emu_out is not None:
         assert rel_l1(out4, emu_out.to(dtype)) <= EMULATION_L1
     if causal:
         assert_first_query_sees_first_key(out4, views[2], kernel)
@@ -601,16 +822,17 @@ def test_causal_unequal_lengths(nq: int, nk: int, dtype: torch.dtype, path: str)
     out = sageattn_no_fallback(q4, k4, v4, is_causal=True, **PATHS[path])
     assert_finite(out)
     want, _ = exact(q4, k4, v4, True)
-    assert rel_l1(out, want) <= EXACT_L1_OF[kernel]
     emu_out, _ = emulate(q4, k4, v4, True, kernel=kernel)
+    assert rel_l1(out, want) <= exact_l1_bound(kernel, emu_out, want, dtype)
     assert rel_l1(out, emu_out.to(dtype)) <= EMULATION_L1
 
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_sageattn_smooth_v(path: str, layout: str) -> None:
-    """smooth_v subtracts V's per-channel mean before FP8 (attention_wgmma) and adds it back; the
-    warp-level kernel does not quantize V, so it changes nothing there."""
+    """smooth_v subtracts V's per-channel mean before FP8 (attention_wgmma and attention_mma's FP8
+    variants) and adds it back; with PV in the input dtype V is not quantized, so it changes
+    nothing there."""
     q4, k4, v4 = make_qkv(2, 8, 2, 1000, 777, 128, torch.bfloat16, seed=17, bias=(1.0, 2.0, 4.0))
     args, tensor_layout, views = in_layout(q4, k4, v4, layout)
     want, _ = exact(*views, False)
@@ -626,8 +848,8 @@ def test_sageattn_smooth_v(path: str, layout: str) -> None:
         emu_out, _ = emulate(*views, False, smooth_v=smooth_v, kernel=kernel)
         assert rel_l1(out4, emu_out.to(out.dtype)) <= EMULATION_L1
         errors[smooth_v] = rel_l1(out4, want)
-        assert errors[smooth_v] <= EXACT_L1_OF[kernel]
-    if kernel == "wgmma":  # V's offsets of 4 cost FP8 precision, which its mean gives back
+        assert errors[smooth_v] <= exact_l1_bound(kernel, emu_out, want, out.dtype)
+    if kernel.pv == "fp8":  # V's offsets of 4 cost FP8 precision, which its mean gives back
         assert errors[True] < errors[False], errors
 
 
@@ -638,11 +860,13 @@ def test_sageattn_smooth_v(path: str, layout: str) -> None:
 
 # LSE vs exact, kernel -> (max |error| of queries that see >= 64 keys, max |error|). A query that
 # sees few keys carries one score's quantization error (~0.02); with 64 or more keys the errors
-# average out. attention_mma: 8-bit scores carry ~1e-2 of noise; on these biased inputs the
-# attention is peaked enough that the LSE keeps up to ~1.5e-2 of it (measured on the H100: max
-# 0.0134). attention_wgmma does not smooth Q, whose offsets widen the Q groups' range: the
-# emulation gives up to 0.038 (>= 64 keys) and 0.050 (all) over 58 draws of these shapes.
-LSE_EXACT_BOUNDS = {"mma": (2e-2, 0.05), "wgmma": (0.06, 0.1)}
+# average out. attention_mma INT8 (either PV: the LSE comes from the scores alone): 8-bit scores
+# carry ~1e-2 of noise; on these biased inputs the attention is peaked enough that the LSE keeps
+# up to ~1.5e-2 of it (measured on the H100: max 0.0134). attention_wgmma does not smooth Q, whose
+# offsets widen the Q groups' range: the emulation gives up to 0.038 (>= 64 keys) and 0.050 (all)
+# over 58 draws of these shapes. INT4 has no fixed entry: its emulation's error plus
+# LSE_EMULATION_ATOL (the kernel is within that of its emulation).
+LSE_EXACT_BOUNDS = {MMA_INT8_INPUT: (2e-2, 0.05), MMA_INT8_FP8: (2e-2, 0.05), WGMMA: (0.06, 0.1)}
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -655,6 +879,7 @@ LSE_EXACT_BOUNDS = {"mma": (2e-2, 0.05), "wgmma": (0.06, 0.1)}
         (1, 8, 1, 700, 300, 64, False, "NHD", True),  # MQA
         (1, 4, 4, 500, 500, 128, True, "3d-NHD", True),
         (2, 4, 4, 1000, 1000, 128, False, "HND", False),
+        (1, 4, 2, 300, 300, 96, True, "NHD", True),  # padded head_dim
     ],
 )
 def test_return_lse(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal: bool,
@@ -674,14 +899,21 @@ def test_return_lse(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal:
     assert lse.shape == ((hq, nq) if three_d else (b, hq, nq))
     lse4 = lse[None] if three_d else lse
     _, want = exact(*views, causal)
+    _, emu_lse = emulate(*views, causal, smooth_k=smooth_k, kernel=kernel)
+    atol = LSE_EMULATION_ATOL[kernel.qk]
+    torch.testing.assert_close(lse4, emu_lse, rtol=0, atol=atol)
     err = (lse4.double() - want).abs()
     keys_seen = torch.arange(nq, device=DEVICE).clamp(max=nk - 1) + 1 if causal else \
         torch.full((nq,), nk, device=DEVICE)
-    many_keys_bound, bound = LSE_EXACT_BOUNDS[kernel]
-    assert err[..., keys_seen >= 64].max().item() <= many_keys_bound
+    many = keys_seen >= 64
+    if kernel.qk == "int4":
+        emu_err = (emu_lse.double() - want).abs()
+        many_keys_bound = emu_err[..., many].max().item() + atol
+        bound = emu_err.max().item() + atol
+    else:
+        many_keys_bound, bound = LSE_EXACT_BOUNDS[kernel]
+    assert err[..., many].max().item() <= many_keys_bound
     assert err.max().item() <= bound
-    _, emu_lse = emulate(*views, causal, smooth_k=smooth_k, kernel=kernel)
-    torch.testing.assert_close(lse4, emu_lse, rtol=0, atol=1e-3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -691,10 +923,12 @@ def test_return_lse(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal:
 
 @pytest.mark.parametrize("path", PATHS)
 def test_repeated_runs_bit_identical(path: str) -> None:
-    q4, k4, v4 = make_qkv(1, 8, 2, 4097, 4097, 128, torch.bfloat16, seed=5, bias=(1.0, 4.0, 1.0))
+    n = INT4_MAX_LEN + 1 if is_int4_path(path) else 4097
+    q4, k4, v4 = make_qkv(1, 8, 2, n, n, 128, torch.bfloat16, seed=5, bias=(1.0, 4.0, 1.0))
     args, _, _ = in_layout(q4, k4, v4, "NHD")
     kwargs = dict(is_causal=True, enable_gqa=True, tensor_layout="NHD", return_lse=True,
                   **PATHS[path])
+    sageattn_kernel(*args, **kwargs)  # skips a path this GPU cannot run
     poison_allocator()
     first = sageattn_no_fallback(*args, **kwargs)
     assert_finite(*first)
@@ -704,42 +938,71 @@ def test_repeated_runs_bit_identical(path: str) -> None:
         assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128, 96])
 def test_sageattn_runs_the_kernel_it_names(monkeypatch: pytest.MonkeyPatch, d: int) -> None:
-    """sageattn runs the op sageattn_kernel names (which the emulations above rely on): on sm_90
-    with the wgmma build, attention_wgmma unless Q is smoothed; elsewhere attention_mma."""
-    ran: list[str] = []
-    for name in ("mma", "wgmma"):
-        real = getattr(ops, f"attention_{name}")
+    """sageattn runs the op and variant sageattn_kernel names (which the emulations above rely
+    on), and that is what the build and GPU imply: on sm_90 with the wgmma build,
+    attention_wgmma for INT8 without Q smoothing unless pv_quant="none"; else attention_mma
+    with FP8 PV when asked for, for INT4, or ("auto") where the build has FP8 code for this GPU;
+    PV in the input dtype otherwise."""
+    ran: list[tuple[str, str, bool]] = []
 
-        def recording(*args: Any, _name: str = name, _real: Any = real) -> Any:
-            ran.append(_name)
-            return _real(*args)
+    def recording_mma(*args: Any, _real: Any = ops.attention_mma) -> Any:
+        ran.append(("mma", args[8], args[5].dtype == torch.float8_e4m3fn))
+        return _real(*args)
 
-        monkeypatch.setattr(ops, f"attention_{name}", recording)
+    def recording_wgmma(*args: Any, _real: Any = ops.attention_wgmma) -> Any:
+        ran.append(("wgmma", "int8", True))
+        return _real(*args)
+
+    monkeypatch.setattr(ops, "attention_mma", recording_mma)
+    monkeypatch.setattr(ops, "attention_wgmma", recording_wgmma)
     q, k, v = make_qkv(1, 4, 4, 200, 200, d, torch.float16, seed=d)
-    for smooth_q in ("auto", False, True, "head"):
-        ran.clear()
-        named = sageattn_kernel(q, k, v, smooth_q=smooth_q)
-        poison_allocator()
-        out = sageattn_no_fallback(q, k, v, smooth_q=smooth_q)
-        assert_finite(out)
-        assert ran == [named], (smooth_q, ran, named)
-        smoothed = smooth_q in (True, "head")
-        assert named == ("wgmma" if wgmma_on_device() and not smoothed else "mma"), smooth_q
+    fp8_here = mma_fp8_on_device()
+    for qk in ("int8", "int4"):
+        for pv in ("auto", "fp8", "none"):
+            for smooth_q in ("auto", False, True, "head"):
+                options = dict(qk_quant=qk, pv_quant=pv, smooth_q=smooth_q)
+                needs_fp8 = pv == "fp8" or qk == "int4"
+                if (qk == "int4" and pv == "none") or (needs_fp8 and not fp8_here):
+                    continue  # falls back (test_unsupported_calls_fall_back)
+                ran.clear()
+                named = sageattn_kernel(q, k, v, **options)
+                poison_allocator()
+                out = sageattn_no_fallback(q, k, v, **options)
+                assert_finite(out)
+                assert ran == [(named.kernel, named.qk, named.pv == "fp8")], (options, ran, named)
+                smoothed = smooth_q in (True, "head")
+                if wgmma_on_device() and qk == "int8" and pv != "none" and not smoothed:
+                    expected = WGMMA
+                else:
+                    # "auto" takes FP8 where FP8 mma.sync is native: Ada, consumer Blackwell.
+                    capability = torch.cuda.get_device_capability()
+                    native = capability == (8, 9) or capability[0] == 12
+                    fp8 = needs_fp8 or (pv == "auto" and fp8_here and native)
+                    expected = KernelChoice("mma", qk, "fp8" if fp8 else "input")
+                assert named == expected, options
 
 
-@pytest.mark.parametrize(
-    "kwargs,shape,reason",
-    [
-        (dict(qk_quant="int4"), (1, 2, 200, 128), "INT4"),
-        (dict(smooth_q="block"), (1, 2, 200, 128), "per block"),
-        ({}, (1, 2, 200, 96), "head_dim 64 and 128, got 96"),
-    ],
-    ids=["int4", "smooth-q-block", "head-dim-96"],
-)
+def fallback_cases() -> list[Any]:
+    return [
+        pytest.param(dict(smooth_q="block"), (1, 2, 200, 128), "per block", id="smooth-q-block"),
+        pytest.param({}, (1, 2, 200, 256), "built for head_dim 64 and 128", id="head-dim-256"),
+        pytest.param({}, (1, 2, 200, 100), "got 100", id="head-dim-100"),
+        pytest.param(dict(qk_quant="int4", pv_quant="none"), (1, 2, 200, 128),
+                     "INT4 QK runs with FP8 PV only", id="int4-pv-none"),
+        pytest.param(dict(qk_quant="int4"), (1, 2, 200, 128), "FP8 PV needs an sm_89+ GPU",
+                     id="int4-without-fp8"),
+        pytest.param(dict(pv_quant="fp8", smooth_q="head"), (1, 2, 200, 64),
+                     "FP8 PV needs an sm_89+ GPU", id="fp8-without-fp8"),
+    ]
+
+
+@pytest.mark.parametrize("kwargs,shape,reason", fallback_cases())
 def test_unsupported_calls_fall_back(kwargs: dict[str, Any], shape: tuple[int, ...],
                                      reason: str) -> None:
+    if reason.startswith("FP8 PV needs") and mma_fp8_on_device():
+        pytest.skip("this GPU and build run FP8 PV")
     api._warned_reasons.clear()
     q, k, v = (torch.randn(shape, device=DEVICE, dtype=torch.float16) for _ in range(3))
     with warnings.catch_warnings(record=True) as record:
@@ -758,22 +1021,51 @@ def test_kernel_plan_names_the_kernel() -> None:
     plan = kernel_plan()
     if wgmma_on_device():
         assert plan.startswith(f"quantized SageAttention2: {api.WGMMA_PLAN}"), plan
-        assert api.MMA_PLAN in plan, plan  # smooth_q="head" still runs the warp-level kernel
+        assert api.MMA_PLAN in plan, plan  # smooth_q="head"/True still runs the warp-level kernel
     else:
         assert plan.startswith(f"quantized SageAttention2: {api.MMA_PLAN}"), plan
+    if mma_fp8_on_device():
+        assert "INT8 QK + FP8 PV" in plan and "INT4 QK + FP8 PV" in plan, plan
+    else:
+        assert "INT8 QK + FP16/BF16 PV" in plan and "INT4 QK + FP8 PV" not in plan, plan
+
+
+def mma_op_args(kernel: KernelChoice, smooth_v: bool, q_len: int, with_delta_s: bool,
+                causal: bool, out_nhd: bool, return_lse: bool) -> tuple[Any, ...]:
+    """attention_mma's arguments for ``kernel``'s variant, from the real preprocessing ops
+    (GQA 2:1, 130 keys: two key tiles, the second mostly padding; delta_s left out unless
+    ``with_delta_s``, which opcheck does not mind: it checks the op's registration, not its
+    numbers)."""
+    q4, k4, v4 = make_qkv(1, 4, 2, q_len, 130, 64, torch.float16, seed=1, bias=(1.0, 2.0, 2.0))
+    mult = 0.125 * LOG2E
+    fp8 = kernel.pv == "fp8"
+    stats = ops.smoothing_stats(q4, k4, v4 if fp8 else None, fp8 and smooth_v)
+    v_mean = stats.v_mean if fp8 and smooth_v else None
+    v_scale = stats.v_scale if fp8 else None
+    qq = ops.quantize_q(q4, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, kernel.qk, False, mult)
+    kv = ops.quantize_kv(k4, v4 if fp8 else None, stats.k_mean, v_mean, v_scale, stats.q_mean,
+                         ops.MMA_BLOCK_K, kernel.qk, mult)
+    return (qq.q_quant, qq.q_scale, kv.k_quant, kv.k_scale, kv.delta_s if with_delta_s else None,
+            kv.v_fp8 if fp8 else v4, v_scale, v_mean, kernel.qk, q_len, 130, torch.float16,
+            causal, out_nhd, return_lse)
 
 
 def test_opcheck_attention_mma() -> None:
-    q4, k4, v4 = make_qkv(1, 4, 2, 200, 130, 64, torch.float16, seed=1, bias=(1.0, 2.0, 0.0))
-    mult = 0.125 * LOG2E
-    stats = ops.smoothing_stats(q4, k4, None, False)
-    q_codes, q_scale, _ = ops.quantize_q(q4, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, "int8",
-                                         False, mult)
-    k_codes, k_scale, _, delta_s = ops.quantize_kv(k4, None, stats.k_mean, None, None,
-                                                   stats.q_mean, ops.MMA_BLOCK_K, "int8", mult)
-    for args in ((q_codes, q_scale, k_codes, k_scale, delta_s, v4, 200, True, False, True),
-                 (q_codes, q_scale, k_codes, k_scale, None, v4, 200, False, True, False)):
+    for args in (mma_op_args(MMA_INT8_INPUT, False, 200, True, True, False, True),
+                 mma_op_args(MMA_INT8_INPUT, False, 200, False, False, True, False)):
         torch.library.opcheck(torch.ops.sageattention2.attention_mma.default, args)
+
+
+@pytest.mark.usefixtures("mma_fp8_kernel")
+@pytest.mark.parametrize("kernel", [MMA_INT8_FP8, MMA_INT4_FP8], ids=["int8", "int4"])
+def test_opcheck_attention_mma_fp8(kernel: KernelChoice) -> None:
+    for args in (mma_op_args(kernel, True, 200, True, True, False, True),
+                 mma_op_args(kernel, False, 77, False, False, True, False)):
+        # test_schema is left out: it probes for input mutation by multiplying every input,
+        # which torch does not implement for float8_e4m3fn (v) on CUDA.
+        torch.library.opcheck(torch.ops.sageattention2.attention_mma.default, args,
+                              test_utils=("test_autograd_registration", "test_faketensor",
+                                          "test_aot_dispatch_dynamic"))
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
