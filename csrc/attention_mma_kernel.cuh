@@ -424,18 +424,9 @@ struct AttentionMmaKernel {
 #pragma unroll
         for (int n = 0; n < kDimTiles; ++n) {
           const int col = n * 8 + 2 * t;
-          float lo = o[sl][n][2 * r] * inv, hi = o[sl][n][2 * r + 1] * inv;
-          if constexpr (kFp8Pv) {
-            const float2 vs = *reinterpret_cast<const float2*>(v_scale + col);
-            lo *= vs.x;
-            hi *= vs.y;
-            if (v_mean != nullptr) {
-              const float2 vm = *reinterpret_cast<const float2*>(v_mean + col);
-              lo += vm.x;
-              hi += vm.y;
-            }
-          }
-          *reinterpret_cast<uint32_t*>(row + col) = HalfPair<T>::pack(lo, hi);
+          float2 x = make_float2(o[sl][n][2 * r] * inv, o[sl][n][2 * r + 1] * inv);
+          if constexpr (kFp8Pv) x = dequantize_fp8_pv(x.x, x.y, v_scale, v_mean, col);
+          *reinterpret_cast<uint32_t*>(row + col) = HalfPair<T>::pack(x.x, x.y);
         }
         if (p.lse != nullptr && t == 0) {
           constexpr float kLn2 = 0.6931471805599453f;

@@ -383,14 +383,8 @@ struct AttentionWgmmaKernel {
 #pragma unroll
       for (int n = 0; n < kHeadDim / 8; ++n) {
         const int col = 8 * n + 2 * t;
-        const float2 vs = *reinterpret_cast<const float2*>(v_scale + col);
-        float lo = o[4 * n + 2 * r] * inv * vs.x, hi = o[4 * n + 2 * r + 1] * inv * vs.y;
-        if (v_mean != nullptr) {
-          const float2 vm = *reinterpret_cast<const float2*>(v_mean + col);
-          lo += vm.x;
-          hi += vm.y;
-        }
-        *reinterpret_cast<uint32_t*>(dst + col) = HalfPair<T>::pack(lo, hi);
+        const float2 x = dequantize_fp8_pv(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv, v_scale, v_mean, col);
+        *reinterpret_cast<uint32_t*>(dst + col) = HalfPair<T>::pack(x.x, x.y);
       }
       if (p.lse != nullptr && t == 0) {
         constexpr float kLn2 = 0.6931471805599453f;

@@ -367,4 +367,19 @@ __device__ __forceinline__ uint32_t pack_e4m3x4(float a, float b, float c, float
          (static_cast<uint32_t>(ptx::cvt_e4m3x2_rn_satfinite(c, d)) << 16);
 }
 
+// The epilogue of an FP8 PV product (paper Alg. 1, A.3): the normalised accumulator of channels
+// col, col+1 times V's per-channel FP8 scale (P's x448 cancels against the row sum, which sums
+// P~ * 448), plus V's mean under smooth V (v_mean null otherwise).
+__device__ __forceinline__ float2 dequantize_fp8_pv(float lo, float hi, const float* v_scale, const float* v_mean,
+                                                    int col) {
+  const float2 vs = *reinterpret_cast<const float2*>(v_scale + col);
+  float2 r = make_float2(lo * vs.x, hi * vs.y);
+  if (v_mean != nullptr) {
+    const float2 vm = *reinterpret_cast<const float2*>(v_mean + col);
+    r.x += vm.x;
+    r.y += vm.y;
+  }
+  return r;
+}
+
 }  // namespace sageattention2

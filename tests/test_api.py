@@ -801,6 +801,21 @@ def dequantized_v(v4: torch.Tensor, smooth_v: bool) -> torch.Tensor:
     return values + v_mean.double()[:, :, None, :] if smooth_v else values
 
 
+def case_arguments(case: dict[str, Any], q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor,
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """The [B, H, N, D] views (slices of one [B, N, 3, H, D] tensor when ``case["packed"]``) and
+    sageattn's q, k, v arguments for a wiring case: in ``case["layout"]``, 3-D when
+    ``case["b"]`` is None."""
+    if case.get("packed"):
+        packed = torch.stack([t.transpose(1, 2) for t in (q4, k4, v4)], dim=2)  # [B,N,3,H,D]
+        q4, k4, v4 = (packed[:, :, i].transpose(1, 2) for i in range(3))
+    layout = case.get("layout", "HND")
+    args = [t if layout == "HND" else t.transpose(1, 2) for t in (q4, k4, v4)]
+    if case.get("b", 2) is None:
+        args = [t[0] for t in args]
+    return q4, k4, v4, args
+
+
 @pytest.mark.parametrize(
     "case",
     [
@@ -856,12 +871,7 @@ def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, A
         return x.to(dtype)
 
     q4, k4, v4 = make(hq, nq, 2.0), make(hkv, nk, 4.0), make(hkv, nk, 1.0)
-    if case.get("packed"):
-        packed = torch.stack([t.transpose(1, 2) for t in (q4, k4, v4)], dim=2)  # [B,N,3,H,D]
-        q4, k4, v4 = (packed[:, :, i].transpose(1, 2) for i in range(3))
-    args = [t if layout == "HND" else t.transpose(1, 2) for t in (q4, k4, v4)]
-    if b is None:
-        args = [t[0] for t in args]
+    q4, k4, v4, args = case_arguments(case, q4, k4, v4)
     kwargs = dict(is_causal=causal, enable_gqa=gqa, tensor_layout=layout, smooth_q=smooth_q,
                   smooth_k=smooth_k, smooth_v=smooth_v, scale=case.get("scale"), qk_quant=qk,
                   pv_quant=case.get("pv", "auto"))
@@ -1006,12 +1016,7 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
     gen = torch.Generator().manual_seed(3)
     q4, k4, v4 = (torch.randn(b or 1, h, n, d, generator=gen).to(dtype)
                   for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
-    if case.get("packed"):
-        packed = torch.stack([t.transpose(1, 2) for t in (q4, k4, v4)], dim=2)  # [B,N,3,H,D]
-        q4, k4, v4 = (packed[:, :, i].transpose(1, 2) for i in range(3))
-    args = [t if layout == "HND" else t.transpose(1, 2) for t in (q4, k4, v4)]
-    if b is None:
-        args = [t[0] for t in args]
+    q4, k4, v4, args = case_arguments(case, q4, k4, v4)
 
     calls: list[dict[str, Any]] = []
     names = ("q", "k_codes", "k_scale", "v_fp8", "v_scale", "v_mean", "k_mean", "kv_len",
