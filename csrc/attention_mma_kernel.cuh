@@ -408,8 +408,9 @@ struct AttentionMmaKernel {
     // ---- epilogue: normalise (FP8: times V's channel scale, plus its mean), write O (and the
     // natural-log LSE) ----
     T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
-    const float* v_scale = kFp8Pv ? p.v_scale + bhk * kHeadDim : nullptr;
-    const float* v_mean = kFp8Pv && p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr;
+    Fp8PvChannels<kFp8Pv ? kDimTiles : 1> v_channels;
+    if constexpr (kFp8Pv)
+      v_channels.load(p.v_scale + bhk * kHeadDim, p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr, t);
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -425,7 +426,7 @@ struct AttentionMmaKernel {
         for (int n = 0; n < kDimTiles; ++n) {
           const int col = n * 8 + 2 * t;
           float2 x = make_float2(o[sl][n][2 * r] * inv, o[sl][n][2 * r + 1] * inv);
-          if constexpr (kFp8Pv) x = dequantize_fp8_pv(x.x, x.y, v_scale, v_mean, col);
+          if constexpr (kFp8Pv) x = v_channels.apply(x.x, x.y, n);
           *reinterpret_cast<uint32_t*>(row + col) = HalfPair<T>::pack(x.x, x.y);
         }
         if (p.lse != nullptr && t == 0) {

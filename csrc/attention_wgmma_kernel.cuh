@@ -84,11 +84,11 @@ struct AttentionWgmmaKernel {
     for (int it = 0; it < w.kv_tiles; ++it) {
       const int stage = it % kStages;
       const uint32_t phase = (it / kStages) & 1;
-      ptx::mbarrier_wait(&s.empty_k[stage], phase ^ 1);
+      ptx::mbarrier_wait_sleeping(&s.empty_k[stage], phase ^ 1);
       ptx::mbarrier_arrive_expect_tx(&s.full_k[stage], kKBytes + 16);
       ptx::tma_load_3d(s.k[stage], k_map, 0, it * kBlockK, bhk, &s.full_k[stage]);
       ptx::bulk_load(s.k_scale[stage], k_scale + it * 4, 16, &s.full_k[stage]);
-      ptx::mbarrier_wait(&s.empty_v[stage], phase ^ 1);
+      ptx::mbarrier_wait_sleeping(&s.empty_v[stage], phase ^ 1);
       ptx::mbarrier_arrive_expect_tx(&s.full_v[stage], kVBytes);
       ptx::tma_load_3d(s.v[stage], v_map, it * kBlockK, 0, bhk, &s.full_v[stage]);
     }
@@ -353,6 +353,10 @@ struct AttentionWgmmaKernel {
       alpha_prev[0] = alpha[0];
       alpha_prev[1] = alpha[1];
     }
+    // V's channel scales (and means) for the epilogue, loaded while the last PV computes.
+    const int64_t bhk = static_cast<int64_t>(w.b) * p.kv_heads + w.hk;
+    Fp8PvChannels<kHeadDim / 8> v_channels;
+    v_channels.load(p.v_scale + bhk * kHeadDim, p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr, t);
     {  // the last tile's PV
       const int last = w.kv_tiles - 1, stage = last % kStages;
       ptx::mbarrier_wait(&s.full_v[stage], (last / kStages) & 1);
@@ -367,9 +371,6 @@ struct AttentionWgmmaKernel {
     }
 
     // ---- epilogue: O / l * v_scale (+ v_mean), the caller's layout; the natural-log LSE ----
-    const int64_t bhk = static_cast<int64_t>(w.b) * p.kv_heads + w.hk;
-    const float* v_scale = p.v_scale + bhk * kHeadDim;
-    const float* v_mean = p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr;
     T* out = static_cast<T*>(p.out) + w.b * p.out_stride_b + w.h * p.out_stride_h;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -383,7 +384,7 @@ struct AttentionWgmmaKernel {
 #pragma unroll
       for (int n = 0; n < kHeadDim / 8; ++n) {
         const int col = 8 * n + 2 * t;
-        const float2 x = dequantize_fp8_pv(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv, v_scale, v_mean, col);
+        const float2 x = v_channels.apply(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv, n);
         *reinterpret_cast<uint32_t*>(dst + col) = HalfPair<T>::pack(x.x, x.y);
       }
       if (p.lse != nullptr && t == 0) {

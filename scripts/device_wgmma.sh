@@ -15,3 +15,8 @@ if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/install.log" | head -40; exit
 REPO=$(pwd)
 cd /tmp
 timeout 400 python3 "$REPO/scripts/smoke_wgmma.py" "$@" 2>&1 | tee "$OUT/smoke.txt"
+# SANITIZE="synccheck racecheck ..." adds compute-sanitizer runs of the small-shape script.
+for tool in ${SANITIZE:-}; do
+  timeout 300 compute-sanitizer --tool $tool python3 "$REPO/scripts/sanitize_kernels.py" > "$OUT/sanitize_$tool.txt" 2>&1
+  echo "compute-sanitizer $tool:"; grep -E "ERROR SUMMARY|RACECHECK SUMMARY|SYNCCHECK|variants ran" "$OUT/sanitize_$tool.txt" | head -5
+done
