@@ -12,6 +12,10 @@
 // R = P~ V (wgmma e4m3, A from registers, a fresh accumulator per tile) and O = alpha O + R in
 // FP32 (the two-level accumulation of paper 3.4). The epilogue applies 1/l and V's per-channel
 // scale (and mean, with smooth V) and writes the output in the caller's layout.
+//
+// The consumer warpgroups run unsynchronised: FA3's pingpong (taking turns to issue the GEMMs)
+// measured 9-12 % slower here, since with two warps per scheduler each softmax then hides its
+// own latencies alone (benchmarks/RESULTS.md, 2026-11-22 session 3).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
