@@ -3,6 +3,9 @@
 // causal switch. The kernel has sm_90a code only; other archs of the build compile it empty.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
+#include <cstdlib>
+#include <cstring>
+
 #include "attention_wgmma_kernel.cuh"
 
 namespace sageattention2 {
@@ -46,7 +49,25 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
   if (status != cudaSuccess) return status;
-  const dim3 grid(static_cast<unsigned>((p.q_len + kWgmmaBlockQ - 1) / kWgmmaBlockQ), p.q_heads, p.batch);
+  // Up to 8 units per SM the grid is persistent (one CTA per SM): there the items are short and
+  // their start-up and drain, overlapped with the neighbouring items, weigh most (+2..10 % at 1K).
+  // Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item time
+  // variation that a static round-robin accumulates (-2..4 % persistent at 16K; A/B in one
+  // process: scripts/ab_wgmma_grid.py, benchmarks/RESULTS.md).
+  int device = 0, sms = 0;
+  status = cudaGetDevice(&device);
+  if (status == cudaSuccess) status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (status != cudaSuccess) return status;
+  const int64_t units = Kernel::schedule(p.q_len, p.batch, p.q_heads).units;
+  bool persistent = units <= 8 * static_cast<int64_t>(sms);
+  // Benchmark override: SAGEATTN_WGMMA_GRID=persistent|units.
+  if (const char* mode = std::getenv("SAGEATTN_WGMMA_GRID")) {
+    if (std::strcmp(mode, "units") == 0) persistent = false;
+    if (std::strcmp(mode, "persistent") == 0) persistent = true;
+  }
+  if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
+  const int64_t ctas = persistent && units > sms ? sms : units;
+  const unsigned grid = static_cast<unsigned>(ctas);
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p, k_map, v_map);
   return cudaGetLastError();
 }

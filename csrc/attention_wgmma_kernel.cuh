@@ -13,6 +13,12 @@
 // FP32 (the two-level accumulation of paper 3.4). The epilogue applies 1/l and V's per-channel
 // scale (and mean, with smooth V) and writes the output in the caller's layout.
 //
+// Work comes in units of two Q blocks of one head (Schedule). A CTA walks its units' items in
+// turn: the producer streams their tiles back to back through the same ring, and each consumer
+// thread copies its next item's Q rows into shared memory (cp.async) as soon as it has quantized
+// the current ones, so a new item starts with its Q and first K/V tiles on chip. With few units
+// (short sequences) the grid is persistent, one CTA per SM (attention_wgmma.cu says when).
+//
 // The consumer warpgroups run unsynchronised: FA3's pingpong (taking turns to issue the GEMMs)
 // measured 9-12 % slower here, since with two warps per scheduler each softmax then hides its
 // own latencies alone (benchmarks/RESULTS.md, 2026-11-22 session 3).
@@ -40,11 +46,14 @@ struct AttentionWgmmaKernel {
   static constexpr int kPvSteps = kBlockK / 32;             // k-steps of the e4m3 wgmma
   static constexpr int kSRegs = kBlockK / 2;                // S accumulators per thread (m64n128)
   static constexpr int kORegs = kHeadDim / 2;               // O accumulators per thread
+  static constexpr int kQChunks = 4 * kQkSteps;             // 8-byte pieces of a thread's 2 Q rows
   static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
 
   struct alignas(1024) Smem {
     uint8_t q[kConsumers][64 * kHeadDim];  // each warpgroup's INT8 Q codes, K-major, swizzled
+    uint2 q_stage[kConsumers * 4][kQChunks][32];  // fp16/bf16 Q of the next item: per warp, per
+                                                  // chunk, per lane (each thread reads its own)
     uint8_t k[kStages][kKBytes];           // every tile 1024-aligned: the swizzle pattern's period
     uint8_t v[kStages][kVBytes];
     float k_scale[kStages][4];             // the tile's 4 K group scales travel with it
@@ -52,19 +61,38 @@ struct AttentionWgmmaKernel {
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;  // + alignment slack
 
-  struct Tile {  // where this CTA works
+  struct Tile {  // one work item: a block of 128 queries of one head
     int qb, h, b, hk;
     int64_t q0;
     int kv_tiles;
   };
 
-  __device__ static Tile locate(const AttentionWgmmaParams& p) {
-    Tile w;
-    const int q_blocks = static_cast<int>((p.q_len + kBlockQ - 1) / kBlockQ);
-    // Causal: the longest rows (most key tiles) first, so the short ones fill the last wave.
-    w.qb = kCausal ? q_blocks - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
-    w.h = blockIdx.y;
-    w.b = blockIdx.z;
+  // Work units: Q blocks q_blocks - 1 - k and k of one (batch, head), the longer first. Under
+  // causal masking a pair holds q_blocks + 1 key tiles whatever k is, so a static round-robin
+  // of units over the persistent CTAs is balanced (no global tile counter to reset per call);
+  // consecutive units belong to the same head (its K/V stay in L2), GQA heads sharing a KV head
+  // are adjacent.
+  struct Schedule {
+    int q_blocks, pairs;
+    int64_t units;
+  };
+
+  __host__ __device__ static Schedule schedule(int64_t q_len, int batch, int q_heads) {
+    Schedule sc;
+    sc.q_blocks = static_cast<int>((q_len + kBlockQ - 1) / kBlockQ);
+    sc.pairs = (sc.q_blocks + 1) / 2;
+    sc.units = static_cast<int64_t>(batch) * q_heads * sc.pairs;
+    return sc;
+  }
+
+  // The item `half` (0 or 1) of `unit`; false where the pair is the odd middle block alone.
+  __device__ static bool item(const AttentionWgmmaParams& p, const Schedule& sc, int64_t unit, int half, Tile& w) {
+    const int k = static_cast<int>(unit % sc.pairs);
+    const int64_t head = unit / sc.pairs;
+    if (half == 1 && sc.q_blocks - 1 - k == k) return false;
+    w.qb = half == 0 ? sc.q_blocks - 1 - k : k;
+    w.h = static_cast<int>(head % p.q_heads);
+    w.b = static_cast<int>(head / p.q_heads);
     w.hk = w.h / (p.q_heads / p.kv_heads);
     w.q0 = static_cast<int64_t>(w.qb) * kBlockQ;
     int64_t tiles = (p.kv_len + kBlockK - 1) / kBlockK;
@@ -74,27 +102,42 @@ struct AttentionWgmmaKernel {
       tiles = needed < tiles ? needed : tiles;
     }
     w.kv_tiles = static_cast<int>(tiles);
-    return w;
+    return true;
+  }
+
+  // Steps (unit, half) to this CTA's next item at or after it; false when none is left.
+  __device__ static bool seek(const AttentionWgmmaParams& p, const Schedule& sc, int64_t& unit, int& half, Tile& w) {
+    for (; unit < sc.units; unit += gridDim.x, half = 0)
+      for (; half < 2; ++half)
+        if (item(p, sc, unit, half, w)) return true;
+    return false;
   }
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  // ---- producer: one thread feeds the ring ----
+  // ---- producer: one thread feeds the ring, item after item ----
   __device__ static void produce(const AttentionWgmmaParams& p, const CUtensorMap* k_map, const CUtensorMap* v_map,
-                                 Smem& s, const Tile& w) {
-    const int bhk = w.b * p.kv_heads + w.hk;
-    const float* k_scale = p.k_scale + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) * 4;
+                                 Smem& s) {
     ptx::prefetch_tensor_map(k_map);
     ptx::prefetch_tensor_map(v_map);
-    for (int it = 0; it < w.kv_tiles; ++it) {
-      const int stage = it % kStages;
-      const uint32_t phase = (it / kStages) & 1;
-      ptx::mbarrier_wait_sleeping(&s.empty_k[stage], phase ^ 1);
-      ptx::mbarrier_arrive_expect_tx(&s.full_k[stage], kKBytes + 16);
-      ptx::tma_load_3d(s.k[stage], k_map, 0, it * kBlockK, bhk, &s.full_k[stage]);
-      ptx::bulk_load(s.k_scale[stage], k_scale + it * 4, 16, &s.full_k[stage]);
-      ptx::mbarrier_wait_sleeping(&s.empty_v[stage], phase ^ 1);
-      ptx::mbarrier_arrive_expect_tx(&s.full_v[stage], kVBytes);
-      ptx::tma_load_3d(s.v[stage], v_map, it * kBlockK, 0, bhk, &s.full_v[stage]);
+    const Schedule sc = schedule(p.q_len, p.batch, p.q_heads);
+    uint32_t seq = 0;  // tiles streamed so far: the ring position
+    int64_t unit = blockIdx.x;
+    int half = 0;
+    Tile w;
+    for (; seek(p, sc, unit, half, w); ++half) {
+      const int bhk = w.b * p.kv_heads + w.hk;
+      const float* k_scale = p.k_scale + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) * 4;
+      for (int it = 0; it < w.kv_tiles; ++it, ++seq) {
+        const int stage = seq % kStages;
+        const uint32_t phase = (seq / kStages) & 1;
+        ptx::mbarrier_wait_sleeping(&s.empty_k[stage], phase ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&s.full_k[stage], kKBytes + 16);
+        ptx::tma_load_3d(s.k[stage], k_map, 0, it * kBlockK, bhk, &s.full_k[stage]);
+        ptx::bulk_load(s.k_scale[stage], k_scale + it * 4, 16, &s.full_k[stage]);
+        ptx::mbarrier_wait_sleeping(&s.empty_v[stage], phase ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&s.full_v[stage], kVBytes);
+        ptx::tma_load_3d(s.v[stage], v_map, it * kBlockK, 0, bhk, &s.full_v[stage]);
+      }
     }
   }
 
@@ -113,29 +156,43 @@ struct AttentionWgmmaKernel {
     return row * kRowBytes + mixed * 16 + byte % 16;
   }
 
-  // Reads rows r0 and r0 + 8 (channels {32s + 4t .. +3, 32s + 16 + 4t .. +3}, the thread's part
-  // of the A fragment layout), takes the group max |x| over the quad that shares the rows
-  // (paper Eq. 8: one scale for rows {g, g+8} of the warp's 16), quantizes with DESIGN.md's
-  // arithmetic and stores the codes into the warpgroup's Q tile. Rows past q_len are zeros.
-  __device__ static QInfo load_quantize_q(const AttentionWgmmaParams& p, const Tile& w, int64_t r0, int slab_row,
-                                          int t, uint8_t* q_tile) {
+  // Copies rows r0 and r0 + 8 of item w's Q (channels {32s + 4t .. +3, 32s + 16 + 4t .. +3}, the
+  // thread's part of the A fragment layout) into the thread's own staging slots; rows past q_len
+  // come out as zeros. Only this thread reads them back, so cp.async.wait_group is all the sync.
+  __device__ static void stage_q(const AttentionWgmmaParams& p, const Tile& w, int64_t r0, int t,
+                                 uint2 (&stage)[kQChunks][32], int lane) {
     const T* q_head = static_cast<const T*>(p.q) + w.b * p.q_stride_b + w.h * p.q_stride_h;
-    float x[2][kQkSteps][2][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int64_t row = r0 + 8 * r;
+      const int64_t row = w.q0 + r0 + 8 * r;
       const bool valid = row < p.q_len;
       const T* src = q_head + (valid ? row : 0) * p.q_stride_n + 4 * t;
 #pragma unroll
       for (int s = 0; s < kQkSteps; ++s)
 #pragma unroll
+        for (int half = 0; half < 2; ++half)
+          ptx::cp_async_8(&stage[(r * kQkSteps + s) * 2 + half][lane], src + 32 * s + 16 * half, valid);
+    }
+    ptx::cp_async_commit();
+  }
+
+  // Takes the staged rows, the group max |x| over the quad that shares the rows (paper Eq. 8: one
+  // scale for rows {g, g+8} of the warp's 16), quantizes with DESIGN.md's arithmetic and stores
+  // the codes into the warpgroup's Q tile.
+  __device__ static QInfo quantize_staged_q(const AttentionWgmmaParams& p, const Tile& w, int slab_row, int t,
+                                            const uint2 (&stage)[kQChunks][32], int lane, uint8_t* q_tile) {
+    float x[2][kQkSteps][2][4];
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const uint2 raw = valid ? ptx::ld_global_nc_v2(src + 32 * s + 16 * half) : make_uint2(0u, 0u);
+          const uint2 raw = stage[(r * kQkSteps + s) * 2 + half][lane];
           const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
           for (int i = 0; i < 4; ++i) x[r][s][half][i] = widen1<T>(e[i]);
         }
-    }
     float amax = 0.0f;
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -298,16 +355,50 @@ struct AttentionWgmmaKernel {
     else softmax<false>(x, sacc, scale, k0, row0, p.kv_len, t, m, l, alpha);
   }
 
-  __device__ static void consume(const AttentionWgmmaParams& p, Smem& s, const Tile& w, int consumer) {
+  // The consumer warpgroup's items in turn. Item i + 1's Q copy is issued as soon as item i's Q
+  // is in registers, so it lands while item i's tiles compute.
+  __device__ static void consume(const AttentionWgmmaParams& p, Smem& s, int consumer) {
+    const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int slab_row = warp_in_group * 16 + g;  // the thread's rows in the item: q0 + consumer * 64 + slab_row (+8)
+    uint2 (&stage)[kQChunks][32] = s.q_stage[consumer * 4 + warp_in_group];
+    const Schedule sc = schedule(p.q_len, p.batch, p.q_heads);
+    int64_t unit = blockIdx.x;
+    int half = 0;
+    Tile w;
+    bool have = seek(p, sc, unit, half, w);
+    if (have) stage_q(p, w, consumer * 64 + slab_row, t, stage, lane);
+    uint32_t seq = 0;  // tiles consumed so far: the ring position
+    while (have) {
+      int64_t next_unit = unit;
+      int next_half = half + 1;
+      Tile next;
+      const bool have_next = seek(p, sc, next_unit, next_half, next);
+      ptx::cp_async_wait<0>();
+      // Item i's Q codes overwrite item i - 1's: this warp's wgmma, the only reader of its own
+      // 16 rows, completed before its epilogue.
+      const QInfo q = quantize_staged_q(p, w, slab_row, t, stage, lane, s.q[consumer]);
+      if (have_next) stage_q(p, next, consumer * 64 + slab_row, t, stage, lane);
+      ptx::fence_proxy_async_shared();  // the codes are read by wgmma (async proxy)
+      // ... once the whole warpgroup wrote them (barrier 1 + consumer: one per warpgroup).
+      if (consumer == 0) ptx::named_barrier_sync<1, 128>();
+      else ptx::named_barrier_sync<2, 128>();
+      attend(p, s, w, q, seq, consumer);
+      seq += static_cast<uint32_t>(w.kv_tiles);
+      unit = next_unit;
+      half = next_half;
+      w = next;
+      have = have_next;
+    }
+  }
+
+  // One item's KV loop and epilogue; its first tile sits at ring position seq.
+  __device__ static void attend(const AttentionWgmmaParams& p, Smem& s, const Tile& w, const QInfo& q, uint32_t seq,
+                                int consumer) {
     const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int64_t warp_row0 = w.q0 + consumer * 64 + warp_in_group * 16;
     const int64_t row0 = warp_row0 + g;  // this thread's rows: row0 and row0 + 8
-    const QInfo q = load_quantize_q(p, w, row0, warp_in_group * 16 + g, t, s.q[consumer]);
-    ptx::fence_proxy_async_shared();                // the codes are read by wgmma (async proxy)
-    // ... once the whole warpgroup wrote them (barrier 1 + consumer: one per warpgroup).
-    if (consumer == 0) ptx::named_barrier_sync<1, 128>();
-    else ptx::named_barrier_sync<2, 128>();
     const uint64_t q_desc = ptx::kmajor_descriptor<kHeadDim>(s.q[consumer]);
 
     float o[kORegs];
@@ -321,19 +412,21 @@ struct AttentionWgmmaKernel {
     uint32_t pa[kPvSteps][4];
 
     // Tile 0: S, softmax.
-    ptx::mbarrier_wait(&s.full_k[0], 0);
-    issue_qk(sacc, q_desc, s.k[0]);
+    const int stage0 = seq % kStages;
+    ptx::mbarrier_wait(&s.full_k[stage0], (seq / kStages) & 1);
+    issue_qk(sacc, q_desc, s.k[stage0]);
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-    scores_to_p(s, 0, q, 0, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha_prev);
+    scores_to_p(s, stage0, q, 0, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha_prev);
     pack_p(x, pa);
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; the softmax of tile it runs
     // while PV(it - 1) computes; then R(it - 1) is folded into O (paper 3.4) and P(it) packed.
     for (int it = 1; it < w.kv_tiles; ++it) {
-      const int stage = it % kStages, prev = (it - 1) % kStages;
-      const uint32_t phase = (it / kStages) & 1, prev_phase = ((it - 1) / kStages) & 1;
+      const uint32_t pos = seq + it;
+      const int stage = pos % kStages, prev = (pos - 1) % kStages;
+      const uint32_t phase = (pos / kStages) & 1, prev_phase = ((pos - 1) / kStages) & 1;
       ptx::mbarrier_wait(&s.full_k[stage], phase);
       issue_qk(sacc, q_desc, s.k[stage]);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
@@ -362,7 +455,8 @@ struct AttentionWgmmaKernel {
     Fp8PvChannels<kHeadDim / 8> v_channels;
     v_channels.load(p.v_scale + bhk * kHeadDim, p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr, t);
     {  // the last tile's PV
-      const int last = w.kv_tiles - 1, stage = last % kStages;
+      const uint32_t last = seq + w.kv_tiles - 1;
+      const int stage = last % kStages;
       ptx::mbarrier_wait(&s.full_v[stage], (last / kStages) & 1);
       issue_pv(racc, pa, s.v[stage]);
       ptx::wgmma_wait<0>();
@@ -407,7 +501,6 @@ struct AttentionWgmmaKernel {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
     Smem& s = *reinterpret_cast<Smem*>(base);
-    const Tile w = locate(p);
     if (threadIdx.x == 0) {
       for (int i = 0; i < kStages; ++i) {
         ptx::mbarrier_init(&s.full_k[i], 1);  // the producer's arrive.expect_tx
@@ -421,10 +514,10 @@ struct AttentionWgmmaKernel {
     const int group = threadIdx.x / 128;
     if (group == 0) {
       ptx::setmaxnreg_dec<24>();
-      if (threadIdx.x == 0) produce(p, k_map, v_map, s, w);
+      if (threadIdx.x == 0) produce(p, k_map, v_map, s);
     } else {
       ptx::setmaxnreg_inc<240>();
-      consume(p, s, w, group - 1);
+      consume(p, s, group - 1);
     }
 #endif
   }

@@ -66,6 +66,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
   add(q, out.q_mean, nullptr);
   add(k, out.k_mean, nullptr);
   add(v, out.v_mean, v ? &out.v_scale : nullptr);
+  bool equal_sources = true;
+  for (int i = 0; i < p.num_sources; ++i)
+    equal_sources = equal_sources && p.sources[i].view.batch * p.sources[i].view.heads * p.num_sources == jobs;
+  p.jobs_per_source = equal_sources ? jobs / p.num_sources : 0;
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const StatsGrid grid = stats_grid(max_rows, jobs, sms);

@@ -38,6 +38,7 @@ inline constexpr int kMaxStatsSources = 3;
 struct StatsParams {
   StatsSource sources[kMaxStatsSources];
   int num_sources = 0;
+  int jobs_per_source = 0;  // > 0: every source has this many jobs, interleaved in the grid
   int chunks = 1;
   int64_t rows_per_chunk = 1;
   float* partial_sum = nullptr;  // [jobs][chunks][kMaxHeadDim]

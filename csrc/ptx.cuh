@@ -41,10 +41,17 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
   const int src_bytes = valid ? 16 : 0;
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem_src), "r"(src_bytes));
 }
-// PTX ISA, "cp.async.commit_group" and "cp.async.wait_group".
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+// The 8-byte form (.ca: the only one below 16 bytes), same zero-fill contract.
+__device__ __forceinline__ void cp_async_8(void* smem_dst, const void* gmem_src, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem_dst));
+  const int src_bytes = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
+}
+// PTX ISA, "cp.async.commit_group" and "cp.async.wait_group". The memory clobber keeps the
+// compiler from moving shared-memory reads of the copied data above the wait.
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int kPending>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending)); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
 
 // PTX ISA, "Warp-level matrix load instruction: ldmatrix", .x4 (four 8x8 b16 matrices; lanes
 // 8i..8i+7 give the row addresses of matrix i) and .trans (each matrix transposed).

@@ -570,6 +570,27 @@ def test_wgmma_op_without_lse_and_scale(out_nhd: bool, dtype: torch.dtype) -> No
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=WGMMA_OP_LSE_ATOL)
 
 
+@pytest.mark.usefixtures("wgmma_kernel")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_wgmma_grid_modes_agree(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """attention_wgmma's two grids (attention_wgmma.cu): persistent CTAs walking several units
+    each (512 units here, more than any GPU's SMs) and one CTA per unit. Each item's arithmetic
+    does not depend on which CTA runs it, so the outputs agree bit for bit; with an odd number of
+    Q blocks (a unit holding the middle block alone), GQA and q_len < kv_len."""
+    q4, k4, v4 = make_qkv(4, 16, 8, 1900, 2100, 64, torch.float16, seed=11, bias=(1.0, 4.0, 4.0))
+    got = {}
+    for mode in ("persistent", "units"):
+        monkeypatch.setenv("SAGEATTN_WGMMA_GRID", mode)
+        got[mode] = run_wgmma_op(q4, k4, v4, causal)
+    monkeypatch.delenv("SAGEATTN_WGMMA_GRID")
+    out, lse = got["persistent"]
+    assert_finite(out, lse)
+    assert torch.equal(out, got["units"][0]) and torch.equal(lse, got["units"][1])
+    want, want_lse = emulate(q4, k4, v4, causal, kernel=WGMMA)
+    assert rel_l1(out, want.to(out.dtype)) <= EMULATION_L1
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=WGMMA_OP_LSE_ATOL)
+
+
 # ------------------------------------------------------------------------------------------------
 # ANCHORS.md accuracy families (numbers for the closing note)
 # ------------------------------------------------------------------------------------------------
