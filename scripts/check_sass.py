@@ -60,6 +60,29 @@ class Kernel:
     registers: int
     stack: int
     instructions: dict[str, int]
+    loop_spills: int = 0  # local loads/stores in the main loop (where a spill costs every tile)
+
+
+_TENSOR_OPS = ("IMMA", "HMMA", "QMMA", "HGMMA", "QGMMA", "IGMMA")
+
+
+def main_loop_spills(code: list[tuple[int, str]]) -> int:
+    """LDL/STL in the innermost loop (a backward branch's range) that holds tensor-core
+    instructions of two kinds (the QK and the PV product), or of one kind if no loop holds two."""
+    best: tuple[int, int, int] | None = None  # (kinds, -span, spills)
+    for addr, text in code:
+        m = re.search(r"BRA (?:\S+, )?(0x[0-9a-f]+)", text)
+        if not m or int(m.group(1), 16) >= addr:
+            continue
+        body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
+        kinds = len({t.split()[0].split(".")[0] for t in body if t.startswith(_TENSOR_OPS)})
+        if kinds == 0:
+            continue
+        spills = sum(1 for t in body if re.match(r"(@!?P\w+\s+)?(LDL|STL)", t))
+        key = (kinds, -(addr - int(m.group(1), 16)), spills)
+        if best is None or key[:2] > best[:2]:
+            best = key
+    return best[2] if best else 0
 
 
 def find_cuobjdump() -> str | None:
@@ -103,16 +126,26 @@ def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
             stack = int(re.search(r"STACK:(\d+)", res).group(1))
             kernels[(arch, m.group(1))] = Kernel(arch, m.group(1), reg, stack, {})
     arch, current = "?", None
+    code: list[tuple[int, str]] = []
+
+    def close() -> None:
+        if current is not None:
+            current.loop_spills = main_loop_spills(code)
+
     for line in sass.splitlines():
         if m := re.search(r"arch = (sm_\d+a?)", line):
             arch = m.group(1).rstrip("a")
         if m := re.match(r"\s*Function : (\S+)", line):
-            current = kernels.get((arch, m.group(1)))
+            close()
+            current, code = kernels.get((arch, m.group(1))), []
             continue
+        if current is not None and (m := re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line)):
+            code.append((int(m.group(1), 16), m.group(2)))
         if current is not None and (m := re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)):
             op = m.group(1)
-            if op.startswith(("IMMA", "HMMA", "QMMA", "HGMMA", "QGMMA", "IGMMA")):
+            if op.startswith(_TENSOR_OPS):
                 current.instructions[op] = current.instructions.get(op, 0) + 1
+    close()
     return list(kernels.values())
 
 
@@ -129,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     kernels = [k for k in read_kernels(cuobjdump, library) if any(f in k.name for f in KERNEL_NAMES)]
     failures = []
-    print(f"{'arch':<7}{'kernel':<56}{'regs':>5}{'stack':>7}  tensor-core instructions")
+    print(f"{'arch':<7}{'kernel':<56}{'regs':>5}{'stack':>7}{'in loop':>8}  tensor-core instructions")
     for k in sorted(kernels, key=lambda k: (k.arch, demangled_short(k.name))):
         want = EXPECTED[variant(k.name)].get(k.arch, ())
         missing = [w for w in want if not any(op.startswith(w) for op in k.instructions)]
@@ -137,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(k.instructions.items()))
         flag = (" MISSING " + ",".join(missing) if missing else "") + (" SPILLS" if spill else "")
         flag += " (known spill)" if k.stack > 0 and not spill else ""
-        print(f"{k.arch:<7}{demangled_short(k.name):<56}{k.registers:>5}{k.stack:>7}  {ops}{flag}")
+        print(f"{k.arch:<7}{demangled_short(k.name):<56}{k.registers:>5}{k.stack:>7}{k.loop_spills:>8}  {ops}{flag}")
         if missing or spill:
             failures.append(k)
     archs = sorted({k.arch for k in kernels})
