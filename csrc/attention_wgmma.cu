@@ -54,7 +54,7 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   // their start-up and drain, overlapped with the neighbouring items, weigh most (+2..10 % at 1K).
   // Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item time
   // variation that a static round-robin accumulates (-2..4 % persistent at 16K; A/B in one
-  // process: scripts/ab_wgmma_grid.py, benchmarks/RESULTS.md).
+  // process: scripts/ab_env.py, benchmarks/RESULTS.md).
   int device = 0, sms = 0;
   status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);

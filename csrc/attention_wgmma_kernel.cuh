@@ -50,16 +50,8 @@ struct AttentionWgmmaKernel {
   static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
 
-  struct Walk {  // a consumer thread's position: its CTA's units, the ring
-    int64_t unit;
-    int half;
-    uint32_t seq;
-    float k_mean_dot[2];  // the current item's QInfo::k_mean_dot
-  };
-
   struct alignas(1024) Smem {
     uint8_t q[kConsumers][64 * kHeadDim];  // each warpgroup's INT8 Q codes, K-major, swizzled
-    Walk walk[kConsumers * 128];                  // each consumer thread's place in its items
     uint2 q_stage[kConsumers * 4][kQChunks][32];  // fp16/bf16 Q of the next item: per warp, per
                                                   // chunk, per lane (each thread reads its own)
     uint8_t k[kStages][kKBytes];           // every tile 1024-aligned: the swizzle pattern's period
@@ -153,8 +145,7 @@ struct AttentionWgmmaKernel {
   // ---- consumer: Q codes in shared memory, then the pipelined KV loop, then the epilogue ----
   struct QInfo {
     float scale;          // dequantization scale of the thread's Q group, times sm_scale * log2 e
-    float k_mean_dot[2];  // q_row . k_mean for the rows g and g+8 (LSE only; kept in Walk
-                          // during the loop, where registers are short)
+    float k_mean_dot[2];  // q_row . k_mean for the rows g and g+8 (LSE only)
   };
 
   // Byte offset of (row, byte) in a K-major tile whose rows are one swizzle span (64 or 128
@@ -359,10 +350,10 @@ struct AttentionWgmmaKernel {
 
   // Everything of one KV tile between its QK product and its PV product: wait for S, free the
   // K stage, softmax (masked only where the tile needs it).
-  __device__ static void scores_to_p(Smem& s, int stage, float q_scale, int64_t k0, int64_t warp_row0, int64_t row0,
+  __device__ static void scores_to_p(Smem& s, int stage, const QInfo& q, int64_t k0, int64_t warp_row0, int64_t row0,
                                      const AttentionWgmmaParams& p, int lane, int t, int32_t (&sacc)[kSRegs],
                                      float (&x)[kSRegs], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
-    const float scale = q_scale * s.k_scale[stage][t];  // keys 8i + 2t + {0,1} are K group t
+    const float scale = q.scale * s.k_scale[stage][t];  // keys 8i + 2t + {0,1} are K group t
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&s.empty_k[stage]);
     const bool masked = k0 + kBlockK > p.kv_len || (kCausal && k0 + kBlockK - 1 > warp_row0);
@@ -377,44 +368,40 @@ struct AttentionWgmmaKernel {
     const int g = lane / 4, t = lane % 4;
     const int slab_row = warp_in_group * 16 + g;  // the thread's rows in the item: q0 + consumer * 64 + slab_row (+8)
     uint2 (&stage)[kQChunks][32] = s.q_stage[consumer * 4 + warp_in_group];
-    // Where the walk stands lives in shared memory across an item: in registers it pushed the
-    // causal head_dim 128 loop into spilling (ptxas, 240 registers).
-    Walk& walk = s.walk[threadIdx.x - 128];
-    walk.unit = blockIdx.x;
-    walk.half = 0;
-    walk.seq = 0;
+    const Schedule sc = schedule(p.q_len, p.batch, p.q_heads);
+    int64_t unit = blockIdx.x;
+    int half = 0;
     Tile w;
-    bool have = seek(p, schedule(p.q_len, p.batch, p.q_heads), walk.unit, walk.half, w);
+    bool have = seek(p, sc, unit, half, w);
     if (have) stage_q(p, w, consumer * 64 + slab_row, t, stage, lane);  // q is the caller's
     // From here on: k_mean, V's scales and means (preprocessing), the output (launch.h).
     ptx::wait_for_previous_grid();
+    uint32_t seq = 0;  // tiles consumed so far: the ring position
     while (have) {
+      int64_t next_unit = unit;
+      int next_half = half + 1;
+      Tile next;
+      const bool have_next = seek(p, sc, next_unit, next_half, next);
       ptx::cp_async_wait<0>();
       // Item i's Q codes overwrite item i - 1's: this warp's wgmma, the only reader of its own
       // 16 rows, completed before its epilogue.
       const QInfo q = quantize_staged_q(p, w, slab_row, t, stage, lane, s.q[consumer]);
-      walk.k_mean_dot[0] = q.k_mean_dot[0];
-      walk.k_mean_dot[1] = q.k_mean_dot[1];
-      {  // the next item's Q, copied while this one computes (its Tile is recomputed after)
-        int64_t next_unit = walk.unit;
-        int next_half = walk.half + 1;
-        Tile next;
-        if (seek(p, schedule(p.q_len, p.batch, p.q_heads), next_unit, next_half, next))
-          stage_q(p, next, consumer * 64 + slab_row, t, stage, lane);
-      }
+      if (have_next) stage_q(p, next, consumer * 64 + slab_row, t, stage, lane);
       ptx::fence_proxy_async_shared();  // the codes are read by wgmma (async proxy)
       // ... once the whole warpgroup wrote them (barrier 1 + consumer: one per warpgroup).
       if (consumer == 0) ptx::named_barrier_sync<1, 128>();
       else ptx::named_barrier_sync<2, 128>();
-      attend(p, s, w, q.scale, walk.seq, consumer);
-      walk.seq += static_cast<uint32_t>(w.kv_tiles);
-      ++walk.half;
-      have = seek(p, schedule(p.q_len, p.batch, p.q_heads), walk.unit, walk.half, w);
+      attend(p, s, w, q, seq, consumer);
+      seq += static_cast<uint32_t>(w.kv_tiles);
+      unit = next_unit;
+      half = next_half;
+      w = next;
+      have = have_next;
     }
   }
 
   // One item's KV loop and epilogue; its first tile sits at ring position seq.
-  __device__ static void attend(const AttentionWgmmaParams& p, Smem& s, const Tile& w, float q_scale, uint32_t seq,
+  __device__ static void attend(const AttentionWgmmaParams& p, Smem& s, const Tile& w, const QInfo& q, uint32_t seq,
                                 int consumer) {
     const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
@@ -439,7 +426,7 @@ struct AttentionWgmmaKernel {
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-    scores_to_p(s, stage0, q_scale, 0, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha_prev);
+    scores_to_p(s, stage0, q, 0, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha_prev);
     pack_p(x, pa);
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; the softmax of tile it runs
@@ -455,7 +442,7 @@ struct AttentionWgmmaKernel {
       ptx::wgmma_wait<1>();  // S(it) is ready, PV(it - 1) may still run
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-      scores_to_p(s, stage, q_scale, static_cast<int64_t>(it) * kBlockK, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha);
+      scores_to_p(s, stage, q, static_cast<int64_t>(it) * kBlockK, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha);
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) ptx::register_fence(racc[i]);
@@ -511,8 +498,7 @@ struct AttentionWgmmaKernel {
         // sum holds sum_j P~_j * 448 relative to the base-2 max m; K smoothing dropped the row
         // constant sm_scale * q . k_mean, which the LSE of the true scores includes.
         p.lse[(static_cast<int64_t>(w.b) * p.q_heads + w.h) * p.q_len + query] =
-            sum > 0.0f ? (m[r] + __log2f(sum) - kLog2Fp8Max) * kLn2 + p.sm_scale * s.walk[threadIdx.x - 128].k_mean_dot[r]
-                         : -INFINITY;
+            sum > 0.0f ? (m[r] + __log2f(sum) - kLog2Fp8Max) * kLn2 + p.sm_scale * q.k_mean_dot[r] : -INFINITY;
       }
     }
   }

@@ -9,6 +9,7 @@
 
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <utility>
 
 namespace sageattention2 {
@@ -29,7 +30,9 @@ cudaError_t launch_overlapping_previous(void (*kernel)(Params...), dim3 grid, di
   config.dynamicSmemBytes = smem;
   config.stream = stream;
   config.attrs = attribute;
-  config.numAttrs = major >= 9 ? 1 : 0;  // older GPUs: an ordinary launch
+  // Older GPUs: an ordinary launch. SAGEATTN_PDL=0 turns it off (benchmarks: scripts/ab_env.py).
+  const char* env = std::getenv("SAGEATTN_PDL");
+  config.numAttrs = major >= 9 && !(env != nullptr && env[0] == '0') ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
 }
 
