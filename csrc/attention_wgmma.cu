@@ -7,7 +7,6 @@
 #include <cstring>
 
 #include "attention_wgmma_kernel.cuh"
-#include "launch.h"
 
 namespace sageattention2 {
 namespace {
@@ -69,8 +68,8 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
   const int64_t ctas = persistent && units > sms ? sms : units;
   const unsigned grid = static_cast<unsigned>(ctas);
-  return launch_overlapping_previous(kernel, dim3(grid), dim3(Kernel::kThreads), Kernel::kSmemBytes, stream, p, k_map,
-                                     v_map);
+  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p, k_map, v_map);
+  return cudaGetLastError();
 }
 
 template <typename T, int kHeadDim>

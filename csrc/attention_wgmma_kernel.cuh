@@ -119,7 +119,6 @@ struct AttentionWgmmaKernel {
                                  Smem& s) {
     ptx::prefetch_tensor_map(k_map);
     ptx::prefetch_tensor_map(v_map);
-    ptx::wait_for_previous_grid();  // K and V codes and scales come from quantize_kv (launch.h)
     const Schedule sc = schedule(p.q_len, p.batch, p.q_heads);
     uint32_t seq = 0;  // tiles streamed so far: the ring position
     int64_t unit = blockIdx.x;
@@ -373,9 +372,7 @@ struct AttentionWgmmaKernel {
     int half = 0;
     Tile w;
     bool have = seek(p, sc, unit, half, w);
-    if (have) stage_q(p, w, consumer * 64 + slab_row, t, stage, lane);  // q is the caller's
-    // From here on: k_mean, V's scales and means (preprocessing), the output (launch.h).
-    ptx::wait_for_previous_grid();
+    if (have) stage_q(p, w, consumer * 64 + slab_row, t, stage, lane);
     uint32_t seq = 0;  // tiles consumed so far: the ring position
     while (have) {
       int64_t next_unit = unit;

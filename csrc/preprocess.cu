@@ -1,6 +1,5 @@
 // Kernel launches of the preprocessing (no ATen here: see preprocess_params.h). The one
 // dtype x QK-type switch of the preprocessing lives in this file.
-#include "launch.h"
 #include "preprocess_kernels.cuh"
 
 namespace sageattention2 {
@@ -25,10 +24,8 @@ cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dt
     using T = decltype(tag);
     smoothing_stats_partial_kernel<T><<<dim3(p.chunks, jobs), kPreprocessThreads, 0, stream>>>(p);
   });
-  const cudaError_t status = cudaGetLastError();
-  if (status != cudaSuccess) return status;
-  return launch_overlapping_previous(smoothing_stats_finalize_kernel, dim3(jobs), dim3(kPreprocessThreads), 0, stream,
-                                     p);
+  smoothing_stats_finalize_kernel<<<jobs, kPreprocessThreads, 0, stream>>>(p);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool int4, cudaStream_t stream) {
@@ -39,10 +36,9 @@ cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool i
     using T = decltype(tag);
     auto kernel = int4 ? quantize_q_kernel<T, true> : quantize_q_kernel<T, false>;
     status = allow_dynamic_smem(kernel, smem);
-    if (status == cudaSuccess)
-      status = launch_overlapping_previous(kernel, grid, dim3(kPreprocessThreads), smem, stream, p);
+    if (status == cudaSuccess) kernel<<<grid, kPreprocessThreads, smem, stream>>>(p);
   });
-  return status;
+  return status != cudaSuccess ? status : cudaGetLastError();
 }
 
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream) {

@@ -40,7 +40,6 @@ __global__ void __launch_bounds__(kPreprocessThreads)
 
   // Sources of equal size interleave head by head (K of a head, then its V), so that the heads
   // read last are read last in both tensors (quantize_kv starts from them: L2 hits).
-  ptx::allow_next_grid_launch();  // finalize (launched overlapping) waits for this grid anyway
   const int job = p.jobs_per_source > 0
                       ? static_cast<int>(blockIdx.y) % p.num_sources * p.jobs_per_source +
                             static_cast<int>(blockIdx.y) / p.num_sources
@@ -115,8 +114,6 @@ __global__ void __launch_bounds__(kPreprocessThreads)
 
 __global__ void __launch_bounds__(kPreprocessThreads)
     smoothing_stats_finalize_kernel(const __grid_constant__ StatsParams p) {
-  ptx::wait_for_previous_grid();  // the partial sums
-  ptx::allow_next_grid_launch();
   const int job = blockIdx.x;
   const StatsSource& src = p.sources[stats_source_of_job(p, job)];
   const int head_dim = src.view.head_dim;
@@ -336,10 +333,6 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   T* v_tile = tile + block_k * pitch;
   start_kv_tile_copy<T>(tile, p.k, b, h, row0, valid);
   if (p.has_v) start_kv_tile_copy<T>(v_tile, p.v, b, h, row0, valid);
-  // K and V are the caller's (written before smoothing_stats ran); the means and scales below
-  // come from the previous kernel (launch.h), and the outputs may alias its freed buffers.
-  ptx::allow_next_grid_launch();
-  ptx::wait_for_previous_grid();
 
   // ---- K ----
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x)

@@ -47,22 +47,6 @@ __device__ __forceinline__ void cp_async_8(void* smem_dst, const void* gmem_src,
   const int src_bytes = valid ? 8 : 0;
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;" ::"r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
 }
-// PTX ISA, "Parallel Synchronization and Communication Instructions: griddepcontrol" (sm_90;
-// no-ops before). A kernel launched with programmatic stream serialization (launch.h) may start
-// while the previous kernel of its stream still runs: wait_for_previous_grid() blocks until that
-// kernel has completed and its memory is visible. allow_next_grid_launch() lets the next such
-// kernel be scheduled once every CTA of this grid has called it (or exited).
-__device__ __forceinline__ void wait_for_previous_grid() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
-}
-__device__ __forceinline__ void allow_next_grid_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 // PTX ISA, "cp.async.commit_group" and "cp.async.wait_group". The memory clobber keeps the
 // compiler from moving shared-memory reads of the copied data above the wait.
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }

@@ -1,7 +1,6 @@
 """A/B of a launch setting read from the environment, in one process: the Hopper kernel alone
 and the full sageattn call, ANCHORS protocol (B4 H32 fp16), alternating the settings to cancel
-drift. Settings: SAGEATTN_WGMMA_GRID (persistent | units, attention_wgmma.cu) and SAGEATTN_PDL
-(1 | 0, launch.h).
+drift. Setting: SAGEATTN_WGMMA_GRID (persistent | units, attention_wgmma.cu).
 
     python3 scripts/ab_env.py [--var SAGEATTN_WGMMA_GRID --values persistent units] [--d 128 64]
                               [--n 1024 4096 16384]
