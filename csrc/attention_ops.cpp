@@ -9,8 +9,6 @@
 #include "attention_params.h"
 #include "preprocess.h"
 
-#include <limits>
-
 namespace sageattention2 {
 namespace {
 
@@ -227,11 +225,6 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
   p.k_padded = k_codes.size(2);
   p.sm_scale = static_cast<float>(sm_scale);
   p.causal = is_causal;
-  // The kernel walks work units (pairs of 128-query blocks of one head) in 32-bit arithmetic.
-  const int64_t pairs = (p.q_len + 2 * kWgmmaBlockQ - 1) / (2 * kWgmmaBlockQ);
-  TORCH_CHECK(static_cast<int64_t>(p.batch) * p.q_heads * pairs <= std::numeric_limits<int32_t>::max(),
-              "attention_wgmma: batch * q_heads * ceil(q_len / 256) must be below 2^31, got batch=", p.batch,
-              " q_heads=", p.q_heads, " q_len=", p.q_len);
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status != cudaErrorNotSupported,

@@ -49,23 +49,23 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal>;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
   if (status != cudaSuccess) return status;
-  // Persistent grid (one CTA per SM) for non-causal calls, whose items are all alike, and for
-  // up to 8 units per SM: there the items are short and their start-up and drain, overlapped with
-  // the neighbouring items, weigh most (+2..10 % at 1K). Causal with more units: a CTA per unit,
-  // whose dynamic block scheduling evens out the per-item variation that a static round-robin
-  // adds up (persistent was 0.94-0.98x at 4K-16K). A/B in one process: scripts/ab_env.py,
-  // benchmarks/RESULTS.md.
+  // Up to 8 units per SM the grid is persistent (one CTA per SM): there the items are short and
+  // their start-up and drain, overlapped with the neighbouring items, weigh most (+2..10 % at 1K).
+  // Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item time
+  // variation that a static round-robin accumulates (-2..4 % persistent at 16K; A/B in one
+  // process: scripts/ab_env.py, benchmarks/RESULTS.md).
   int device = 0, sms = 0;
   status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (status != cudaSuccess) return status;
   const int64_t units = Kernel::schedule(p.q_len, p.batch, p.q_heads).units;
-  bool persistent = !p.causal || units <= 8 * static_cast<int64_t>(sms);
+  bool persistent = units <= 8 * static_cast<int64_t>(sms);
   // Benchmark override: SAGEATTN_WGMMA_GRID=persistent|units.
   if (const char* mode = std::getenv("SAGEATTN_WGMMA_GRID")) {
     if (std::strcmp(mode, "units") == 0) persistent = false;
     if (std::strcmp(mode, "persistent") == 0) persistent = true;
   }
+  if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
   const int64_t ctas = persistent && units > sms ? sms : units;
   const unsigned grid = static_cast<unsigned>(ctas);
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p, k_map, v_map);

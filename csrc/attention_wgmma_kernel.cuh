@@ -87,15 +87,12 @@ struct AttentionWgmmaKernel {
 
   // The item `half` (0 or 1) of `unit`; false where the pair is the odd middle block alone.
   __device__ static bool item(const AttentionWgmmaParams& p, const Schedule& sc, int64_t unit, int half, Tile& w) {
-    // 32-bit (the op checks that the units fit): this runs once per item in every thread, and
-    // 64-bit division is a ~70-instruction routine.
-    const unsigned u = static_cast<unsigned>(unit), pairs = static_cast<unsigned>(sc.pairs);
-    const int k = static_cast<int>(u % pairs);
-    const unsigned head = u / pairs;
+    const int k = static_cast<int>(unit % sc.pairs);
+    const int64_t head = unit / sc.pairs;
     if (half == 1 && sc.q_blocks - 1 - k == k) return false;
     w.qb = half == 0 ? sc.q_blocks - 1 - k : k;
-    w.h = static_cast<int>(head % static_cast<unsigned>(p.q_heads));
-    w.b = static_cast<int>(head / static_cast<unsigned>(p.q_heads));
+    w.h = static_cast<int>(head % p.q_heads);
+    w.b = static_cast<int>(head / p.q_heads);
     w.hk = w.h / (p.q_heads / p.kv_heads);
     w.q0 = static_cast<int64_t>(w.qb) * kBlockQ;
     int64_t tiles = (p.kv_len + kBlockK - 1) / kBlockK;
