@@ -249,12 +249,13 @@ struct AttentionMmaKernel {
       const int row = i / kQkChunks, chunk = i % kQkChunks;
       ptx::cp_async_16(s.q() + swizzled_offset<kQkChunks>(row, chunk), qg + row * kQkRowBytes + chunk * 16, true);
     }
-    int64_t kv_tiles = (p.kv_len + kBlockK - 1) / kBlockK;
+    int64_t tiles = (p.kv_len + kBlockK - 1) / kBlockK;
     if constexpr (kCausal) {
       const int64_t last_query = (q0 + kBlockQ < p.q_len ? q0 + kBlockQ : p.q_len) - 1;
       const int64_t needed = last_query / kBlockK + 1;
-      kv_tiles = needed < kv_tiles ? needed : kv_tiles;
+      tiles = needed < tiles ? needed : tiles;
     }
+    const int kv_tiles = static_cast<int>(tiles);  // 32-bit loop counters: registers are short
     const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
     const void* v_head = kFp8Pv ? static_cast<const void*>(static_cast<const uint8_t*>(p.v) + bhk * kHeadDim * p.k_padded)
                                 : static_cast<const void*>(static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h);
@@ -287,13 +288,13 @@ struct AttentionMmaKernel {
     const int warp_row0 = warp * kRowsPerWarp;
     // The warp's Q fragments (A operands, one per 32 bytes of codes).
     uint32_t qa[kSlabs][kQkSteps][4];
-    for (int64_t it = 0; it < kv_tiles; ++it) {
-      const int stage = static_cast<int>(it % kStages);
-      const int64_t k0 = it * kBlockK;
+    for (int it = 0; it < kv_tiles; ++it) {
+      const int stage = it % kStages;
+      const int64_t k0 = static_cast<int64_t>(it) * kBlockK;
       ptx::cp_async_wait<kStages - 2>();  // tile `it` (and, first time round, Q) has landed
       __syncthreads();                    // ... for every thread; and stage it-1 is free again
-      const int64_t ahead = it + kStages - 1;
-      if (ahead < kv_tiles) load_kv_tile(p, s, static_cast<int>(ahead % kStages), head, ahead * kBlockK);
+      const int ahead = it + kStages - 1;
+      if (ahead < kv_tiles) load_kv_tile(p, s, ahead % kStages, head, static_cast<int64_t>(ahead) * kBlockK);
       ptx::cp_async_commit();
       // ---- S = Q K^T (INT8 or INT4, exact int32 accumulation) ----
       int32_t acc[kSlabs][kKeyTiles][4];
