@@ -6,7 +6,8 @@
 // shared-memory ring with the copy engine, on full/empty mbarriers. Two consumer warpgroups own
 // 64 queries each: they read their fp16/bf16 Q rows once, quantize them to INT8 in registers
 // (per-thread groups, paper Eq. 8: the rows {g, g+8} of a warp's 16-row slab, so no Q pass runs
-// before the kernel), then per tile: S = Q K^T (wgmma s8, A from registers), dequantize with one
+// before the kernel) into the warpgroup's shared-memory Q tile, then per tile: S = Q K^T (wgmma
+// s8, both operands from shared memory), dequantize with one
 // Q scale and one K scale per thread (Fig. 4), online softmax in base 2 (sm_scale * log2 e folded
 // into the Q scale, the x448 of P's FP8 scale folded into the exponent), P~ to E4M3 in registers,
 // R = P~ V (wgmma e4m3, A from registers, a fresh accumulator per tile) and O = alpha O + R in
