@@ -10,9 +10,10 @@
 // s8, both operands from shared memory), dequantize with one
 // Q scale and one K scale per thread (Fig. 4), online softmax in base 2 (sm_scale * log2 e folded
 // into the Q scale, the x448 of P's FP8 scale folded into the exponent), P~ to E4M3 in registers,
-// R = P~ V (wgmma e4m3, A from registers, a fresh accumulator per tile) and O = alpha O + R in
-// FP32 (the two-level accumulation of paper 3.4). The epilogue applies 1/l and V's per-channel
-// scale (and mean, with smooth V) and writes the output in the caller's layout.
+// R = P~ V (wgmma e4m3, A from registers, a fresh accumulator per tile; 8 extra columns of ones
+// give the row sums of P~) and O = alpha O + R, l = alpha l + rowsum in FP32 (the two-level
+// accumulation of paper 3.4). The epilogue applies 1/l and V's per-channel scale (and mean, with
+// smooth V) and writes the output in the caller's layout.
 //
 // Work comes in units of two Q blocks of one head (Schedule). A CTA walks its units' items in
 // turn: the producer streams their tiles back to back through the same ring, and each consumer
@@ -47,6 +48,13 @@ struct AttentionWgmmaKernel {
   static constexpr int kPvSteps = kBlockK / 32;             // k-steps of the e4m3 wgmma
   static constexpr int kSRegs = kBlockK / 2;                // S accumulators per thread (m64n128)
   static constexpr int kORegs = kHeadDim / 2;               // O accumulators per thread
+  // The PV product has 8 columns more than V's channels: V's smem tile is followed by 8 rows of
+  // E4M3 ones, so the tensor cores also sum each row of the FP8 P~ (the softmax denominator, over
+  // exactly the values the numerator used) and the softmax loses 64 FADDs per tile and thread
+  // (+4-14 % measured with the sums dropped; benchmarks/RESULTS.md, session 5).
+  static constexpr int kPvN = kHeadDim + 8;
+  static constexpr int kRaccRegs = kPvN / 2;                // PV accumulators per thread
+  static constexpr int kVStageBytes = kVBytes + 8 * kBlockK;  // the V^T tile, then 8 rows of ones
   static constexpr int kQChunks = 4 * kQkSteps;             // 8-byte pieces of a thread's 2 Q rows
   static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
@@ -56,7 +64,7 @@ struct AttentionWgmmaKernel {
     uint2 q_stage[kConsumers * 4][kQChunks][32];  // fp16/bf16 Q of the next item: per warp, per
                                                   // chunk, per lane (each thread reads its own)
     uint8_t k[kStages][kKBytes];           // every tile 1024-aligned: the swizzle pattern's period
-    uint8_t v[kStages][kVBytes];
+    uint8_t v[kStages][kVStageBytes];      // V^T as the copy engine lands it, then the ones rows
     float k_scale[kStages][4];             // the tile's 4 K group scales travel with it
     uint64_t full_k[kStages], full_v[kStages], empty_k[kStages], empty_v[kStages];
   };
@@ -245,19 +253,16 @@ struct AttentionWgmmaKernel {
   // leaves P~ * 448 (base 2, the x448 of P's FP8 scale folded into the exponent) as floats in x
   // and returns each row's rescale factor. The quad's 4 threads share a row, each with its own
   // K scale (`scale` > 0), so the thread's row max is taken on the integers and dequantized once.
-  // kMasked: keys past kv_len and (causal) after the query are -inf.
+  // kMasked: `key_limit` keys of the tile exist; (causal) the thread's row r sees column c iff
+  // c <= rows_ahead + 8 r, rows_ahead = its first row minus the tile's first key.
   template <bool kMasked>
-  __device__ static void softmax(float (&x)[kSRegs], const int32_t (&sacc)[kSRegs], float scale, int64_t k0,
-                                 int64_t row0, int64_t kv_len, int t, float (&m)[2], float (&l)[2],
-                                 float (&alpha)[2]) {
+  __device__ static void softmax(float (&x)[kSRegs], const int32_t (&sacc)[kSRegs], float scale, int key_limit,
+                                 int rows_ahead, int t, float (&m)[2], float (&alpha)[2]) {
     float bias[2];
     if constexpr (kMasked) {
-      // In 32-bit offsets from the tile's first key (64-bit compares cost two instructions and
-      // registers the causal loop does not have): column c exists iff c < key_limit, and is
-      // visible to the thread's row r iff c <= diagonal + 8 r (both clamped to the tile).
-      const int64_t keys_left = kv_len - k0, rows_ahead = row0 - k0;
-      const int key_limit = static_cast<int>(keys_left < kBlockK ? keys_left : kBlockK);
-      const int diagonal = static_cast<int>(rows_ahead < -9 ? -9 : (rows_ahead > kBlockK ? kBlockK : rows_ahead));
+      // 32-bit offsets from the tile's first key, clamped to the tile (64-bit compares cost two
+      // instructions and registers the causal loop does not have).
+      const int diagonal = rows_ahead < -9 ? -9 : (rows_ahead > kBlockK ? kBlockK : rows_ahead);
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) {
         x[i] = static_cast<float>(sacc[i]) * scale;
@@ -298,14 +303,8 @@ struct AttentionWgmmaKernel {
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) x[i] = fmaf(static_cast<float>(sacc[i]), scale, -bias[(i / 2) & 1]);
     }
-    float sum[2] = {0.0f, 0.0f};
 #pragma unroll
-    for (int i = 0; i < kSRegs; ++i) {
-      x[i] = ptx::exp2_approx(x[i]);  // P~ * 448, in [0, 448]
-      sum[(i / 2) & 1] += x[i];
-    }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] = l[r] * alpha[r] + sum[r];  // thread-partial; reduced at the end
+    for (int i = 0; i < kSRegs; ++i) x[i] = ptx::exp2_approx(x[i]);  // P~ * 448, in [0, 448]
   }
 
   // With V's keys stored in the order of DESIGN.md, the A fragment of k-step c of the PV wgmma is
@@ -332,17 +331,17 @@ struct AttentionWgmmaKernel {
     ptx::wgmma_commit();
   }
 
-  __device__ static void issue_pv(float (&racc)[kORegs], uint32_t (&pa)[kPvSteps][4], const uint8_t* v_tile) {
+  __device__ static void issue_pv(float (&racc)[kRaccRegs], uint32_t (&pa)[kPvSteps][4], const uint8_t* v_tile) {
     const uint64_t v_desc = ptx::kmajor_descriptor<128>(v_tile);
     ptx::wgmma_fence();
 #pragma unroll
     for (int step = 0; step < kPvSteps; ++step) {
       if constexpr (kHeadDim == 128) {
-        if (step == 0) ptx::wgmma_m64n128k32_e4m3<false>(racc, pa[step], v_desc);
-        else ptx::wgmma_m64n128k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
+        if (step == 0) ptx::wgmma_m64n136k32_e4m3<false>(racc, pa[step], v_desc);
+        else ptx::wgmma_m64n136k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
       } else {
-        if (step == 0) ptx::wgmma_m64n64k32_e4m3<false>(racc, pa[step], v_desc);
-        else ptx::wgmma_m64n64k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
+        if (step == 0) ptx::wgmma_m64n72k32_e4m3<false>(racc, pa[step], v_desc);
+        else ptx::wgmma_m64n72k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
       }
     }
     ptx::wgmma_commit();
@@ -350,15 +349,21 @@ struct AttentionWgmmaKernel {
 
   // Everything of one KV tile between its QK product and its PV product: wait for S, free the
   // K stage, softmax (masked only where the tile needs it).
-  __device__ static void scores_to_p(Smem& s, int stage, const QInfo& q, int64_t k0, int64_t warp_row0, int64_t row0,
+  // The tile `it` of item w; `row_in_item` = the thread's first row - the item's first query.
+  __device__ static void scores_to_p(Smem& s, int stage, const QInfo& q, int it, const Tile& w, int row_in_item,
                                      const AttentionWgmmaParams& p, int lane, int t, int32_t (&sacc)[kSRegs],
-                                     float (&x)[kSRegs], float (&m)[2], float (&l)[2], float (&alpha)[2]) {
+                                     float (&x)[kSRegs], float (&m)[2], float (&alpha)[2]) {
     const float scale = q.scale * s.k_scale[stage][t];  // keys 8i + 2t + {0,1} are K group t
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&s.empty_k[stage]);
-    const bool masked = k0 + kBlockK > p.kv_len || (kCausal && k0 + kBlockK - 1 > warp_row0);
-    if (masked) softmax<true>(x, sacc, scale, k0, row0, p.kv_len, t, m, l, alpha);
-    else softmax<false>(x, sacc, scale, k0, row0, p.kv_len, t, m, l, alpha);
+    // Item-relative 32-bit offsets: the query block is w.qb, the key tile it.
+    const int rows_ahead = (w.qb - it) * kBlockK + row_in_item;
+    const int warp_rows_ahead = rows_ahead - row_in_item % 16;  // the warp's first row
+    const bool tail = it == w.kv_tiles - 1 && static_cast<int64_t>(it + 1) * kBlockK > p.kv_len;
+    const int key_limit = tail ? static_cast<int>(p.kv_len - static_cast<int64_t>(it) * kBlockK) : kBlockK;
+    const bool masked = tail || (kCausal && kBlockK - 1 > warp_rows_ahead);
+    if (masked) softmax<true>(x, sacc, scale, key_limit, rows_ahead, t, m, alpha);
+    else softmax<false>(x, sacc, scale, key_limit, rows_ahead, t, m, alpha);
   }
 
   // The consumer warpgroup's items in turn. Item i + 1's Q copy is issued as soon as item i's Q
@@ -403,8 +408,7 @@ struct AttentionWgmmaKernel {
                                 int consumer) {
     const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
-    const int64_t warp_row0 = w.q0 + consumer * 64 + warp_in_group * 16;
-    const int64_t row0 = warp_row0 + g;  // this thread's rows: row0 and row0 + 8
+    const int row_in_item = consumer * 64 + warp_in_group * 16 + g;  // the thread's rows: this and + 8
     const uint64_t q_desc = ptx::kmajor_descriptor<kHeadDim>(s.q[consumer]);
 
     float o[kORegs];
@@ -414,7 +418,7 @@ struct AttentionWgmmaKernel {
     float alpha[2], alpha_prev[2];
     int32_t sacc[kSRegs];
     float x[kSRegs];
-    float racc[kORegs];
+    float racc[kRaccRegs];
     uint32_t pa[kPvSteps][4];
 
     // Tile 0: S, softmax.
@@ -424,7 +428,7 @@ struct AttentionWgmmaKernel {
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-    scores_to_p(s, stage0, q, 0, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha_prev);
+    scores_to_p(s, stage0, q, 0, w, row_in_item, p, lane, t, sacc, x, m, alpha_prev);
     pack_p(x, pa);
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; the softmax of tile it runs
@@ -440,10 +444,10 @@ struct AttentionWgmmaKernel {
       ptx::wgmma_wait<1>();  // S(it) is ready, PV(it - 1) may still run
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-      scores_to_p(s, stage, q, static_cast<int64_t>(it) * kBlockK, warp_row0, row0, p, lane, t, sacc, x, m, l, alpha);
+      scores_to_p(s, stage, q, it, w, row_in_item, p, lane, t, sacc, x, m, alpha);
       ptx::wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < kORegs; ++i) ptx::register_fence(racc[i]);
+      for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
 #pragma unroll
       for (int c = 0; c < kPvSteps; ++c)
 #pragma unroll
@@ -452,6 +456,8 @@ struct AttentionWgmmaKernel {
       if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[prev]);
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], alpha_prev[(i / 2) & 1], racc[i]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha_prev[r], racc[kORegs + 2 * r]);  // the ones columns
       pack_p(x, pa);
       alpha_prev[0] = alpha[0];
       alpha_prev[1] = alpha[1];
@@ -467,21 +473,21 @@ struct AttentionWgmmaKernel {
       issue_pv(racc, pa, s.v[stage]);
       ptx::wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < kORegs; ++i) ptx::register_fence(racc[i]);
+      for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[stage]);
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], alpha_prev[(i / 2) & 1], racc[i]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha_prev[r], racc[kORegs + 2 * r]);  // the ones columns
     }
 
     // ---- epilogue: O / l * v_scale (+ v_mean), the caller's layout; the natural-log LSE ----
     T* out = static_cast<T*>(p.out) + w.b * p.out_stride_b + w.h * p.out_stride_h;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float sum = l[r];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int64_t query = row0 + 8 * r;
+      const float sum = l[r];  // the whole row's: every thread of the quad holds it
+      const int64_t query = w.q0 + row_in_item + 8 * r;
       if (query >= p.q_len) continue;
       const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
       T* dst = out + query * p.out_stride_n;
@@ -507,6 +513,12 @@ struct AttentionWgmmaKernel {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
     Smem& s = *reinterpret_cast<Smem*>(base);
+    // The 8 rows of E4M3 ones after every V stage (the copy engine writes only the tile before
+    // them); the PV wgmma reads them through the async proxy.
+    constexpr int kOnesWords = 8 * kBlockK / 4;
+    for (int i = threadIdx.x; i < kStages * kOnesWords; i += kThreads)
+      reinterpret_cast<uint32_t*>(s.v[i / kOnesWords] + kVBytes)[i % kOnesWords] = 0x38383838u;  // E4M3 1.0
+    ptx::fence_proxy_async_shared();
     if (threadIdx.x == 0) {
       for (int i = 0; i < kStages; ++i) {
         ptx::mbarrier_init(&s.full_k[i], 1);  // the producer's arrive.expect_tx

@@ -259,13 +259,18 @@ __device__ __forceinline__ uint64_t kmajor_descriptor(const void* tile) {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #define SAGE_WGMMA_D64 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
-  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, "   \
-  "%42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, "   \
-  "%62, %63}"
-#define SAGE_WGMMA_D32 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "  \
-  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define SAGE_WGMMA_D68 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
+  "%44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63, %64, %65, " \
+  "%66, %67}"
+#define SAGE_WGMMA_D36 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35}"
+#define SAGE_OPS4(c, d, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3])
 #define SAGE_OPS8(c, d, i) c(d[i]), c(d[i + 1]), c(d[i + 2]), c(d[i + 3]), c(d[i + 4]), c(d[i + 5]), c(d[i + 6]), c(d[i + 7])
 #define SAGE_OPS32(c, d) SAGE_OPS8(c, d, 0), SAGE_OPS8(c, d, 8), SAGE_OPS8(c, d, 16), SAGE_OPS8(c, d, 24)
 #define SAGE_OPS64(c, d) SAGE_OPS32(c, d), SAGE_OPS8(c, d, 32), SAGE_OPS8(c, d, 40), SAGE_OPS8(c, d, 48), SAGE_OPS8(c, d, 56)
@@ -282,29 +287,33 @@ __device__ __forceinline__ void wgmma_m64n128k32_s8(int32_t (&d)[64], uint64_t a
       : "l"(a_desc), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
 }
 
-// wgmma.mma_async.m64nNk32.f32.e4m3.e4m3 (N = head_dim 128 or 64), A = P~ in FP8 from registers,
-// B = V (head_dim rows x 32 keys, K-major) from shared memory: the PV product of paper 3.3 into
-// an FP32-declared accumulator (the two-level accumulation of paper 3.4 starts each KV tile fresh).
+// wgmma.mma_async.m64nNk32.f32.e4m3.e4m3 with N = head_dim + 8 (136 or 72), A = P~ in FP8 from
+// registers, B = V (head_dim rows x 32 keys, K-major) from shared memory followed by 8 rows of
+// E4M3 ones: the PV product of paper 3.3 into an FP32-declared accumulator (the two-level
+// accumulation of paper 3.4 starts each KV tile fresh), whose last 8 columns are the row sums of
+// the FP8 P~ (the softmax's denominator, summed where the numerator is).
 template <bool kAccumulate>
-__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc) {
+__device__ __forceinline__ void wgmma_m64n136k32_e4m3(float (&d)[68], const uint32_t (&a)[4], uint64_t b_desc) {
   asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " SAGE_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1; }"
-      : SAGE_OPS64("+f", d)
+      "{ .reg .pred p; setp.ne.b32 p, %73, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n136k32.f32.e4m3.e4m3 " SAGE_WGMMA_D68 ", {%68, %69, %70, %71}, %72, p, 1, 1; }"
+      : SAGE_OPS64("+f", d), SAGE_OPS4("+f", d, 64)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
 }
 template <bool kAccumulate>
-__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+__device__ __forceinline__ void wgmma_m64n72k32_e4m3(float (&d)[36], const uint32_t (&a)[4], uint64_t b_desc) {
   asm volatile(
-      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " SAGE_WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1; }"
-      : SAGE_OPS32("+f", d)
+      "{ .reg .pred p; setp.ne.b32 p, %41, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n72k32.f32.e4m3.e4m3 " SAGE_WGMMA_D36 ", {%36, %37, %38, %39}, %40, p, 1, 1; }"
+      : SAGE_OPS32("+f", d), SAGE_OPS4("+f", d, 32)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
 }
 #undef SAGE_OPS64
 #undef SAGE_OPS32
 #undef SAGE_OPS8
-#undef SAGE_WGMMA_D32
+#undef SAGE_OPS4
+#undef SAGE_WGMMA_D36
+#undef SAGE_WGMMA_D68
 #undef SAGE_WGMMA_D64
 #endif  // sm_90a
 

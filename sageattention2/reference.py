@@ -733,6 +733,7 @@ def sage_attention_reference(
     pv_dtype: str = "e4m3",
     two_level: bool = True,
     fp22: bool = True,
+    row_sum: str = "p",
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Simulate SageAttention2's forward (paper Algorithm 1) on [B,H,N,D] inputs.
@@ -751,6 +752,9 @@ def sage_attention_reference(
     * fp22: the FP8 mma accumulator keeps 13 mantissa bits, truncated after every k-step of 32
       keys (paper 3.4); only for the FP8 pv_dtypes. two_level: a fresh accumulator per KV tile
       folded into an FP32 buffer (paper 3.4); else the FP32 output itself is the mma accumulator.
+    * row_sum: the softmax denominator l sums "p", the P~ of the softmax (unrounded), or "pv",
+      the P8 the PV mma multiplies, summed by that mma (a column of ones next to V's channels,
+      accumulated like the output: the Hopper kernel); "pv" needs an FP8 pv_dtype.
     * Causal masking and tails follow SDPA (top-left aligned, see :func:`exact_attention`).
 
     Numerics: Q K^T of the integer codes is exact (float64), dequantized and corrected with
@@ -767,6 +771,8 @@ def sage_attention_reference(
         raise ValueError(
             f"pv_dtype must be 'e4m3', 'e5m2', 'fp16', 'bf16' or 'fp32', got {pv_dtype!r}"
         )
+    if row_sum not in ("p", "pv") or (row_sum == "pv" and pv_dtype not in FP8_FORMATS):
+        raise ValueError(f"row_sum must be 'p' or (with an FP8 pv_dtype) 'pv', got {row_sum!r}")
     if block_k % PV_MMA_K != 0:
         raise ValueError(f"block_k must be a multiple of {PV_MMA_K} (FP8 mma k-step)")
     q_group_index(block_q, warps)  # validates block_q / warps
@@ -852,8 +858,13 @@ def sage_attention_reference(
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         p = torch.exp(s - m_safe)
         alpha = torch.exp(m - m_safe)
-        l = alpha * l + p.sum(dim=-1, keepdim=True)
         p8 = _quantize_p(p, pv_dtype)  # paper 3.3 / Alg. 1: (P~ * 448).to(e4m3)
+        if row_sum == "pv":
+            ones = torch.ones(*p8.shape[:-2], p8.shape[-1], 1, dtype=torch.float64, device=device)
+            tile_sum = accumulate(torch.zeros_like(l, dtype=torch.float32), p8, ones)
+            l = alpha * l + tile_sum.double() / FP8_FORMATS[pv_dtype][1]
+        else:
+            l = alpha * l + p.sum(dim=-1, keepdim=True)
         if two_level:
             # Paper 3.4: R_ij = P~ V in a fresh mma accumulator, O = diag(alpha) O + R in FP32.
             r_acc = accumulate(torch.zeros_like(o), p8, v_vals[:, :, j0:j1])

@@ -25,7 +25,7 @@ def emulate(q, k, v, causal, smooth_k=True, smooth_v=False):
     return ref.sage_attention_reference(
         q, k, v, is_causal=causal, qk_dtype="int8", granularity="thread", block_q=128, warps=8,
         block_k=ops.WGMMA_BLOCK_K, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,
-        pv_dtype="e4m3", two_level=True, fp22=False, return_lse=True)
+        pv_dtype="e4m3", two_level=True, fp22=False, row_sum="pv", return_lse=True)
 
 
 worst = 0.0

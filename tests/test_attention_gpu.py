@@ -242,7 +242,7 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
             raise ValueError("attention_wgmma does not smooth Q")
         return ref.sage_attention_reference(
             q4, k4, v4, block_q=WGMMA_BLOCK_Q, warps=WGMMA_WARPS, block_k=ops.WGMMA_BLOCK_K,
-            smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, **common,
+            smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, row_sum="pv", **common,
         )
     mma = dict(block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
                smooth_q=None if smooth_q is False else "head")

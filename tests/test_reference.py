@@ -519,6 +519,25 @@ def test_two_level_beats_one_level():
     assert _l1(q, k, v, want, two_level=False, fp22=True, smooth_v=True) < 0.5 * one
 
 
+def test_row_sum_from_the_pv_mma():
+    """row_sum="pv": l sums the P8 the PV mma multiplies (the Hopper kernel's ones column), so with
+    V = 1 every output is 1 (the weights sum to 1 exactly, up to float32); row_sum="p" divides
+    by the unrounded P~ and misses 1 by the FP8 rounding of P."""
+    g = _gen(7)
+    q, k = (torch.randn(1, 2, 300, 64, generator=g) for _ in range(2))
+    v = torch.ones(1, 2, 300, 64)
+    kw = dict(qk_dtype="int8", block_q=128, warps=8, block_k=128, pv_dtype="e4m3", fp22=False)
+    for causal in (False, True):
+        pv = ref.sage_attention_reference(q, k, v, is_causal=causal, row_sum="pv", **kw)
+        p = ref.sage_attention_reference(q, k, v, is_causal=causal, row_sum="p", **kw)
+        assert (pv - 1).abs().max().item() < 1e-6
+        assert (p - 1).abs().max().item() > 1e-4
+    with pytest.raises(ValueError, match="row_sum"):
+        ref.sage_attention_reference(q, k, v, pv_dtype="fp16", row_sum="pv")
+    with pytest.raises(ValueError, match="row_sum"):
+        ref.sage_attention_reference(q, k, v, row_sum="ones")
+
+
 def test_anchor_figures_loosely(bias4):
     """ANCHORS.md idealised simulation (8-bit bias4 0.9999 / 0.012, 4-bit 0.99868 / 0.046,
     4-bit + smooth Q 0.9998 / 0.018) at a quarter of the sequence length."""

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# A/B of two builds of the extension on the device, kernel alone (attention_wgmma, ANCHORS
+# protocol B4 H32 fp16): the tree in base.tar (make it with `git archive <rev> -o base.tar` in the
+# repo root) against the working tree, run A, B, A to see drift (SIDES="A B" for one of each). Logs under $OUT.
+#   bash scripts/ab_builds.sh    (BENCH=preprocess: benchmarks/bench_preprocess.py instead)
+set -uo pipefail
+OUT=${OUT:-/tmp/sage_out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a
+R=$(pwd)
+rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
+bench() {
+  if [ "${BENCH:-kernel}" = preprocess ]; then
+    (cd /tmp && echo "build $1" && python3 "$R/benchmarks/bench_preprocess.py" --lengths 1024 4096)
+    return
+  fi
+  (cd /tmp && python3 - "$1" <<'PY'
+import sys
+import torch
+from triton.testing import do_bench
+from sageattention2 import ops
+cells = []
+for d in (128, 64):
+    for n in (1024, 4096, 16384):
+        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+        st = ops.smoothing_stats(None, k, v, False)
+        kq = ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+        for causal in (False, True):
+            f = lambda: ops.attention_wgmma(q, kq.k_quant, kq.k_scale, kq.v_fp8, st.v_scale, None, None, n,
+                                            d ** -0.5, causal, False, False)
+            t = sorted(do_bench(f, warmup=25, rep=150, return_mode="median") for _ in range(3))[1]
+            cells.append(f"{4 * 4 * 32 * n * n * d / (2 if causal else 1) / t / 1e9:.0f}")
+        del q, k, v, kq
+        torch.cuda.empty_cache()
+print(f"| {sys.argv[1]} | " + " | ".join(cells) + " |", flush=True)
+PY
+  )
+}
+echo "| build | 128 1K | 1K c | 4K | 4K c | 16K | 16K c | 64 1K | 1K c | 4K | 4K c | 16K | 16K c |"
+echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+for side in ${SIDES:-A B A}; do
+  src=$R; [ $side = A ] && src=/tmp/base
+  (cd "$src" && rm -rf build && python3 -m pip install --no-build-isolation --no-deps . > "$OUT/install_$side.log" 2>&1) \
+    || { tail -20 "$OUT/install_$side.log"; exit 1; }
+  bench "$side"
+done
