@@ -75,6 +75,11 @@ EXACT_L1_OF = {MMA_INT8_INPUT: EXACT_L1, MMA_INT8_FP8: EXACT_L1_FP8, WGMMA: EXAC
 # a row that few keys dominate moves its LSE by about one code step's score change. An INT4 step
 # is 127/7 ~ 18x an INT8 one, hence 18x the INT8 tolerance (rounded up).
 LSE_EMULATION_ATOL = {"int8": 1e-3, "int4": 0.02}
+# attention_wgmma's l is summed by the FP8 PV wgmma (a column of ones), whose accumulator keeps
+# fewer bits than the emulation's float32 per 32-key step (paper 3.4's FP22, truncating): the
+# output, O / l of one accumulator, cancels that; the LSE, log l, shows it (1.3e-3 measured on
+# the H100, session 5).
+WGMMA_LSE_EMULATION_ATOL = 3e-3
 # The same for the op tests, whose inputs have larger K offsets (4 instead of 2).
 OP_LSE_ATOL = {"int8": 5e-3, "int4": 0.1}
 # The Q groups attention_wgmma forms in the kernel (csrc/attention_params.h): rows {g, g+8} of the
@@ -921,7 +926,7 @@ def test_return_lse(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal:
     lse4 = lse[None] if three_d else lse
     _, want = exact(*views, causal)
     _, emu_lse = emulate(*views, causal, smooth_k=smooth_k, kernel=kernel)
-    atol = LSE_EMULATION_ATOL[kernel.qk]
+    atol = WGMMA_LSE_EMULATION_ATOL if kernel.kernel == "wgmma" else LSE_EMULATION_ATOL[kernel.qk]
     torch.testing.assert_close(lse4, emu_lse, rtol=0, atol=atol)
     err = (lse4.double() - want).abs()
     keys_seen = torch.arange(nq, device=DEVICE).clamp(max=nk - 1) + 1 if causal else \
