@@ -421,6 +421,17 @@ struct AttentionWgmmaKernel {
     float racc[kRaccRegs];
     uint32_t pa[kPvSteps][4];
 
+    // Once PV(it - 1) is done: free its V stage, then O = alpha O + R and l = alpha l + the ones
+    // columns' row sums (the two-level accumulation of paper 3.4).
+    auto release_and_fold = [&](int v_stage) {
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[v_stage]);
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], alpha_prev[(i / 2) & 1], racc[i]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha_prev[r], racc[kORegs + 2 * r]);
+    };
+
     // Tile 0: S, softmax.
     const int stage0 = seq % kStages;
     ptx::mbarrier_wait(&s.full_k[stage0], (seq / kStages) & 1);
@@ -452,12 +463,7 @@ struct AttentionWgmmaKernel {
       for (int c = 0; c < kPvSteps; ++c)
 #pragma unroll
         for (int reg = 0; reg < 4; ++reg) ptx::register_fence(pa[c][reg]);  // read by PV until now
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[prev]);
-#pragma unroll
-      for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], alpha_prev[(i / 2) & 1], racc[i]);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha_prev[r], racc[kORegs + 2 * r]);  // the ones columns
+      release_and_fold(prev);
       pack_p(x, pa);
       alpha_prev[0] = alpha[0];
       alpha_prev[1] = alpha[1];
@@ -474,12 +480,7 @@ struct AttentionWgmmaKernel {
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
-      __syncwarp();
-      if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[stage]);
-#pragma unroll
-      for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], alpha_prev[(i / 2) & 1], racc[i]);
-#pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha_prev[r], racc[kORegs + 2 * r]);  // the ones columns
+      release_and_fold(stage);
     }
 
     // ---- epilogue: O / l * v_scale (+ v_mean), the caller's layout; the natural-log LSE ----
