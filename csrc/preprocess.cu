@@ -42,8 +42,8 @@ cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool i
 }
 
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.block_k), p.k.heads, p.k.batch);
-  const size_t smem = static_cast<size_t>(p.has_v ? 2 : 1) * p.block_k * kv_tile_pitch(p.k.head_dim) * 2;
+  const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.block_k * (p.has_v ? 2 : 1)), p.k.heads, p.k.batch);
+  const size_t smem = static_cast<size_t>(p.block_k) * kv_tile_pitch(p.k.head_dim) * 2;
   cudaError_t status = cudaSuccess;
   dispatch_input_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);

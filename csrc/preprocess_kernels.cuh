@@ -286,17 +286,17 @@ __global__ void __launch_bounds__(kPreprocessThreads)
 }
 
 // ---------------------------------------------------------------------------------------------
-// K and V: one CTA per (KV block, kv head, batch). K is smoothed by its token mean, quantized
-// per thread (4 groups per block), and the key's exact Delta-S = q_mean . (K_j - k_mean) is
-// taken from the same registers; then V is smoothed (optional), quantized per channel to FP8
-// and written transposed in the key order of the PV MMA (DESIGN.md).
+// K and V: two CTAs per (KV block, kv head, batch), one per tensor (one tile of shared memory
+// each, so an SM holds twice as many CTAs as with both tiles in one: more loads in flight while
+// other CTAs quantize). The K CTA smooths K by its token mean, quantizes per thread (4 groups per
+// block) and takes the key's exact Delta-S = q_mean . (K_j - k_mean) from the same tile; the V
+// CTA smooths V (optional), quantizes per channel to FP8 and writes it transposed in the key
+// order of the PV MMA (DESIGN.md).
 // ---------------------------------------------------------------------------------------------
 
-
-
-// The valid rows of a K or V tile go to shared memory by cp.async, so a CTA has both of its tiles
-// in flight from its first instructions on (loaded one 16-byte vector at a time, then processed,
-// the launch reached 40-50 % of DRAM bandwidth: ncu, B4 H32 N1024-4096).
+// The valid rows of a K or V tile go to shared memory by cp.async, all in flight from the CTA's
+// first instructions on (loaded one 16-byte vector at a time, then processed, the launch reached
+// 40-50 % of DRAM bandwidth: ncu, B4 H32 N1024-4096).
 template <typename T>
 __device__ __forceinline__ void start_kv_tile_copy(T* tile, const BhndView& view, int b, int h, int64_t row0,
                                                    int valid) {
@@ -309,20 +309,20 @@ __device__ __forceinline__ void start_kv_tile_copy(T* tile, const BhndView& view
   ptx::cp_async_commit();
 }
 
-template <typename T, bool kInt4>
-__global__ void __launch_bounds__(kPreprocessThreads)
-    quantize_kv_kernel(const __grid_constant__ QuantizeKVParams p) {
-  using Codes = IntCodes<kInt4>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* tile = reinterpret_cast<T*>(smem_raw);  // K [block_k][pitch], then (has_v) V [block_k][pitch]
-  __shared__ float mean[kMaxHeadDim];
-  __shared__ float channel_inv[kMaxHeadDim];
-  __shared__ float group_inv[kKGroupsPerBlock];
-  __shared__ unsigned group_amax[kKGroupsPerBlock];
+// Per-CTA channel vectors in shared memory, shared by the K and the V path (a CTA runs one), so
+// that six CTAs fit an SM at head_dim 128.
+struct KVTileSmem {
+  float mean[kMaxHeadDim];
+  float aux[kMaxHeadDim];  // K: the group maxima (as bits) and inverses; V: the channel inverses
+};
 
-  // Blocks run in the reverse order of smoothing_stats' reads, so the first K/V tiles read here
-  // are the ones that launch read last, still in L2 (50 MB on the H100: most of K and V at 1K).
-  const int kb = gridDim.x - 1 - blockIdx.x, h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
+template <typename T, bool kInt4>
+__device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* tile, KVTileSmem& sm, int kb, int h,
+                                                int b) {
+  using Codes = IntCodes<kInt4>;
+  float* mean = sm.mean;
+  unsigned* group_amax = reinterpret_cast<unsigned*>(sm.aux);
+  float* group_inv = sm.aux + kKGroupsPerBlock;
   const int head_dim = p.k.head_dim, vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
   const int block_k = p.block_k;
   const int64_t row0 = static_cast<int64_t>(kb) * block_k;
@@ -330,16 +330,11 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const int64_t bh = static_cast<int64_t>(b) * p.k.heads + h;
   const int64_t blocks = p.padded_tokens / block_k;
 
-  T* v_tile = tile + block_k * pitch;
   start_kv_tile_copy<T>(tile, p.k, b, h, row0, valid);
-  if (p.has_v) start_kv_tile_copy<T>(v_tile, p.v, b, h, row0, valid);
-
-  // ---- K ----
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
     mean[d] = p.k_mean != nullptr ? p.k_mean[bh * head_dim + d] : 0.0f;
   if (threadIdx.x < kKGroupsPerBlock) group_amax[threadIdx.x] = 0u;
-  if (p.has_v) ptx::cp_async_wait<1>();  // this thread's K copies; V's may still fly
-  else ptx::cp_async_wait<0>();
+  ptx::cp_async_wait<0>();
   __syncthreads();
 
   const auto k_group = [](int r) { return k_group_of_key(r); };
@@ -376,10 +371,20 @@ __global__ void __launch_bounds__(kPreprocessThreads)
       p.delta_s[(static_cast<int64_t>(b) * p.q_heads + hq) * p.padded_tokens + row0 + r] = s;
     }
   }
-  if (!p.has_v) return;
+}
 
-  // ---- V ----
-  __syncthreads();  // every thread is done with `mean` for K
+template <typename T>
+__device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_tile, KVTileSmem& sm, int kb, int h,
+                                                int b) {
+  float* mean = sm.mean;
+  float* channel_inv = sm.aux;
+  const int head_dim = p.v.head_dim, pitch = kv_tile_pitch(head_dim);
+  const int block_k = p.block_k;
+  const int64_t row0 = static_cast<int64_t>(kb) * block_k;
+  const int valid = static_cast<int>(p.v.tokens - row0 < block_k ? p.v.tokens - row0 : block_k);
+  const int64_t bh = static_cast<int64_t>(b) * p.v.heads + h;
+
+  start_kv_tile_copy<T>(v_tile, p.v, b, h, row0, valid);
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     mean[d] = p.v_mean != nullptr ? p.v_mean[bh * head_dim + d] : 0.0f;
     channel_inv[d] = quant_inverse(p.v_scale[bh * head_dim + d]);
@@ -418,6 +423,22 @@ __global__ void __launch_bounds__(kPreprocessThreads)
       *reinterpret_cast<uint4*>(p.v_codes + (bh * head_dim + d + c) * p.padded_tokens + row0 + slab * 16) =
           make_uint4(codes[c][0], codes[c][1], codes[c][2], codes[c][3]);
   }
+}
+
+// Grid: x = KV blocks (times 2 with V: K and V CTAs of a block adjacent), y = kv heads, z = batch.
+template <typename T, bool kInt4>
+__global__ void __launch_bounds__(kPreprocessThreads)
+    quantize_kv_kernel(const __grid_constant__ QuantizeKVParams p) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* tile = reinterpret_cast<T*>(smem_raw);  // [block_k][pitch]
+  __shared__ KVTileSmem sm;
+  // Blocks run in the reverse order of smoothing_stats' reads, so the first K/V tiles read here
+  // are the ones that launch read last, still in L2 (50 MB on the H100: most of K and V at 1K).
+  const int per_block = p.has_v ? 2 : 1;
+  const int x = gridDim.x - 1 - blockIdx.x;
+  const int kb = x / per_block, h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
+  if (x % per_block == 0) quantize_k_tile<T, kInt4>(p, tile, sm, kb, h, b);
+  else quantize_v_tile<T>(p, tile, sm, kb, h, b);
 }
 
 }  // namespace sageattention2

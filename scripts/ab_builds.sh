@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# A/B of two builds of the extension on the device, kernel alone (attention_wgmma, ANCHORS
-# protocol B4 H32 fp16): the tree in base.tar (make it with `git archive <rev> -o base.tar` in the
-# repo root) against the working tree, run A, B, A to see drift (SIDES="A B" for one of each). Logs under $OUT.
+# A/B of builds of the extension on the device, kernel alone (attention_wgmma, ANCHORS protocol
+# B4 H32 fp16): side A is the tree in base.tar (make it with `git archive <rev> -o base.tar` in
+# the repo root), B the working tree, any other side X the tree in X.tar (more variants in one
+# device call, e.g. SIDES="A B C"). Default A, B, A to see drift. Logs under $OUT.
 #   bash scripts/ab_builds.sh    (BENCH=preprocess: benchmarks/bench_preprocess.py instead)
 set -uo pipefail
 OUT=${OUT:-/tmp/sage_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a
 R=$(pwd)
-rm -rf /tmp/base && mkdir -p /tmp/base && tar -xf base.tar -C /tmp/base
 bench() {
   if [ "${BENCH:-kernel}" = preprocess ]; then
     (cd /tmp && echo "build $1" && python3 "$R/benchmarks/bench_preprocess.py" --lengths 1024 4096)
@@ -38,8 +38,14 @@ PY
 echo "| build | 128 1K | 1K c | 4K | 4K c | 16K | 16K c | 64 1K | 1K c | 4K | 4K c | 16K | 16K c |"
 echo "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
 for side in ${SIDES:-A B A}; do
-  src=$R; [ $side = A ] && src=/tmp/base
+  src=$R
+  if [ $side != B ]; then
+    tarball=base.tar; [ $side != A ] && tarball=$side.tar
+    src=/tmp/side_$side; rm -rf "$src" && mkdir -p "$src" && tar -xf "$tarball" -C "$src"
+  fi
+  t0=$SECONDS
   (cd "$src" && rm -rf build && python3 -m pip install --no-build-isolation --no-deps . > "$OUT/install_$side.log" 2>&1) \
     || { tail -20 "$OUT/install_$side.log"; exit 1; }
+  echo "build $side: $((SECONDS - t0)) s" >&2
   bench "$side"
 done
