@@ -289,10 +289,17 @@ def _cuda_index(device: torch.device) -> int:
     return torch.cuda.current_device() if device.index is None else device.index
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_available() -> bool:
+    # torch.cuda.is_available() reads the environment on every call (several microseconds of
+    # each sageattn call, which is host-bound at short sequences); it does not change in a process.
+    return torch.cuda.is_available()
+
+
 def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
     """The compute capability of a CUDA ``device``; None for any other device (without touching
     torch.cuda: a CPU call must not initialise CUDA) or when no GPU is available."""
-    if device.type != "cuda" or not torch.cuda.is_available():
+    if device.type != "cuda" or not _cuda_available():
         return None
     return _capability(_cuda_index(device))
 
@@ -395,10 +402,9 @@ def _kernel_for(call: AttentionCall) -> KernelChoice:
     return KernelChoice("mma", call.qk_quant, "fp8" if fp8 else "input")
 
 
-def _kernel_reason(call: AttentionCall) -> str | None:
-    """What the kernel :func:`_kernel_for` picks cannot do for ``call`` (the Hopper kernel is
-    only picked for calls it serves; the warp-level kernel has these limits)."""
-    choice = _kernel_for(call)
+def _kernel_reason(call: AttentionCall, choice: KernelChoice) -> str | None:
+    """What ``choice``, the kernel :func:`_kernel_for` picks, cannot do for ``call`` (the Hopper
+    kernel is only picked for calls it serves; the warp-level kernel has these limits)."""
     if choice.kernel == "wgmma":
         return None
     if choice.qk == "int4" and call.pv_quant == "none":
@@ -416,9 +422,10 @@ def _kernel_reason(call: AttentionCall) -> str | None:
     return None
 
 
-def _unsupported_reason(call: AttentionCall) -> str | None:
-    """Why the quantized path cannot serve ``call``, or ``None`` when it can. The single place
-    that decides between the quantized kernels and the exact fallback."""
+def _unsupported_reason(call: AttentionCall, choice: KernelChoice | None = None) -> str | None:
+    """Why the quantized path cannot serve ``call`` (with ``choice``, :func:`_kernel_for`'s pick,
+    computed here when not given), or ``None`` when it can. The single place that decides
+    between the quantized kernels and the exact fallback."""
     reason = _device_reason(call.q.device)
     if reason is not None:
         return reason
@@ -439,7 +446,8 @@ def _unsupported_reason(call: AttentionCall) -> str | None:
                 f"and {d}")
     if torch.is_grad_enabled() and any(t.requires_grad for t in (call.q, call.k, call.v)):
         return "the inputs require grad and the quantized kernels have no backward"
-    return _build_reason(call.q.device) or _kernel_reason(call)
+    return _build_reason(call.q.device) or _kernel_reason(
+        call, _kernel_for(call) if choice is None else choice)
 
 
 _warned_reasons: set[str] = set()
@@ -571,11 +579,10 @@ def _mma(call: AttentionCall, choice: KernelChoice, q: Tensor, k: Tensor, v: Ten
     return out, lse
 
 
-def _quantized(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
-    """Serve ``call`` with the quantized kernel :func:`_kernel_for` picks (only after
-    :func:`_unsupported_reason` said one can), at the kernel's head_dim (the only place that pads
+def _quantized(call: AttentionCall, choice: KernelChoice) -> Tensor | tuple[Tensor, Tensor]:
+    """Serve ``call`` with ``choice``, the quantized kernel :func:`_kernel_for` picks (only after
+    :func:`_unsupported_reason` said it can), at the kernel's head_dim (the only place that pads
     and cuts back)."""
-    choice = _kernel_for(call)
     head_dim = call.head_dim
     kernel_head_dim = _kernel_head_dim(head_dim)
     assert kernel_head_dim is not None  # _unsupported_reason checked it
@@ -713,9 +720,10 @@ def sageattn(
     )
     if call.is_empty:
         return _empty(call)
-    reason = _unsupported_reason(call)
+    choice = _kernel_for(call)
+    reason = _unsupported_reason(call, choice)
     if reason is None:
-        return _quantized(call)
+        return _quantized(call, choice)
     if call.strict:
         raise NotImplementedError(
             f"sageattn(strict=True): the quantized kernels cannot serve this call: {reason}"

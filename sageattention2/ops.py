@@ -118,7 +118,7 @@ def _require_extension() -> None:
 def has_op(name: str) -> bool:
     """Whether the loaded extension registers ``torch.ops.sageattention2.<name>`` (looked up at
     call time, so ops added by a newer build are seen without reloading this module)."""
-    return HAS_EXTENSION and hasattr(getattr(torch.ops, NAMESPACE), name)
+    return HAS_EXTENSION and (name in _OP_HANDLES or hasattr(getattr(torch.ops, NAMESPACE), name))
 
 
 def _require_op(name: str) -> None:
@@ -127,6 +127,20 @@ def _require_op(name: str) -> None:
         raise RuntimeError(
             f"the sageattention2._C extension has no {name} op (built from older sources?)"
         )
+
+
+_OP_HANDLES: dict[str, Any] = {}
+
+
+def _op(name: str) -> Any:
+    """``torch.ops.sageattention2.<name>.default``, looked up once: through ``torch.ops`` the
+    lookup costs microseconds of every call (a sageattn call is host-bound at short sequences,
+    benchmarks/RESULTS.md). Only found ops are kept, so one a newer build adds is still seen."""
+    handle = _OP_HANDLES.get(name) if HAS_EXTENSION else None
+    if handle is None:
+        _require_op(name)
+        handle = _OP_HANDLES[name] = getattr(getattr(torch.ops, NAMESPACE), name).default
+    return handle
 
 
 # --------------------------------------------------------------------------------------------
@@ -138,8 +152,7 @@ def smoothing_stats(
     q: Tensor | None, k: Tensor | None, v: Tensor | None, smooth_v: bool
 ) -> SmoothingStats:
     """Per-head means of Q and K, and V's mean (if ``smooth_v``) and per-channel FP8 scale."""
-    _require_extension()
-    return SmoothingStats(*torch.ops.sageattention2.smoothing_stats.default(q, k, v, smooth_v))
+    return SmoothingStats(*_op("smoothing_stats")(q, k, v, smooth_v))
 
 
 def quantize_q(
@@ -152,11 +165,8 @@ def quantize_q(
     scale_multiplier: float,
 ) -> QuantizedQ:
     """Quantize Q per thread group (INT8 or packed INT4), padded to ``block_q`` rows."""
-    _require_extension()
     return QuantizedQ(
-        *torch.ops.sageattention2.quantize_q.default(
-            q, q_mean, block_q, warps, qk_dtype, smooth_block, scale_multiplier
-        )
+        *_op("quantize_q")(q, q_mean, block_q, warps, qk_dtype, smooth_block, scale_multiplier)
     )
 
 
@@ -172,9 +182,8 @@ def quantize_kv(
     delta_s_multiplier: float,
 ) -> QuantizedKV:
     """Quantize K (INT8/INT4), V (FP8, transposed and permuted) and compute Delta-S."""
-    _require_extension()
     return QuantizedKV(
-        *torch.ops.sageattention2.quantize_kv.default(
+        *_op("quantize_kv")(
             k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype, delta_s_multiplier
         )
     )
@@ -217,10 +226,10 @@ def attention_mma(
     ``return_lse``). Empty optional tensors (absent outputs of the preprocessing ops) are passed
     as absent.
     """
-    _require_op("attention_mma")
+    op = _op("attention_mma")
     delta_s, v_scale, v_mean = (None if t is not None and t.numel() == 0 else t
                                 for t in (delta_s, v_scale, v_mean))
-    out, lse = torch.ops.sageattention2.attention_mma.default(
+    out, lse = op(
         q_codes, q_scale, k_codes, k_scale, delta_s, v, v_scale, v_mean, qk_dtype, q_len, kv_len,
         out_dtype, is_causal, out_nhd, return_lse,
     )
@@ -246,8 +255,7 @@ def attention_wgmma(
     ``v_scale`` and, for smooth V, ``v_mean``). Returns ``(out [B, Hq, Nq, D]`` in q's dtype, NHD
     memory when ``out_nhd``; ``lse [B, Hq, Nq]`` float32 natural log of the true scaled scores,
     including the row constant of K smoothing when ``k_mean`` is given, or ``[0]``)."""
-    _require_op("attention_wgmma")
-    out, lse = torch.ops.sageattention2.attention_wgmma.default(
+    out, lse = _op("attention_wgmma")(
         q, k_codes, k_scale, v_fp8, v_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
         return_lse,
     )

@@ -1,8 +1,17 @@
 """Host (CPU) cost of one sageattn call next to its GPU time, at short sequences where the two
 are close: CPU microseconds per call (launches queued, no sync) and do_bench GPU time.
 
-    python3 scripts/host_overhead.py
+    python3 scripts/host_overhead.py            (the table)
+    python3 scripts/host_overhead.py --profile  (where a call's CPU time goes: each op alone,
+                                                 and cProfile's top functions of sageattn)
+
+CPU time is taken over 50 calls without a sync: few enough that the launch queue never fills
+(a full queue would make the CPU wait for the GPU and time the GPU instead).
 """
+import argparse
+import cProfile
+import io
+import pstats
 import time
 
 import torch
@@ -11,29 +20,73 @@ from triton.testing import do_bench
 from sageattention2 import ops, sageattn
 
 
-def cpu_us(fn, calls: int = 200) -> float:
+def cpu_us(fn, calls: int = 50) -> float:
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        best = min(best, (t1 - t0) / calls * 1e6)
+    return best
+
+
+def table() -> None:
+    print("| D | N | causal | sageattn CPU us/call | GPU us/call (do_bench) | ops only CPU us/call |")
+    print("|---|---|---|---|---|---|")
+    for d in (64, 128):
+        for n in (1024, 2048):
+            q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+            for causal in (False, True):
+                def ops_only():
+                    st = ops.smoothing_stats(None, k, v, False)
+                    kv = ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+                    ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, st.v_scale, None, st.k_mean, n,
+                                        d ** -0.5, causal, False, False)
+                full = lambda: sageattn(q, k, v, is_causal=causal)  # noqa: E731
+                gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
+                print(f"| {d} | {n} | {causal} | {cpu_us(full):.0f} | {gpu:.0f} | {cpu_us(ops_only):.0f} |",
+                      flush=True)
+
+
+def profile() -> None:
+    n, d = 1024, 128
+    q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    st = ops.smoothing_stats(None, k, v, False)
+    kv = ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    parts = {
+        "torch.empty x1 (allocator)": lambda: torch.empty(4, 32, n, d, device="cuda", dtype=torch.float16),
+        "smoothing_stats (ops wrapper)": lambda: ops.smoothing_stats(None, k, v, False),
+        "smoothing_stats (torch.ops direct)": lambda: torch.ops.sageattention2.smoothing_stats.default(
+            None, k, v, False),
+        "quantize_kv (ops wrapper)": lambda: ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None,
+                                                             ops.WGMMA_BLOCK_K, "int8", 1.0),
+        "attention_wgmma (ops wrapper)": lambda: ops.attention_wgmma(
+            q, kv.k_quant, kv.k_scale, kv.v_fp8, st.v_scale, None, st.k_mean, n, d ** -0.5, False, False,
+            False),
+        "sageattn": lambda: sageattn(q, k, v),
+    }
+    for name, fn in parts.items():
+        print(f"{name:40s} {cpu_us(fn):7.1f} us/call CPU", flush=True)
+    for _ in range(20):
+        sageattn(q, k, v)
     torch.cuda.synchronize()
-    return (t1 - t0) / calls * 1e6
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(50):
+        sageattn(q, k, v)
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(20)
+    print(s.getvalue())
 
 
-print("| D | N | causal | sageattn CPU us/call | GPU us/call (do_bench) | ops only CPU us/call |")
-print("|---|---|---|---|---|---|")
-for d in (64, 128):
-    for n in (1024, 2048):
-        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-        for causal in (False, True):
-            def ops_only():
-                st = ops.smoothing_stats(None, k, v, False)
-                kv = ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
-                ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, st.v_scale, None, st.k_mean, n,
-                                    d ** -0.5, causal, False, False)
-            full = lambda: sageattn(q, k, v, is_causal=causal)  # noqa: E731
-            gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
-            print(f"| {d} | {n} | {causal} | {cpu_us(full):.0f} | {gpu:.0f} | {cpu_us(ops_only):.0f} |", flush=True)
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--profile", action="store_true")
+    profile() if parser.parse_args().profile else table()

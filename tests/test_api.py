@@ -653,6 +653,30 @@ def test_kernel_for_cpu_calls_is_mma(monkeypatch: pytest.MonkeyPatch,
     assert api._kernel_for(call) == api.KernelChoice("mma", qk, "fp8" if fp8 else "input")
 
 
+def test_host_path_asks_cuda_and_picks_the_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call's host work is measured in microseconds at short sequences (RESULTS.md): whether
+    CUDA is available is asked once per process, not per call, and sageattn picks the kernel
+    once per call (the fallback decision and the run share the pick)."""
+    asked: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or True)
+    monkeypatch.setattr(api, "_capability", lambda index: (9, 0))
+    api._cuda_available.cache_clear()
+    try:
+        for _ in range(3):
+            assert api._cuda_capability(torch.device("cuda", 0)) == (9, 0)
+        assert len(asked) == 1
+    finally:
+        api._cuda_available.cache_clear()  # the next caller asks the real torch.cuda again
+    picks: list[api.AttentionCall] = []
+    real = api._kernel_for
+    monkeypatch.setattr(api, "_kernel_for", lambda call: picks.append(call) or real(call))
+    q, k, v = qkv(d=64, dtype=torch.float32)  # CPU float32: decided, then the exact fallback
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", api.SageAttentionFallbackWarning)
+        sageattn(q, k, v)
+    assert len(picks) == 1
+
+
 @pytest.mark.parametrize(
     "make",
     [
