@@ -12,8 +12,10 @@
 // into the Q scale, the x448 of P's FP8 scale folded into the exponent), P~ to E4M3 in registers,
 // R = P~ V (wgmma e4m3, A from registers, a fresh accumulator per tile; 8 extra columns of ones
 // give the row sums of P~) and O = alpha O + R, l = alpha l + rowsum in FP32 (the two-level
-// accumulation of paper 3.4). The epilogue applies 1/l and V's per-channel scale (and mean, with
-// smooth V) and writes the output in the caller's layout.
+// accumulation of paper 3.4). Only an item's last tile can need a mask (causal diagonal, key
+// tail): the loop runs the others with no mask code. The epilogue applies 1/l and V's per-channel
+// scale (and mean, with smooth V) and writes the output in the caller's layout, through shared
+// memory as 16-byte row segments.
 //
 // Work comes in units of two Q blocks of one head (Schedule). A CTA walks its units' items in
 // turn: the producer streams their tiles back to back through the same ring, and each consumer
@@ -29,6 +31,7 @@
 #include <cuda.h>  // CUtensorMap
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention_params.h"
 #include "ptx.cuh"
@@ -347,23 +350,36 @@ struct AttentionWgmmaKernel {
     ptx::wgmma_commit();
   }
 
-  // Everything of one KV tile between its QK product and its PV product: wait for S, free the
-  // K stage, softmax (masked only where the tile needs it).
-  // The tile `it` of item w; `row_in_item` = the thread's first row - the item's first query.
-  __device__ static void scores_to_p(Smem& s, int stage, const QInfo& q, int it, const Tile& w, int row_in_item,
-                                     const AttentionWgmmaParams& p, int lane, int t, int32_t (&sacc)[kSRegs],
-                                     float (&x)[kSRegs], float (&m)[2], float (&alpha)[2]) {
+  // Which keys of tile `it` a warp's rows may see. Only an item's last tile can need a mask (the
+  // causal diagonal: a query block sees whole key tiles before it; the tail of the keys), so the
+  // KV loop runs the other tiles with no mask test at all: a per-warp branch in the loop made the
+  // compiler move the wgmma descriptors out of uniform registers and the causal loop ran 27 %
+  // slower per tile (benchmarks/RESULTS.md, session 7).
+  struct TileMask {
+    bool masked;
+    int key_limit;   // keys of the tile that exist
+    int rows_ahead;  // the thread's first row minus the tile's first key
+  };
+  __device__ static TileMask tile_mask(const AttentionWgmmaParams& p, const Tile& w, int it, int row_in_item) {
+    TileMask mask;
+    // Item-relative 32-bit offsets: the query block is w.qb, the key tile it.
+    mask.rows_ahead = (w.qb - it) * kBlockK + row_in_item;
+    const int warp_rows_ahead = mask.rows_ahead - row_in_item % 16;  // the warp's first row
+    const bool tail = static_cast<int64_t>(it + 1) * kBlockK > p.kv_len;
+    mask.key_limit = tail ? static_cast<int>(p.kv_len - static_cast<int64_t>(it) * kBlockK) : kBlockK;
+    mask.masked = tail || (kCausal && kBlockK - 1 > warp_rows_ahead);
+    return mask;
+  }
+
+  // Everything of one KV tile between its QK product and its PV product: free the K stage, then
+  // the softmax (masked as `mask` says when kMasked).
+  template <bool kMasked>
+  __device__ static void scores_to_p(Smem& s, int stage, const QInfo& q, const TileMask& mask, int lane, int t,
+                                     int32_t (&sacc)[kSRegs], float (&x)[kSRegs], float (&m)[2], float (&alpha)[2]) {
     const float scale = q.scale * s.k_scale[stage][t];  // keys 8i + 2t + {0,1} are K group t
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&s.empty_k[stage]);
-    // Item-relative 32-bit offsets: the query block is w.qb, the key tile it.
-    const int rows_ahead = (w.qb - it) * kBlockK + row_in_item;
-    const int warp_rows_ahead = rows_ahead - row_in_item % 16;  // the warp's first row
-    const bool tail = it == w.kv_tiles - 1 && static_cast<int64_t>(it + 1) * kBlockK > p.kv_len;
-    const int key_limit = tail ? static_cast<int>(p.kv_len - static_cast<int64_t>(it) * kBlockK) : kBlockK;
-    const bool masked = tail || (kCausal && kBlockK - 1 > warp_rows_ahead);
-    if (masked) softmax<true>(x, sacc, scale, key_limit, rows_ahead, t, m, alpha);
-    else softmax<false>(x, sacc, scale, key_limit, rows_ahead, t, m, alpha);
+    softmax<kMasked>(x, sacc, scale, mask.key_limit, mask.rows_ahead, t, m, alpha);
   }
 
   // The consumer warpgroup's items in turn. Item i + 1's Q copy is issued as soon as item i's Q
@@ -433,18 +449,25 @@ struct AttentionWgmmaKernel {
     };
 
     // Tile 0: S, softmax.
+    const int last = __shfl_sync(0xffffffffu, w.kv_tiles - 1, 0);
+    seq = __shfl_sync(0xffffffffu, seq, 0);
     const int stage0 = seq % kStages;
     ptx::mbarrier_wait(&s.full_k[stage0], (seq / kStages) & 1);
     issue_qk(sacc, q_desc, s.k[stage0]);
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-    scores_to_p(s, stage0, q, 0, w, row_in_item, p, lane, t, sacc, x, m, alpha_prev);
+    const TileMask mask0 = last == 0 ? tile_mask(p, w, 0, row_in_item) : TileMask{false, kBlockK, 0};
+    if (mask0.masked) scores_to_p<true>(s, stage0, q, mask0, lane, t, sacc, x, m, alpha_prev);
+    else scores_to_p<false>(s, stage0, q, mask0, lane, t, sacc, x, m, alpha_prev);
     pack_p(x, pa);
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; the softmax of tile it runs
     // while PV(it - 1) computes; then R(it - 1) is folded into O (paper 3.4) and P(it) packed.
-    for (int it = 1; it < w.kv_tiles; ++it) {
+    // A masked tile (the last) first waits for PV(it - 1) and folds it: the masked softmax then
+    // has the PV accumulators' registers to itself and spills nothing.
+    auto step = [&](int it, const TileMask& mask, auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
       const uint32_t pos = seq + it;
       const int stage = pos % kStages, prev = (pos - 1) % kStages;
       const uint32_t phase = (pos / kStages) & 1, prev_phase = ((pos - 1) / kStages) & 1;
@@ -452,30 +475,51 @@ struct AttentionWgmmaKernel {
       issue_qk(sacc, q_desc, s.k[stage]);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
       issue_pv(racc, pa, s.v[prev]);
-      ptx::wgmma_wait<1>();  // S(it) is ready, PV(it - 1) may still run
+      auto fold_pv = [&] {
+#pragma unroll
+        for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
+#pragma unroll
+        for (int c = 0; c < kPvSteps; ++c)
+#pragma unroll
+          for (int reg = 0; reg < 4; ++reg) ptx::register_fence(pa[c][reg]);  // read by PV until now
+        release_and_fold(prev);
+      };
+      ptx::wgmma_wait<kMasked ? 0 : 1>();  // S(it) is ready; unmasked, PV(it - 1) may still run
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-      scores_to_p(s, stage, q, it, w, row_in_item, p, lane, t, sacc, x, m, alpha);
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
-#pragma unroll
-      for (int c = 0; c < kPvSteps; ++c)
-#pragma unroll
-        for (int reg = 0; reg < 4; ++reg) ptx::register_fence(pa[c][reg]);  // read by PV until now
-      release_and_fold(prev);
+      if constexpr (kMasked) fold_pv();
+      scores_to_p<kMasked>(s, stage, q, mask, lane, t, sacc, x, m, alpha);
+      if constexpr (!kMasked) {
+        ptx::wgmma_wait<0>();
+        fold_pv();
+      }
       pack_p(x, pa);
       alpha_prev[0] = alpha[0];
       alpha_prev[1] = alpha[1];
+    };
+    const TileMask unmasked{false, kBlockK, 0};
+#pragma unroll 1
+    for (int it = 1; it < last; ++it) step(__shfl_sync(0xffffffffu, it, 0), unmasked, std::false_type{});
+    if (last > 0) {
+      const TileMask mask = tile_mask(p, w, last, row_in_item);
+      if (mask.masked) step(last, mask, std::true_type{});
+      else step(last, unmasked, std::false_type{});
     }
-    // V's channel scales (and means) for the epilogue, loaded while the last PV computes.
-    const int64_t bhk = static_cast<int64_t>(w.b) * p.kv_heads + w.hk;
+    // V's channel scales (and means) for the epilogue, all loads in flight together
+    // (Fp8PvChannels). At head_dim 64 they load while the last PV computes; at 128 their 64
+    // registers would push the item's own state out of registers (spilled around every item), so
+    // they load after the last fold, one exposed latency (benchmarks/RESULTS.md, session 7).
+    constexpr bool kEarlyVChannels = kHeadDim == 64;
     Fp8PvChannels<kHeadDim / 8> v_channels;
-    v_channels.load(p.v_scale + bhk * kHeadDim, p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr, t);
+    auto load_v_channels = [&] {
+      const int64_t bhk = static_cast<int64_t>(w.b) * p.kv_heads + w.hk;
+      v_channels.load(p.v_scale + bhk * kHeadDim, p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr, t);
+    };
+    if constexpr (kEarlyVChannels) load_v_channels();
     {  // the last tile's PV
-      const uint32_t last = seq + w.kv_tiles - 1;
-      const int stage = last % kStages;
-      ptx::mbarrier_wait(&s.full_v[stage], (last / kStages) & 1);
+      const uint32_t last_pos = seq + last;
+      const int stage = last_pos % kStages;
+      ptx::mbarrier_wait(&s.full_v[stage], (last_pos / kStages) & 1);
       issue_pv(racc, pa, s.v[stage]);
       ptx::wgmma_wait<0>();
 #pragma unroll
@@ -484,26 +528,61 @@ struct AttentionWgmmaKernel {
     }
 
     // ---- epilogue: O / l * v_scale (+ v_mean), the caller's layout; the natural-log LSE ----
-    T* out = static_cast<T*>(p.out) + w.b * p.out_stride_b + w.h * p.out_stride_h;
+    float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = l[r];  // the whole row's: every thread of the quad holds it
+      inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
       const int64_t query = w.q0 + row_in_item + 8 * r;
-      if (query >= p.q_len) continue;
-      const float inv = sum > 0.0f ? 1.0f / sum : 0.0f;
-      T* dst = out + query * p.out_stride_n;
-#pragma unroll
-      for (int n = 0; n < kHeadDim / 8; ++n) {
-        const int col = 8 * n + 2 * t;
-        const float2 x = v_channels.apply(o[4 * n + 2 * r] * inv, o[4 * n + 2 * r + 1] * inv, n);
-        *reinterpret_cast<uint32_t*>(dst + col) = HalfPair<T>::pack(x.x, x.y);
-      }
-      if (p.lse != nullptr && t == 0) {
+      if (p.lse != nullptr && t == 0 && query < p.q_len) {
         constexpr float kLn2 = 0.6931471805599453f;
         // sum holds sum_j P~_j * 448 relative to the base-2 max m; K smoothing dropped the row
         // constant sm_scale * q . k_mean, which the LSE of the true scores includes.
         p.lse[(static_cast<int64_t>(w.b) * p.q_heads + w.h) * p.q_len + query] =
             sum > 0.0f ? (m[r] + __log2f(sum) - kLog2Fp8Max) * kLn2 + p.sm_scale * q.k_mean_dot[r] : -INFINITY;
+      }
+    }
+    if constexpr (!kEarlyVChannels) load_v_channels();
+    store_output(p, w, o, inv, v_channels, s.q[consumer] + warp_in_group * 16 * kHeadDim,
+                 consumer * 64 + warp_in_group * 16, lane);
+  }
+
+  // Writes a warp's 16 rows of O through its own 16 rows of the Q code tile (free once the item's
+  // last QK product completed; the next item's codes are written after this): the accumulator
+  // layout gives each thread 4-byte pieces of 8 rows per store, which cost 8 memory transactions
+  // per instruction (~1 tile's time per item, benchmarks/RESULTS.md, session 7), and the round
+  // trip through shared memory turns them into 16-byte stores of whole row segments. The tile
+  // holds half the columns at a time.
+  __device__ static void store_output(const AttentionWgmmaParams& p, const Tile& w, const float (&o)[kORegs],
+                                      const float (&inv)[2], const Fp8PvChannels<kHeadDim / 8>& v_channels,
+                                      uint8_t* staging, int warp_row0, int lane) {
+    constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks of a staged row (half the columns)
+    const int g = lane / 4, t = lane % 4;
+    // XOR swizzle of the chunks so that both the 4-byte writes (8 rows, one chunk) and the 16-byte
+    // reads (whole rows) are free of bank conflicts.
+    auto chunk_at = [](int row, int chunk) {
+      return row * kChunks * 16 + (chunk ^ (kChunks == 8 ? row & 7 : (row >> 1) & 3)) * 16;
+    };
+    T* out = static_cast<T*>(p.out) + w.b * p.out_stride_b + w.h * p.out_stride_h;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      if (half == 1) __syncwarp();  // the first half has been read
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int c = 0; c < kChunks; ++c) {
+          const int n = half * kChunks + c;  // the accumulator's n8 tile: columns 8n .. 8n + 7
+          const float2 x = v_channels.apply(o[4 * n + 2 * r] * inv[r], o[4 * n + 2 * r + 1] * inv[r], n);
+          *reinterpret_cast<uint32_t*>(staging + chunk_at(g + 8 * r, c) + 4 * t) = HalfPair<T>::pack(x.x, x.y);
+        }
+      __syncwarp();
+#pragma unroll
+      for (int k = 0; k < kChunks / 2; ++k) {  // 16 rows x kChunks chunks over 32 lanes
+        const int idx = k * 32 + lane, row = idx / kChunks, chunk = idx % kChunks;
+        const int64_t query = w.q0 + warp_row0 + row;
+        const uint4 v = *reinterpret_cast<const uint4*>(staging + chunk_at(row, chunk));
+        if (query < p.q_len)
+          *reinterpret_cast<uint4*>(out + query * p.out_stride_n + (half * kChunks + chunk) * 8) = v;
       }
     }
   }
