@@ -585,6 +585,7 @@ struct AttentionWgmmaKernel {
           *reinterpret_cast<uint4*>(out + query * p.out_stride_n + (half * kChunks + chunk) * 8) = v;
       }
     }
+    __syncwarp();  // every lane has read the staging rows before the next item's Q codes land there
   }
 #endif  // sm_90a
 
