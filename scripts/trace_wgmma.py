@@ -47,8 +47,7 @@ def run(n, d, causal):
     print(f"\n== N={n} D={d} causal={causal}: {valid.sum()} items, {ctas} CTAs traced, clock {ghz:.2f} GHz, "
           f"tiles/item mean {tiles.mean():.1f}")
     print(f"  loop per tile: median {np.median(per_tile):.0f} cycles; waits per tile: full_k "
-          f"{np.median((r[:, 9] / loop_tiles)[tiles > 2]):.0f}, full_v {np.median((r[:, 10] / loop_tiles)[tiles > 2]):.0f}, "
-          f"S (wgmma_wait<1>) {np.median((r[:, 11] / loop_tiles)[tiles > 2]):.0f}")
+          f"{np.median((r[:, 9] / loop_tiles)[tiles > 2]):.0f}, full_v {np.median((r[:, 10] / loop_tiles)[tiles > 2]):.0f}")
     tot = total.sum()
     for k_, v_ in phases.items():
         print(f"  {k_:14} median {np.median(v_):8.0f} cycles  mean {v_.mean():8.0f}  share {v_.sum() / tot:6.1%}"
