@@ -37,11 +37,10 @@ def kernel_ms(q, k, v, causal: bool) -> float:
     bound.apply_defaults()
     choice = api._kernel_for(api._validate(**bound.arguments))
     if choice.kernel == "wgmma":
-        stats = ops.smoothing_stats(None, k, v, False)
-        kv = ops.quantize_kv(k, v, stats.k_mean, None, stats.v_scale, None, ops.WGMMA_BLOCK_K,
-                             "int8", 1.0)
+        stats = ops.smoothing_stats(None, k, None, False)
+        kv = ops.quantize_kv(k, v, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
         return median_ms(lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8,
-                                                     stats.v_scale, None, None, k.shape[2],
+                                                     kv.v_tile_scale, None, None, k.shape[2],
                                                      d ** -0.5, causal, False, False))
     mult = d ** -0.5 * LOG2E
     fp8 = choice.pv == "fp8"

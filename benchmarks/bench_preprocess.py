@@ -41,6 +41,11 @@ def main() -> None:
                                       nbytes(k, v) + nbytes(k_mean, v_scale)),
             "smoothing_stats(q, k, v)": (lambda: ops.smoothing_stats(q, k, v, False),
                                          nbytes(q, k, v) + nbytes(q_mean, k_mean, v_scale)),
+            # The Hopper kernel's preprocessing: K's mean, then K and V with per-tile V scales.
+            "smoothing_stats(k)": (lambda: ops.smoothing_stats(None, k, None, False), nbytes(k, k_mean)),
+            "quantize_kv int8 (per-tile fp8 V)": (
+                lambda: ops.quantize_kv(k, v, k_mean, None, None, None, 128, "int8", 1.0),
+                nbytes(k, v, *ops.quantize_kv(k, v, k_mean, None, None, None, 128, "int8", 1.0))),
         }
         for qk in ("int8", "int4"):
             qo = ops.quantize_q(q, q_mean, 128, 4, qk, False, mult)

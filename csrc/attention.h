@@ -32,14 +32,14 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes,
                                                       bool return_lse);
 
 AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
-                                          const at::Tensor& v_fp8, const at::Tensor& v_scale,
+                                          const at::Tensor& v_fp8, const at::Tensor& v_tile_scale,
                                           const std::optional<at::Tensor>& v_mean,
                                           const std::optional<at::Tensor>& k_mean, int64_t kv_len, bool out_nhd,
                                           bool return_lse);
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
                                                         const at::Tensor& k_scale, const at::Tensor& v_fp8,
-                                                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
 

@@ -154,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes,
 }
 
 AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
-                                          const at::Tensor& v_fp8, const at::Tensor& v_scale,
+                                          const at::Tensor& v_fp8, const at::Tensor& v_tile_scale,
                                           const std::optional<at::Tensor>& v_mean,
                                           const std::optional<at::Tensor>& k_mean, int64_t kv_len, bool out_nhd,
                                           bool return_lse) {
@@ -181,10 +181,10 @@ AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(v_fp8.sym_sizes() == c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}),
               "v_fp8 must have shape [batch, kv_heads, head_dim, padded_kv_len] = ",
               c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}), ", got ", v_fp8.sym_sizes());
-  check_f32(v_scale, "v_scale", {batch, kv_heads, c10::SymInt(head_dim)});
+  check_f32(v_tile_scale, "v_tile_scale", {batch, kv_heads, k_padded / kWgmmaBlockK});
   if (v_mean) check_f32(*v_mean, "v_mean", {batch, kv_heads, c10::SymInt(head_dim)});
   if (k_mean) check_f32(*k_mean, "k_mean", {batch, kv_heads, c10::SymInt(head_dim)});
-  for (const at::Tensor* t : {&k_codes, &k_scale, &v_fp8, &v_scale})
+  for (const at::Tensor* t : {&k_codes, &k_scale, &v_fp8, &v_tile_scale})
     TORCH_CHECK(t->device() == q.device(), "all inputs must be on ", q.device());
   for (const auto* t : {&v_mean, &k_mean})
     TORCH_CHECK(!*t || (*t)->device() == q.device(), "all inputs must be on ", q.device());
@@ -193,11 +193,11 @@ AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor&
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
                                                         const at::Tensor& k_scale, const at::Tensor& v_fp8,
-                                                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
   AttentionOutputs out =
-      allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
+      allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
   check_launchable(q, "q");
   const c10::cuda::CUDAGuard guard(q.device());
   AttentionWgmmaParams p;
@@ -208,7 +208,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
   p.k_codes = k_codes.data_ptr<int8_t>();
   p.k_scale = k_scale.data_ptr<float>();
   p.v_codes = static_cast<const uint8_t*>(v_fp8.data_ptr());
-  p.v_scale = v_scale.data_ptr<float>();
+  p.v_tile_scale = v_tile_scale.data_ptr<float>();
   p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
   p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
   p.out = out.out.data_ptr();

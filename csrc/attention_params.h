@@ -74,7 +74,7 @@ struct AttentionWgmmaParams {
   const int8_t* k_codes = nullptr;   // [B, Hkv, k_padded, D] per-thread INT8 (quantize_kv)
   const float* k_scale = nullptr;    // [B, Hkv, k_padded / 128, 4]
   const uint8_t* v_codes = nullptr;  // [B, Hkv, D, k_padded] E4M3, PV-MMA key order (DESIGN.md)
-  const float* v_scale = nullptr;    // [B, Hkv, D] per-channel FP8 scale of V
+  const float* v_tile_scale = nullptr;  // [B, Hkv, k_padded / 128] FP8 scale of each V tile
   const float* v_mean = nullptr;     // [B, Hkv, D] or null (smooth V: added to the output)
   const float* k_mean = nullptr;     // [B, Hkv, D] or null (smooth K: its row constant joins the LSE)
   void* out = nullptr;               // [B, Hq, q_len, D] in q's dtype, strides below

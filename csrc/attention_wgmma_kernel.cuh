@@ -12,9 +12,11 @@
 // into the Q scale, the x448 of P's FP8 scale folded into the exponent), P~ to E4M3 in registers,
 // R = P~ V (wgmma e4m3, A from registers, a fresh accumulator per tile; 8 extra columns of ones
 // give the row sums of P~) and O = alpha O + R, l = alpha l + rowsum in FP32 (the two-level
-// accumulation of paper 3.4). Only an item's last tile can need a mask (causal diagonal, key
-// tail): the loop runs the others with no mask code. The epilogue applies 1/l and V's per-channel
-// scale (and mean, with smooth V) and writes the output in the caller's layout, through shared
+// accumulation of paper 3.4). V comes with one FP8 scale per tile (quantize_kv's, issue 4): O is
+// kept in units of the last folded tile's scale, so the fold's rescale becomes alpha * s_prev /
+// s_tile, one multiply per row and tile. Only an item's last tile can need a mask (causal
+// diagonal, key tail): the loop runs the others with no mask code. The epilogue applies s / l
+// (and V's mean, with smooth V) and writes the output in the caller's layout, through shared
 // memory as 16-byte row segments.
 //
 // Work comes in units of two Q blocks of one head (Schedule). A CTA walks its units' items in
@@ -436,14 +438,22 @@ struct AttentionWgmmaKernel {
     float x[kSRegs];
     float racc[kRaccRegs];
     uint32_t pa[kPvSteps][4];
+    // V's per-tile scales: R of tile j is in units of s_j, O in those of the last folded tile.
+    const float* v_tile_scale =
+        p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
+    float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do
 
-    // Once PV(it - 1) is done: free its V stage, then O = alpha O + R and l = alpha l + the ones
-    // columns' row sums (the two-level accumulation of paper 3.4).
-    auto release_and_fold = [&](int v_stage) {
+    // Once PV(it - 1) is done: free its V stage, then O = alpha O s_O / s_tile + R and
+    // l = alpha l + the ones columns' row sums (the two-level accumulation of paper 3.4; R, and
+    // from now on O, in units of the tile's V scale).
+    auto release_and_fold = [&](int v_stage, float tile_scale) {
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[v_stage]);
+      const float units = __fdividef(o_scale, tile_scale);
+      const float factor[2] = {alpha_prev[0] * units, alpha_prev[1] * units};
+      o_scale = tile_scale;
 #pragma unroll
-      for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], alpha_prev[(i / 2) & 1], racc[i]);
+      for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], factor[(i / 2) & 1], racc[i]);
 #pragma unroll
       for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha_prev[r], racc[kORegs + 2 * r]);
     };
@@ -480,6 +490,7 @@ struct AttentionWgmmaKernel {
       issue_qk(sacc, q_desc, s.k[stage]);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
       issue_pv(racc, pa, s.v[prev]);
+      const float prev_scale = __ldg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
       auto fold_pv = [&] {
 #pragma unroll
         for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
@@ -487,7 +498,7 @@ struct AttentionWgmmaKernel {
         for (int c = 0; c < kPvSteps; ++c)
 #pragma unroll
           for (int reg = 0; reg < 4; ++reg) ptx::register_fence(pa[c][reg]);  // read by PV until now
-        release_and_fold(prev);
+        release_and_fold(prev, prev_scale);
       };
       ptx::wgmma_wait<kMasked ? 0 : 1>();  // S(it) is ready; unmasked, PV(it - 1) may still run
 #pragma unroll
@@ -509,34 +520,35 @@ struct AttentionWgmmaKernel {
       if (mask.masked) step(last, mask, std::true_type{});
       else step(last, unmasked, std::false_type{});
     }
-    // V's channel scales (and means) for the epilogue, all loads in flight together
-    // (Fp8PvChannels). At head_dim 64 they load while the last PV computes; at 128 their 64
-    // registers would push the item's own state out of registers (spilled around every item), so
-    // they load after the last fold, one exposed latency (benchmarks/RESULTS.md, session 7).
-    constexpr bool kEarlyVChannels = kHeadDim == 64;
-    Fp8PvChannels<kHeadDim / 8> v_channels;
-    auto load_v_channels = [&] {
+    // V's channel means for the epilogue (smooth V only; none are loaded without), all loads in
+    // flight together. At head_dim 64 they load while the last PV computes; at 128 their 32
+    // registers would push the item's own state out of registers, so they load after the last
+    // fold (benchmarks/RESULTS.md, session 7).
+    constexpr bool kEarlyVMeans = kHeadDim == 64;
+    VChannelMeans<kHeadDim / 8> v_means;
+    auto load_v_means = [&] {
       const int64_t bhk = static_cast<int64_t>(w.b) * p.kv_heads + w.hk;
-      v_channels.load(p.v_scale + bhk * kHeadDim, p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr, t);
+      v_means.load(p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr, t);
     };
-    if constexpr (kEarlyVChannels) load_v_channels();
+    if constexpr (kEarlyVMeans) load_v_means();
     {  // the last tile's PV
       const uint32_t last_pos = seq + last;
       const int stage = last_pos % kStages;
       ptx::mbarrier_wait(&s.full_v[stage], (last_pos / kStages) & 1);
       issue_pv(racc, pa, s.v[stage]);
+      const float last_scale = __ldg(v_tile_scale + last);
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
-      release_and_fold(stage);
+      release_and_fold(stage, last_scale);
     }
 
-    // ---- epilogue: O / l * v_scale (+ v_mean), the caller's layout; the natural-log LSE ----
+    // ---- epilogue: O * s / l (+ v_mean), the caller's layout; the natural-log LSE ----
     float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float sum = l[r];  // the whole row's: every thread of the quad holds it
-      inv[r] = sum > 0.0f ? 1.0f / sum : 0.0f;
+      inv[r] = sum > 0.0f ? o_scale / sum : 0.0f;
       const int64_t query = w.q0 + row_in_item + 8 * r;
       if (p.lse != nullptr && t == 0 && query < p.q_len) {
         constexpr float kLn2 = 0.6931471805599453f;
@@ -546,8 +558,8 @@ struct AttentionWgmmaKernel {
             sum > 0.0f ? (m[r] + __log2f(sum) - kLog2Fp8Max) * kLn2 + p.sm_scale * q.k_mean_dot[r] : -INFINITY;
       }
     }
-    if constexpr (!kEarlyVChannels) load_v_channels();
-    store_output(p, w, o, inv, v_channels, s.q[consumer] + warp_in_group * 16 * kHeadDim,
+    if constexpr (!kEarlyVMeans) load_v_means();
+    store_output(p, w, o, inv, v_means, s.q[consumer] + warp_in_group * 16 * kHeadDim,
                  consumer * 64 + warp_in_group * 16, lane);
   }
 
@@ -558,7 +570,7 @@ struct AttentionWgmmaKernel {
   // trip through shared memory turns them into 16-byte stores of whole row segments. The tile
   // holds half the columns at a time.
   __device__ static void store_output(const AttentionWgmmaParams& p, const Tile& w, const float (&o)[kORegs],
-                                      const float (&inv)[2], const Fp8PvChannels<kHeadDim / 8>& v_channels,
+                                      const float (&inv)[2], const VChannelMeans<kHeadDim / 8>& v_means,
                                       uint8_t* staging, int warp_row0, int lane) {
     constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks of a staged row (half the columns)
     const int g = lane / 4, t = lane % 4;
@@ -576,7 +588,7 @@ struct AttentionWgmmaKernel {
 #pragma unroll
         for (int c = 0; c < kChunks; ++c) {
           const int n = half * kChunks + c;  // the accumulator's n8 tile: columns 8n .. 8n + 7
-          const float2 x = v_channels.apply(o[4 * n + 2 * r] * inv[r], o[4 * n + 2 * r + 1] * inv[r], n);
+          const float2 x = v_means.apply(o[4 * n + 2 * r] * inv[r], o[4 * n + 2 * r + 1] * inv[r], n);
           *reinterpret_cast<uint32_t*>(staging + chunk_at(g + 8 * r, c) + 4 * t) = HalfPair<T>::pack(x.x, x.y);
         }
       __syncwarp();

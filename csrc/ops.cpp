@@ -22,13 +22,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q_meta(
   return {o.codes, o.scales, o.block_mean};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_meta(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_meta(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double /*delta_s_multiplier*/) {
   auto o = allocate_quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype);
-  return {o.k_codes, o.k_scales, o.v_codes, o.delta_s};
+  return {o.k_codes, o.k_scales, o.v_codes, o.delta_s, o.v_tile_scale};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q_codes, const at::Tensor& q_scale,
@@ -46,11 +46,11 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q_codes,
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_meta(const at::Tensor& q, const at::Tensor& k_codes,
                                                         const at::Tensor& k_scale, const at::Tensor& v_fp8,
-                                                        const at::Tensor& v_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
                                                         bool return_lse) {
-  auto o = allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
+  auto o = allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
   return {o.out, o.lse};
 }
 
@@ -69,7 +69,7 @@ TORCH_LIBRARY(sageattention2, m) {
   m.def(
       "quantize_kv(Tensor k, Tensor? v, Tensor? k_mean, Tensor? v_mean, Tensor? v_scale, "
       "Tensor? q_mean, int block_k, str qk_dtype, float delta_s_multiplier) "
-      "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s)");
+      "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s, Tensor v_tile_scale)");
   m.def(
       "attention_mma(Tensor q_codes, Tensor q_scale, Tensor k_codes, Tensor k_scale, Tensor? delta_s, "
       "Tensor v, Tensor? v_scale, Tensor? v_mean, str qk_dtype, int q_len, int kv_len, ScalarType out_dtype, "

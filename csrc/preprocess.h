@@ -34,7 +34,7 @@ QuantizeQOutputs allocate_quantize_q(const at::Tensor& q, const std::optional<at
 
 // --- quantize_kv ---
 struct QuantizeKVOutputs {
-  at::Tensor k_codes, k_scales, v_codes, delta_s;
+  at::Tensor k_codes, k_scales, v_codes, delta_s, v_tile_scale;
 };
 QuantizeKVOutputs allocate_quantize_kv(const at::Tensor& k, const std::optional<at::Tensor>& v,
                                        const std::optional<at::Tensor>& k_mean,
@@ -54,7 +54,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q_cuda(
     const at::Tensor& q, const std::optional<at::Tensor>& q_mean, int64_t block_q, int64_t warps,
     const std::string& qk_dtype, bool smooth_block, double scale_multiplier);
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,

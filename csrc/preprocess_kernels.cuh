@@ -290,8 +290,9 @@ __global__ void __launch_bounds__(kPreprocessThreads)
 // each, so an SM holds twice as many CTAs as with both tiles in one: more loads in flight while
 // other CTAs quantize). The K CTA smooths K by its token mean, quantizes per thread (4 groups per
 // block) and takes the key's exact Delta-S = q_mean . (K_j - k_mean) from the same tile; the V
-// CTA smooths V (optional), quantizes per channel to FP8 and writes it transposed in the key
-// order of the PV MMA (DESIGN.md).
+// CTA smooths V (optional), quantizes it to FP8 per channel (smoothing_stats' scales: the
+// warp-level kernels) or with one scale per tile (its own: the Hopper kernel) and writes it
+// transposed in the key order of the PV MMA (DESIGN.md).
 // ---------------------------------------------------------------------------------------------
 
 // The valid rows of a K or V tile go to shared memory by cp.async, all in flight from the CTA's
@@ -314,6 +315,7 @@ __device__ __forceinline__ void start_kv_tile_copy(T* tile, const BhndView& view
 struct KVTileSmem {
   float mean[kMaxHeadDim];
   float aux[kMaxHeadDim];  // K: the group maxima (as bits) and inverses; V: the channel inverses
+  unsigned tile_amax;      // V with one scale per tile: max |V - mean| (as bits)
 };
 
 template <typename T, bool kInt4>
@@ -385,12 +387,36 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   const int64_t bh = static_cast<int64_t>(b) * p.v.heads + h;
 
   start_kv_tile_copy<T>(v_tile, p.v, b, h, row0, valid);
+  const bool per_tile = p.v_scale == nullptr;
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
     mean[d] = p.v_mean != nullptr ? p.v_mean[bh * head_dim + d] : 0.0f;
-    channel_inv[d] = quant_inverse(p.v_scale[bh * head_dim + d]);
+    channel_inv[d] = per_tile ? 0.0f : quant_inverse(p.v_scale[bh * head_dim + d]);
   }
+  if (threadIdx.x == 0) sm.tile_amax = 0u;
   ptx::cp_async_wait<0>();
   __syncthreads();
+
+  // One scale for the whole tile (the Hopper kernel's V): its range is known once the tile is
+  // in shared memory, so V needs no pass over all tokens before this one (issue 4).
+  float tile_inv = 0.0f;
+  if (per_tile) {
+    const int vecs = head_dim / kElemsPerVector;
+    float a = 0.0f;
+    for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+      const int r = i / vecs, c = i % vecs;
+      float x[8];
+      widen8<T>(*reinterpret_cast<const uint4*>(v_tile + r * pitch + c * kElemsPerVector), x);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+    if (threadIdx.x % 32 == 0) atomic_max_abs(&sm.tile_amax, a);
+    __syncthreads();
+    const float scale = v_tile_scale(__uint_as_float(sm.tile_amax));
+    tile_inv = quant_inverse(scale);
+    if (threadIdx.x == 0) p.v_tile_scale[bh * (p.padded_tokens / block_k) + kb] = scale;
+  }
 
   // A thread transposes a channel pair (one 32-bit word of each tile row) over a 16-key slab:
   // consecutive lanes take consecutive words, so a warp's reads of one key hit 32 banks. (One
@@ -399,7 +425,8 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   const int words = head_dim / 2, slabs = block_k / 16;
   for (int i = threadIdx.x; i < words * slabs; i += blockDim.x) {
     const int d = 2 * (i % words), slab = i / words;
-    const float mean0 = mean[d], mean1 = mean[d + 1], inv0 = channel_inv[d], inv1 = channel_inv[d + 1];
+    const float mean0 = mean[d], mean1 = mean[d + 1];
+    const float inv0 = per_tile ? tile_inv : channel_inv[d], inv1 = per_tile ? tile_inv : channel_inv[d + 1];
     uint32_t codes[2][4];
 #pragma unroll
     for (int w = 0; w < 4; ++w) {

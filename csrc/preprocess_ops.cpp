@@ -109,7 +109,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q_cuda(
   return {out.codes, out.scales, out.block_mean};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
@@ -139,9 +139,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
   p.k_scales = out.k_scales.data_ptr<float>();
   p.v_codes = v ? static_cast<uint8_t*>(out.v_codes.data_ptr()) : nullptr;
   p.delta_s = q_mean ? out.delta_s.data_ptr<float>() : nullptr;
+  p.v_tile_scale = v && !v_scale ? out.v_tile_scale.data_ptr<float>() : nullptr;
   const bool int4 = parse_qk_dtype(qk_dtype) == QkDtype::kInt4;
   C10_CUDA_CHECK(launch_quantize_kv(p, input_dtype(k), int4, at::cuda::getCurrentCUDAStream()));
-  return {out.k_codes, out.k_scales, out.v_codes, out.delta_s};
+  return {out.k_codes, out.k_scales, out.v_codes, out.delta_s, out.v_tile_scale};
 }
 
 }  // namespace sageattention2

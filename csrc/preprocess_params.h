@@ -63,7 +63,7 @@ struct QuantizeKVParams {
   bool has_v = false;
   const float* k_mean = nullptr;   // [B, Hkv, D] or null
   const float* v_mean = nullptr;   // [B, Hkv, D] or null
-  const float* v_scale = nullptr;  // [B, Hkv, D] (required with V)
+  const float* v_scale = nullptr;  // [B, Hkv, D] per-channel scale, or null: one scale per tile
   const float* q_mean = nullptr;   // [B, Hq, D] or null
   int q_heads = 0;
   float delta_s_multiplier = 1.0f;
@@ -73,6 +73,7 @@ struct QuantizeKVParams {
   float* k_scales = nullptr;       // [B, Hkv, blocks, 4]
   uint8_t* v_codes = nullptr;      // [B, Hkv, D, padded_tokens] E4M3
   float* delta_s = nullptr;        // [B, Hq, padded_tokens] or null
+  float* v_tile_scale = nullptr;   // [B, Hkv, blocks]: written when V comes without v_scale
 };
 
 // Shared-memory rows are padded by one 16-byte vector so that threads reading 16 bytes of

@@ -146,8 +146,9 @@ QuantizeKVOutputs allocate_quantize_kv(const at::Tensor& k, const std::optional<
     check_same(k, "k", *v, "v");
     TORCH_CHECK(v->sym_sizes() == k.sym_sizes(), "v must have the shape of k, got ", v->sym_sizes(),
                 " and ", k.sym_sizes());
-    TORCH_CHECK(v_scale.has_value(), "v_scale is required with v (see smoothing_stats)");
-    check_channel_vector(*v_scale, "v_scale", batch, heads, d, k);
+    // With v_scale (smoothing_stats' per-channel scale) V is quantized per channel; without it,
+    // with one scale per block_k-key tile, taken here (v_tile_scale).
+    if (v_scale) check_channel_vector(*v_scale, "v_scale", batch, heads, d, k);
     if (v_mean) check_channel_vector(*v_mean, "v_mean", batch, heads, d, k);
   } else {
     TORCH_CHECK(!v_mean && !v_scale, "v_mean and v_scale are only meaningful with v");
@@ -170,6 +171,7 @@ QuantizeKVOutputs allocate_quantize_kv(const at::Tensor& k, const std::optional<
   out.k_scales = at::empty_symint({batch, heads, blocks, 4}, opts.dtype(at::kFloat));
   out.v_codes = v ? at::empty_symint({batch, heads, d, padded}, opts.dtype(at::kFloat8_e4m3fn)) : empty_absent(k);
   out.delta_s = q_mean ? at::empty_symint({batch, q_heads, padded}, opts.dtype(at::kFloat)) : empty_absent(k);
+  out.v_tile_scale = v && !v_scale ? at::empty_symint({batch, heads, blocks}, opts.dtype(at::kFloat)) : empty_absent(k);
   return out;
 }
 

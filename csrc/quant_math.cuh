@@ -25,6 +25,17 @@ SAGE_HOST_DEVICE float quant_scale(float amax, float qmax) { return amax / qmax;
 // An all-zero group gets scale 0 and codes 0 rather than 0 * inf = NaN.
 SAGE_HOST_DEVICE float quant_inverse(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
 
+// One FP8 scale per tile of V (the Hopper kernel's V, issue 4): the tile's max |V - v_mean| /
+// 448, floored so that an all-zero tile still gives a finite ratio s_prev / s_tile when the
+// kernel folds its O into the tile's units. V values down to 2^-39 keep E4M3's relative
+// precision; the fold stays in float32 while a head's tile maxima stay below 2^60 (always for
+// fp16 inputs). The reference: reference.V_TILE_SCALE_MIN.
+inline constexpr float kVTileScaleMin = 9.313225746154785e-10f;  // 2^-30
+SAGE_HOST_DEVICE float v_tile_scale(float amax) {
+  const float scale = quant_scale(amax, kFp8E4M3Max);
+  return scale > kVTileScaleMin ? scale : kVTileScaleMin;
+}
+
 // rint (round half to even, the default rounding mode) of x * inv, clamped to [-qmax, qmax].
 SAGE_HOST_DEVICE int quantize_to_int(float x, float inv, int qmax) {
 #if defined(__CUDA_ARCH__)

@@ -527,17 +527,20 @@ def _unpad_head_dim(out: Tensor, head_dim: int, out_nhd: bool) -> Tensor:
 
 def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
            sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The Hopper kernel's call: one smoothing_stats pass (K's mean, V's range and mean), one
-    quantize_kv pass (per-thread INT8 K, FP8 V transposed in the PV-MMA order), then the kernel,
-    which quantizes Q itself and returns the complete LSE (it adds the row constant of K
-    smoothing)."""
-    stats = ops.smoothing_stats(None, k, v, call.smooth_v)
-    k_mean = stats.k_mean if call.smooth_k else None
-    v_mean = stats.v_mean if call.smooth_v else None
-    kv = ops.quantize_kv(k, v, k_mean, v_mean, stats.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    """The Hopper kernel's call: one smoothing_stats pass (K's mean; V's mean with smooth_v),
+    one quantize_kv pass (per-thread INT8 K, FP8 V with one scale per tile, transposed in the
+    PV-MMA order), then the kernel, which quantizes Q itself and returns the complete LSE (it
+    adds the row constant of K smoothing)."""
+    k_mean = v_mean = None
+    if call.smooth_k or call.smooth_v:
+        stats = ops.smoothing_stats(None, k if call.smooth_k else None,
+                                    v if call.smooth_v else None, call.smooth_v)
+        k_mean = stats.k_mean if call.smooth_k else None
+        v_mean = stats.v_mean if call.smooth_v else None
+    kv = ops.quantize_kv(k, v, k_mean, v_mean, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
     return ops.attention_wgmma(
-        q, kv.k_quant, kv.k_scale, kv.v_fp8, stats.v_scale, v_mean, k_mean, k.shape[2], sm_scale,
-        call.is_causal, call.tensor_layout == "NHD", call.return_lse,
+        q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, v_mean, k_mean, k.shape[2],
+        sm_scale, call.is_causal, call.tensor_layout == "NHD", call.return_lse,
     )
 
 

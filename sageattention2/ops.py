@@ -108,6 +108,7 @@ class QuantizedKV(NamedTuple):
     k_scale: Tensor  # [B, Hkv, Nk_pad/block_k, 4] f32
     v_fp8: Tensor  # [B, Hkv, Dv, Nk_pad] float8_e4m3fn, or [0]
     delta_s: Tensor  # [B, Hq, Nk_pad] f32, or [0]
+    v_tile_scale: Tensor  # [B, Hkv, Nk_pad/block_k] f32 (V without v_scale), or [0]
 
 
 def _require_extension() -> None:
@@ -181,7 +182,10 @@ def quantize_kv(
     qk_dtype: str,
     delta_s_multiplier: float,
 ) -> QuantizedKV:
-    """Quantize K (INT8/INT4), V (FP8, transposed and permuted) and compute Delta-S."""
+    """Quantize K (INT8/INT4), V (FP8, transposed and permuted) and compute Delta-S. V is
+    quantized per channel with ``v_scale`` (smoothing_stats', the warp-level kernels), or,
+    without it, with one scale per ``block_k``-key tile, returned as ``v_tile_scale`` (the
+    Hopper kernel's V: no pass over V before this one)."""
     return QuantizedKV(
         *_op("quantize_kv")(
             k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype, delta_s_multiplier
@@ -241,7 +245,7 @@ def attention_wgmma(
     k_codes: Tensor,
     k_scale: Tensor,
     v_fp8: Tensor,
-    v_scale: Tensor,
+    v_tile_scale: Tensor,
     v_mean: Tensor | None,
     k_mean: Tensor | None,
     kv_len: int,
@@ -251,12 +255,12 @@ def attention_wgmma(
     return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
     """Hopper attention (sm_90a, DESIGN.md): ``q`` the caller's fp16/bf16 ``[B, Hq, Nq, D]`` view
-    (quantized inside the kernel), K and V from quantize_kv(block_k=WGMMA_BLOCK_K, "int8", v with
-    ``v_scale`` and, for smooth V, ``v_mean``). Returns ``(out [B, Hq, Nq, D]`` in q's dtype, NHD
+    (quantized inside the kernel), K and V from quantize_kv(block_k=WGMMA_BLOCK_K, "int8", v
+    without ``v_scale``: its per-tile ``v_tile_scale``, and for smooth V ``v_mean``). Returns ``(out [B, Hq, Nq, D]`` in q's dtype, NHD
     memory when ``out_nhd``; ``lse [B, Hq, Nq]`` float32 natural log of the true scaled scores,
     including the row constant of K smoothing when ``k_mean`` is given, or ``[0]``)."""
     out, lse = _op("attention_wgmma")(
-        q, k_codes, k_scale, v_fp8, v_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
+        q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
         return_lse,
     )
     return out, lse

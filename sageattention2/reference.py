@@ -62,6 +62,7 @@ __all__ = [
     "relative_l1",
     "rmse",
     "make_input_family",
+    "quantize_v_per_tile",
 ]
 
 # Largest code of each integer format: symmetric ranges, [-7, 7] for INT4 as in paper 2.2.
@@ -77,6 +78,12 @@ FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
 # the S accumulator fragment (keys {2t, 2t+1, 8+2t, 9+2t} in lane t%4) is the A operand of the
 # FP8 PV mma without a shuffle.
 V_KEY_ORDER: tuple[int, ...] = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
+
+# Smallest per-tile V scale (quantize_v_per_tile, the Hopper kernel's V): an all-zero tile still
+# gets a finite ratio s_prev / s_tile in the fold, and V values down to 2^-39 keep E4M3's relative
+# precision. The fold then stays in float32 as long as a head's tile maxima are < 2^60 (always
+# for fp16 inputs; bf16 V beyond 1e18 could overflow, csrc/quant_math.cuh).
+V_TILE_SCALE_MIN = 2.0 ** -30
 
 # K extent of one FP8 mma (mma.m16n8k32.e4m3): the accumulator is rounded (FP22, paper 3.4)
 # once per this many keys.
@@ -431,6 +438,28 @@ def quantize_v_per_channel(
     return quantize_fp8(x * inv[:, :, None, :], fmt), scale
 
 
+def quantize_v_per_tile(
+    v: Tensor, v_mean: Optional[Tensor], block_k: int, fmt: str = "e4m3"
+) -> tuple[Tensor, Tensor]:
+    """FP8 V with one scalar scale per tile of ``block_k`` keys (issue 4 allows per-tile
+    scales): no pass over all tokens is needed before V is quantized.
+
+    v [B,H,N,D]; v_mean [B,H,D] float32 or None. Returns (codes fp8 [B,H,N,D], scale float32
+    [B,H,ceil(N/block_k)] = max over the tile's keys and channels of |V - v_mean| / fmax,
+    floored at V_TILE_SCALE_MIN).
+    """
+    dtype, fmax = _fp8_format(fmt)
+    x = v.float()
+    if not _absent(v_mean):
+        x = x - v_mean.float()[:, :, None, :]
+    n = x.shape[2]
+    tiles = _pad_tokens(x, block_k).unflatten(2, (-1, block_k))  # [B,H,T,block_k,D]
+    scale = torch.clamp(_f32_div(tiles.abs().amax(dim=(3, 4)), fmax), min=V_TILE_SCALE_MIN)
+    inv = _f32_div(1.0, scale)
+    codes = quantize_fp8(tiles * inv[..., None, None], fmt).flatten(2, 3)[:, :, :n]
+    return codes, scale
+
+
 def pack_int4(x: Tensor) -> Tensor:
     """Pack int4 codes (int8 tensor, values in [-8, 7], even last dim) two per byte.
 
@@ -631,14 +660,16 @@ def quantize_kv_reference(
     block_k: int,
     qk_dtype: str,
     delta_s_multiplier: float,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Reference of ``sageattention2::quantize_kv`` -> (k_quant, k_scale, v_fp8, delta_s).
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """Reference of ``sageattention2::quantize_kv`` -> (k_quant, k_scale, v_fp8, delta_s,
+    v_tile_scale).
 
     * k_quant int8 [B,Hkv,Nk_pad,D] (int4: D/2 packed) of K - k_mean (paper 3.1), per-thread
       groups (paper Eq. 8); k_scale float32 [B,Hkv,Nk_pad/block_k,4].
-    * v_fp8 float8_e4m3fn [B,Hkv,D,Nk_pad] if v is given: e4m3((V - v_mean) / v_scale) per channel
-      (paper 3.3), transposed, zero-padded, keys permuted within 16 (V_KEY_ORDER). Without
-      v_scale it is computed as in smoothing_stats.
+    * v_fp8 float8_e4m3fn [B,Hkv,D,Nk_pad] if v is given: e4m3((V - v_mean) * (1 / scale)),
+      transposed, zero-padded, keys permuted within 16 (V_KEY_ORDER). With v_scale [B,Hkv,D]
+      the scale is per channel (paper 3.3); without, one per tile of block_k keys
+      (:func:`quantize_v_per_tile`), returned as v_tile_scale float32 [B,Hkv,Nk_pad/block_k].
     * delta_s float32 [B,Hq,Nk_pad] if q_mean [B,Hq,D] is given: delta_s_multiplier *
       q_mean[hq] . (K_j - k_mean) (paper 3.1, "head" mode), float64 dot and product cast once,
       0 for padding keys; q head hq uses kv head hq // (Hq/Hkv).
@@ -658,16 +689,18 @@ def quantize_kv_reference(
         k_codes = pack_int4(k_codes)
     n_pad = k_codes.shape[2]
 
-    v_fp8 = _empty(device)
+    v_fp8, v_tile_scale = _empty(device), _empty(device)
     if not _absent(v):
         x = v.float()
         if not _absent(v_mean):
             x = x - v_mean.float()[:, :, None, :]
         if _absent(v_scale):
-            _, v_scale = quantize_v_per_channel(v, v_mean, "e4m3")
-        scale = v_scale.float()
-        inv = torch.where(scale > 0, _f32_div(1.0, scale), torch.zeros_like(scale))
-        scaled = _pad_tokens(x * inv[:, :, None, :], block_k)  # float32, padding keys 0
+            _, v_tile_scale = quantize_v_per_tile(v, v_mean, block_k, "e4m3")
+            inv = _f32_div(1.0, v_tile_scale).repeat_interleave(block_k, dim=2)[:, :, : x.shape[2], None]
+        else:
+            scale = v_scale.float()
+            inv = torch.where(scale > 0, _f32_div(1.0, scale), torch.zeros_like(scale))[:, :, None, :]
+        scaled = _pad_tokens(x * inv, block_k)  # float32, padding keys 0
         stored = scaled.transpose(-1, -2)[..., v_key_permutation(n_pad, device)]
         v_fp8 = quantize_fp8(stored, "e4m3").contiguous()
 
@@ -676,7 +709,7 @@ def quantize_kv_reference(
         dot = delta_s(q_mean.float()[:, :, None, :], gamma_k)[:, :, 0]  # [B,Hq,Nk] float64
         ds = torch.nn.functional.pad((dot * float(delta_s_multiplier)).float(), (0, n_pad - Nk))
         ds = ds.contiguous()
-    return k_codes.contiguous(), k_scale.contiguous(), v_fp8, ds
+    return k_codes.contiguous(), k_scale.contiguous(), v_fp8, ds, v_tile_scale.contiguous()
 
 
 # --------------------------------------------------------------------------------------------
@@ -734,6 +767,7 @@ def sage_attention_reference(
     two_level: bool = True,
     fp22: bool = True,
     row_sum: str = "p",
+    v_granularity: str = "channel",
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Simulate SageAttention2's forward (paper Algorithm 1) on [B,H,N,D] inputs.
@@ -755,6 +789,10 @@ def sage_attention_reference(
     * row_sum: the softmax denominator l sums "p", the P~ of the softmax (unrounded), or "pv",
       the P8 the PV mma multiplies, summed by that mma (a column of ones next to V's channels,
       accumulated like the output: the Hopper kernel); "pv" needs an FP8 pv_dtype.
+    * v_granularity (FP8 pv_dtypes): "channel", one V scale per channel over all tokens (paper
+      3.3, the warp-level kernels), or "tile", one scalar per block_k-key tile (the Hopper
+      kernel, issue 4): its R = P8 V8 is in units of the tile's scale, and O is kept in units of
+      the current tile's, rescaled at each fold by alpha * s_prev / s_tile (as the kernel does).
     * Causal masking and tails follow SDPA (top-left aligned, see :func:`exact_attention`).
 
     Numerics: Q K^T of the integer codes is exact (float64), dequantized and corrected with
@@ -775,6 +813,8 @@ def sage_attention_reference(
         raise ValueError(f"row_sum must be 'p' or (with an FP8 pv_dtype) 'pv', got {row_sum!r}")
     if block_k % PV_MMA_K != 0:
         raise ValueError(f"block_k must be a multiple of {PV_MMA_K} (FP8 mma k-step)")
+    if v_granularity not in ("channel", "tile") or (v_granularity == "tile" and pv_dtype not in FP8_FORMATS):
+        raise ValueError(f"v_granularity must be 'channel' or (with an FP8 pv_dtype) 'tile', got {v_granularity!r}")
     q_group_index(block_q, warps)  # validates block_q / warps
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -802,7 +842,12 @@ def sage_attention_reference(
 
     # Paper 3.3 / A.3: V per channel to FP8 (optionally minus its mean), or kept as is.
     v_mean = _token_mean(v.float()) if smooth_v else v.new_zeros(B, Hkv, v.shape[-1]).float()
-    if pv_dtype in FP8_FORMATS:
+    tile_scale = None
+    if pv_dtype in FP8_FORMATS and v_granularity == "tile":
+        v8, tile_scale = quantize_v_per_tile(v, v_mean, block_k, pv_dtype)
+        v_vals = v8.double()
+        out_scale = torch.full_like(v_mean, 1.0 / FP8_FORMATS[pv_dtype][1], dtype=torch.float64)
+    elif pv_dtype in FP8_FORMATS:
         v8, v_scale = quantize_v_per_channel(v, v_mean, pv_dtype)
         v_vals = v8.double()
         # Alg. 1 last line: O = O / l / fmax * delta_V (undo the P and V scales).
@@ -837,6 +882,9 @@ def sage_attention_reference(
     m = torch.full((B, Hq, Nq, 1), -math.inf, dtype=torch.float64, device=device)
     l = torch.zeros((B, Hq, Nq, 1), dtype=torch.float64, device=device)
     o = torch.zeros((B, Hq, Nq, v.shape[-1]), dtype=torch.float32, device=device)
+    if tile_scale is not None:
+        tile_scale = _expand_kv_heads(tile_scale[:, :, :, None, None], Hq)  # [B,Hq,tiles,1,1]
+        prev_scale = tile_scale[:, :, 0]
     for j0 in range(0, Nk, block_k):
         if is_causal and j0 > Nq - 1:
             break  # SDPA causal: no query i < j0 attends this tile or any later one
@@ -865,14 +913,23 @@ def sage_attention_reference(
             l = alpha * l + tile_sum.double() / FP8_FORMATS[pv_dtype][1]
         else:
             l = alpha * l + p.sum(dim=-1, keepdim=True)
+        if tile_scale is not None:
+            # O in units of this tile's V scale: the fold's factor alpha * s_prev / s_tile.
+            s_tile = tile_scale[:, :, j0 // block_k]
+            factor = alpha.float() * (prev_scale / s_tile)
+            prev_scale = s_tile
+        else:
+            factor = alpha.float()
         if two_level:
             # Paper 3.4: R_ij = P~ V in a fresh mma accumulator, O = diag(alpha) O + R in FP32.
             r_acc = accumulate(torch.zeros_like(o), p8, v_vals[:, :, j0:j1])
-            o = alpha.float() * o + r_acc
+            o = factor * o + r_acc
         else:
             # One level: the rescaled FP32 output is itself the mma accumulator.
-            o = accumulate(alpha.float() * o, p8, v_vals[:, :, j0:j1])
+            o = accumulate(factor * o, p8, v_vals[:, :, j0:j1])
         m = m_new
+    if tile_scale is not None:
+        out_scale = out_scale * prev_scale.double()  # the last visited tile's V scale
 
     # Alg. 1: O = diag(l)^-1 O / 448 * delta_V; paper A.3: + V_m.
     out = o.double() / l * out_scale + v_mean_q

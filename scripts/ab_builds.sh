@@ -23,9 +23,13 @@ for d in (128, 64):
     for n in (1024, 4096, 16384):
         q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
         st = ops.smoothing_stats(None, k, v, False)
-        kq = ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+        # Builds from before per-tile V scales (quantize_kv with 4 outputs) take per-channel ones.
+        per_tile = "v_tile_scale" in ops.QuantizedKV._fields
+        kq = ops.quantize_kv(k, v, st.k_mean, None, None if per_tile else st.v_scale, None, ops.WGMMA_BLOCK_K,
+                             "int8", 1.0)
+        vs = kq.v_tile_scale if per_tile else st.v_scale
         for causal in (False, True):
-            f = lambda: ops.attention_wgmma(q, kq.k_quant, kq.k_scale, kq.v_fp8, st.v_scale, None, None, n,
+            f = lambda: ops.attention_wgmma(q, kq.k_quant, kq.k_scale, kq.v_fp8, vs, None, None, n,
                                             d ** -0.5, causal, False, False)
             t = sorted(do_bench(f, warmup=25, rep=150, return_mode="median") for _ in range(3))[1]
             cells.append(f"{4 * 4 * 32 * n * n * d / (2 if causal else 1) / t / 1e9:.0f}")

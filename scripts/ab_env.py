@@ -28,12 +28,12 @@ print("|---|---|---|---|---|---|---|---|---|")
 for d in args.d:
     for n in args.n:
         q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-        stats = ops.smoothing_stats(None, k, v, False)
-        kv = ops.quantize_kv(k, v, stats.k_mean, None, stats.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+        stats = ops.smoothing_stats(None, k, None, False)
+        kv = ops.quantize_kv(k, v, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
         for causal in (False, True):
             count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
             fns = {
-                "kernel": lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, stats.v_scale, None,
+                "kernel": lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None,
                                                       None, n, d ** -0.5, causal, False, False),
                 "full": lambda: sageattn(q, k, v, is_causal=causal),
             }

@@ -43,9 +43,9 @@ def table() -> None:
             q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
             for causal in (False, True):
                 def ops_only():
-                    st = ops.smoothing_stats(None, k, v, False)
-                    kv = ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
-                    ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, st.v_scale, None, st.k_mean, n,
+                    st = ops.smoothing_stats(None, k, None, False)
+                    kv = ops.quantize_kv(k, v, st.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+                    ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, st.k_mean, n,
                                         d ** -0.5, causal, False, False)
                 full = lambda: sageattn(q, k, v, is_causal=causal)  # noqa: E731
                 gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
@@ -56,17 +56,17 @@ def table() -> None:
 def profile() -> None:
     n, d = 1024, 128
     q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-    st = ops.smoothing_stats(None, k, v, False)
-    kv = ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    st = ops.smoothing_stats(None, k, None, False)
+    kv = ops.quantize_kv(k, v, st.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
     parts = {
         "torch.empty x1 (allocator)": lambda: torch.empty(4, 32, n, d, device="cuda", dtype=torch.float16),
-        "smoothing_stats (ops wrapper)": lambda: ops.smoothing_stats(None, k, v, False),
+        "smoothing_stats (ops wrapper)": lambda: ops.smoothing_stats(None, k, None, False),
         "smoothing_stats (torch.ops direct)": lambda: torch.ops.sageattention2.smoothing_stats.default(
             None, k, v, False),
-        "quantize_kv (ops wrapper)": lambda: ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None,
+        "quantize_kv (ops wrapper)": lambda: ops.quantize_kv(k, v, st.k_mean, None, None, None,
                                                              ops.WGMMA_BLOCK_K, "int8", 1.0),
         "attention_wgmma (ops wrapper)": lambda: ops.attention_wgmma(
-            q, kv.k_quant, kv.k_scale, kv.v_fp8, st.v_scale, None, st.k_mean, n, d ** -0.5, False, False,
+            q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, st.k_mean, n, d ** -0.5, False, False,
             False),
         "sageattn": lambda: sageattn(q, k, v),
     }

@@ -23,9 +23,8 @@ for name, (q, k, v) in families.items():
         want = ref.exact_attention(q, k, v, is_causal=causal)
         for stride in (1, 4, 16, 64):
             k_mean = ops.smoothing_stats(None, k[:, :, ::stride], None, False).k_mean
-            v_scale = ops.smoothing_stats(None, None, v, False).v_scale
-            kv = ops.quantize_kv(k, v, k_mean, None, v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
-            out, _ = ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, v_scale, None, k_mean, k.shape[2],
+            kv = ops.quantize_kv(k, v, k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+            out, _ = ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, k_mean, k.shape[2],
                                          128 ** -0.5, causal, False, False)
             cos, l1 = ref.cosine_similarity(out, want), ref.relative_l1(out, want)
             o = OFFICIAL[name, causal]

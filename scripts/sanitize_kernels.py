@@ -51,9 +51,9 @@ if hasattr(torch.ops.sageattention2, "attention_wgmma") and torch.cuda.get_devic
             k = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
             v = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
             stats = ops.smoothing_stats(None, k, v, True)
-            kv = ops.quantize_kv(k, v, stats.k_mean, stats.v_mean, stats.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+            kv = ops.quantize_kv(k, v, stats.k_mean, stats.v_mean, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
             for causal in (False, True):
-                ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, stats.v_scale, stats.v_mean, stats.k_mean,
+                ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, stats.v_mean, stats.k_mean,
                                     n + 7, d ** -0.5, causal, causal, True)
     torch.cuda.synchronize()
     print("sanitize: attention_wgmma variants ran")

@@ -25,7 +25,8 @@ def emulate(q, k, v, causal, smooth_k=True, smooth_v=False):
     return ref.sage_attention_reference(
         q, k, v, is_causal=causal, qk_dtype="int8", granularity="thread", block_q=128, warps=8,
         block_k=ops.WGMMA_BLOCK_K, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,
-        pv_dtype="e4m3", two_level=True, fp22=False, row_sum="pv", return_lse=True)
+        pv_dtype="e4m3", two_level=True, fp22=False, row_sum="pv", v_granularity="tile",
+        return_lse=True)
 
 
 worst = 0.0
@@ -74,15 +75,15 @@ print("|---|---|---|---|---|---|---|---|")
 for d in (128, 64):
     for n in ((1024, 4096) if args.quick else (1024, 4096, 16384)):
         q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-        stats = ops.smoothing_stats(None, k, v, False)
-        kv = ops.quantize_kv(k, v, stats.k_mean, None, stats.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+        stats = ops.smoothing_stats(None, k, None, False)
+        kv = ops.quantize_kv(k, v, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
         for causal in (False, True):
             count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
             tops = lambda t: count / t / 1e9  # noqa: E731
             fa = tops(sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal))
             cudnn = tops(sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal))
             full = tops(ms(lambda: sageattn(q, k, v, is_causal=causal)))
-            kern = tops(ms(lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, stats.v_scale, None, None,
+            kern = tops(ms(lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, None,
                                                        n, d ** -0.5, causal, False, False)))
             print(f"| {d} | {n} | {causal} | {fa:.0f} | {cudnn:.0f} | {full:.0f} | {kern:.0f} | {full / cudnn:.2f}x |")
             sys.stdout.flush()

@@ -18,13 +18,13 @@ SLOTS, ITEMS = 16, 4
 def run(n, d, causal):
     torch.manual_seed(0)
     q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-    st = ops.smoothing_stats(None, k, v, False)
-    kv = ops.quantize_kv(k, v, st.k_mean, None, st.v_scale, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    st = ops.smoothing_stats(None, k, None, False)
+    kv = ops.quantize_kv(k, v, st.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
     for _ in range(5):
-        out, lse = ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, st.v_scale, None, None, n, d ** -0.5,
+        out, lse = ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, None, n, d ** -0.5,
                                        causal, False, True)
     lse.zero_()
-    out, lse = ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, st.v_scale, None, None, n, d ** -0.5,
+    out, lse = ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, None, n, d ** -0.5,
                                    causal, False, True)
     torch.cuda.synchronize()
     raw = lse.view(torch.int32).flatten().cpu().numpy().view(np.uint32).astype(np.int64)

@@ -1043,7 +1043,7 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
     q4, k4, v4, args = case_arguments(case, q4, k4, v4)
 
     calls: list[dict[str, Any]] = []
-    names = ("q", "k_codes", "k_scale", "v_fp8", "v_scale", "v_mean", "k_mean", "kv_len",
+    names = ("q", "k_codes", "k_scale", "v_fp8", "v_tile_scale", "v_mean", "k_mean", "kv_len",
              "sm_scale", "is_causal", "out_nhd", "return_lse")
 
     def stand_in(*op_args: Any) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1083,7 +1083,11 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
     assert call["v_fp8"].dtype == torch.float8_e4m3fn
     k_kernel, v_kernel = (torch.nn.functional.pad(t, (0, d_kernel - d)) for t in (k4, v4))
     want_stats = ref.smoothing_stats_reference(None, k_kernel, v_kernel, smooth_v)
-    torch.testing.assert_close(call["v_scale"], want_stats[3])
+    # V with one FP8 scale per tile (quantize_kv without v_scale), of V minus its mean.
+    _, want_tile_scale = ref.quantize_v_per_tile(v_kernel, want_stats[2] if smooth_v else None,
+                                                 ops.WGMMA_BLOCK_K)
+    assert call["v_tile_scale"].shape == (b or 1, hkv, k_pad // ops.WGMMA_BLOCK_K)
+    torch.testing.assert_close(call["v_tile_scale"].cpu(), want_tile_scale)
     if smooth_k:
         torch.testing.assert_close(call["k_mean"], want_stats[1])
     else:
@@ -1201,23 +1205,23 @@ def test_attention_wgmma_meta_shapes() -> None:
     k_codes = torch.empty(b, hkv, k_pad, d, dtype=torch.int8, **meta)
     k_scale = torch.empty(b, hkv, k_pad // ops.WGMMA_BLOCK_K, 4, **meta)
     v_fp8 = torch.empty(b, hkv, d, k_pad, dtype=torch.float8_e4m3fn, **meta)
-    v_scale = torch.empty(b, hkv, d, **meta)
+    v_tile_scale = torch.empty(b, hkv, k_pad // ops.WGMMA_BLOCK_K, **meta)
     mean = torch.empty(b, hkv, d, **meta)
     for q_in in (q, q_nhd):
         for out_nhd in (False, True):
-            out, lse = ops.attention_wgmma(q_in, k_codes, k_scale, v_fp8, v_scale, mean, mean,
+            out, lse = ops.attention_wgmma(q_in, k_codes, k_scale, v_fp8, v_tile_scale, mean, mean,
                                            kv_len, 0.1, True, out_nhd, True)
             assert out.shape == (b, hq, nq, d) and out.dtype == torch.float16
             assert out.device.type == "meta"
             memory = out.transpose(1, 2) if out_nhd else out
             assert memory.is_contiguous()
             assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
-    out, lse = ops.attention_wgmma(q.bfloat16(), k_codes, k_scale, v_fp8, v_scale, None, None,
+    out, lse = ops.attention_wgmma(q.bfloat16(), k_codes, k_scale, v_fp8, v_tile_scale, None, None,
                                    k_pad - ops.WGMMA_BLOCK_K + 1, 0.1, False, False, False)
     assert out.dtype == torch.bfloat16 and lse.shape == (0,)
 
     def call(**changes: Any) -> None:
-        args = dict(q=q, k_codes=k_codes, k_scale=k_scale, v_fp8=v_fp8, v_scale=v_scale,
+        args = dict(q=q, k_codes=k_codes, k_scale=k_scale, v_fp8=v_fp8, v_tile_scale=v_tile_scale,
                     v_mean=None, k_mean=None, kv_len=kv_len, sm_scale=0.1, is_causal=False,
                     out_nhd=False, return_lse=True)
         args.update(changes)
@@ -1236,6 +1240,8 @@ def test_attention_wgmma_meta_shapes() -> None:
              k_codes=torch.empty(b, hkv, k_pad, 96, dtype=torch.int8, **meta))
     with pytest.raises(RuntimeError, match="q must be contiguous in its last dimension"):
         call(q=torch.empty(b, hq, d, nq, dtype=torch.float16, **meta).transpose(2, 3))
+    with pytest.raises(RuntimeError, match="v_tile_scale"):  # a per-channel scale: the wrong kind
+        call(v_tile_scale=torch.empty(b, hkv, d, **meta))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1420,6 +1426,7 @@ def op_cases() -> list[Any]:
         ("quantize_kv", (k, v, k_mean, f32(2, 2, 64), v_scale, q_mean, 64, "int8", 1.4)),
         ("quantize_kv", (k, None, None, None, None, None, 128, "int4", 1.0)),
         ("quantize_kv", (k, v, None, None, v_scale, None, 32, "int8", 1.0)),
+        ("quantize_kv", (k, v, k_mean, f32(2, 2, 64), None, None, 128, "int8", 1.0)),  # V per tile
     ]
     return [pytest.param(name, args, id=f"{name}-{i}") for i, (name, args) in enumerate(cases)]
 

@@ -238,7 +238,8 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
     there: ignored) or in FP8 (P~ x448 and V per channel, minus its mean with ``smooth_v``,
     two-level accumulation).
     attention_wgmma: no Q smoothing (``smooth_q`` must be None or False), Q groups of
-    WGMMA_BLOCK_Q / WGMMA_WARPS, K of ops.WGMMA_BLOCK_K, FP8 PV with V's mean when ``smooth_v``.
+    WGMMA_BLOCK_Q / WGMMA_WARPS, K of ops.WGMMA_BLOCK_K, FP8 PV with one V scale per tile (and V's
+    mean when ``smooth_v``).
     """
     common = dict(is_causal=causal, scale=scale, qk_dtype=kernel.qk, granularity="thread",
                   smooth_k=smooth_k, fp22=False, return_lse=True)
@@ -247,7 +248,8 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
             raise ValueError("attention_wgmma does not smooth Q")
         return ref.sage_attention_reference(
             q4, k4, v4, block_q=WGMMA_BLOCK_Q, warps=WGMMA_WARPS, block_k=ops.WGMMA_BLOCK_K,
-            smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, row_sum="pv", **common,
+            smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, row_sum="pv",
+            v_granularity="tile", **common,
         )
     mma = dict(block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
                smooth_q=None if smooth_q is False else "head")
@@ -348,17 +350,16 @@ def run_wgmma_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: b
                  return_lse: bool = True, scale: float | None = None,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """sageattn's preprocessing for the Hopper kernel (api._wgmma) written out: one
-    smoothing_stats pass (K's mean, V's scale and, with smooth_v, mean), one quantize_kv pass
-    (INT8 K, FP8 V); then attention_wgmma on poisoned memory, with ``q4`` as given (it reads any
-    view with a contiguous last dimension in place). Returns (out, lse)."""
+    smoothing_stats pass (K's mean and, with smooth_v, V's mean), one quantize_kv pass (INT8 K,
+    FP8 V with one scale per tile); then attention_wgmma on poisoned memory, with ``q4`` as given
+    (it reads any view with a contiguous last dimension in place). Returns (out, lse)."""
     sm_scale = q4.shape[-1] ** -0.5 if scale is None else scale
     stats = ops.smoothing_stats(None, k4, v4, smooth_v)
     k_mean = stats.k_mean if smooth_k else None
     v_mean = stats.v_mean if smooth_v else None
-    kv = ops.quantize_kv(k4, v4, k_mean, v_mean, stats.v_scale, None, ops.WGMMA_BLOCK_K, "int8",
-                         1.0)
+    kv = ops.quantize_kv(k4, v4, k_mean, v_mean, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
     poison_allocator()
-    return ops.attention_wgmma(q4, kv.k_quant, kv.k_scale, kv.v_fp8, stats.v_scale, v_mean,
+    return ops.attention_wgmma(q4, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, v_mean,
                                k_mean, k4.shape[2], sm_scale, causal, out_nhd, return_lse)
 
 
@@ -533,6 +534,27 @@ def test_wgmma_op_matches_emulation(shape: tuple[int, ...], smoothing: tuple[boo
                                     out_nhd=out_nhd, return_lse=False)
     assert no_lse.shape == (0,)
     assert torch.equal(out, out_only)
+
+
+@pytest.mark.usefixtures("wgmma_kernel")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_wgmma_v_tiles_of_different_magnitudes(causal: bool, dtype: torch.dtype) -> None:
+    """V's per-tile FP8 scales through the kernel's fold (O in the units of the last folded
+    tile): tiles 10^4 apart in magnitude, an all-zero tile (the floor scale) and a short last
+    tile, against the emulation and against float64 attention."""
+    q4, k4, v4 = make_qkv(1, 4, 2, 700, 700, 128, dtype, seed=11, bias=(1.0, 2.0, 1.0))
+    v4 = v4.clone()
+    v4[:, :, 128:256] *= 1e-2
+    v4[:, 0, 256:384] = 0
+    v4[:, 1, 384:512] *= 1e2
+    v4[:, :, 640:] *= 3e-2
+    out, lse = run_wgmma_op(q4, k4, v4, causal)
+    assert_finite(out, lse)
+    want, want_lse = emulate(q4, k4, v4, causal, kernel=WGMMA)
+    assert rel_l1(out, want.to(dtype)) <= EMULATION_L1
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=WGMMA_OP_LSE_ATOL)
+    assert rel_l1(out, exact(q4, k4, v4, causal)[0]) <= EXACT_L1_FP8
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
@@ -1098,15 +1120,13 @@ def test_opcheck_attention_mma_fp8(kernel: KernelChoice) -> None:
 def test_opcheck_attention_wgmma() -> None:
     q4, k4, v4 = make_qkv(1, 4, 2, 200, 130, 64, torch.float16, seed=1, bias=(1.0, 2.0, 2.0))
     smooth = ops.smoothing_stats(None, k4, v4, True)
-    kv = ops.quantize_kv(k4, v4, smooth.k_mean, smooth.v_mean, smooth.v_scale, None,
-                         ops.WGMMA_BLOCK_K, "int8", 1.0)
-    plain = ops.smoothing_stats(None, k4, v4, False)
-    kv_plain = ops.quantize_kv(k4, v4, None, None, plain.v_scale, None, ops.WGMMA_BLOCK_K, "int8",
-                               1.0)
-    for args in ((q4, kv.k_quant, kv.k_scale, kv.v_fp8, smooth.v_scale, smooth.v_mean,
+    kv = ops.quantize_kv(k4, v4, smooth.k_mean, smooth.v_mean, None, None, ops.WGMMA_BLOCK_K,
+                         "int8", 1.0)
+    kv_plain = ops.quantize_kv(k4, v4, None, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    for args in ((q4, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, smooth.v_mean,
                   smooth.k_mean, 130, 0.125, True, False, True),
                  (q_view(q4, "NHD"), kv_plain.k_quant, kv_plain.k_scale, kv_plain.v_fp8,
-                  plain.v_scale, None, None, 130, 0.125, False, True, False)):
+                  kv_plain.v_tile_scale, None, None, 130, 0.125, False, True, False)):
         # test_schema is left out: it probes for input mutation by multiplying every input,
         # which torch does not implement for float8_e4m3fn (v_fp8) on CUDA.
         torch.library.opcheck(torch.ops.sageattention2.attention_wgmma.default, args,

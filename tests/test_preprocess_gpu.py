@@ -160,19 +160,28 @@ def test_quantize_q_block_mean(shape, qk_dtype):
 def test_quantize_kv_bit_exact(shape, layout, dtype, qk_dtype, block_k):
     q, k, v = make_qkv(*shape, dtype=dtype, layout=layout, seed=3)
     multiplier = shape[-1] ** -0.5 * LOG2E
-    for smooth_k, smooth_v, with_delta_s in ((True, False, True), (False, True, False), (True, True, True)):
+    # V per channel (smoothing_stats' scales) and per tile (no v_scale: quantize_kv's own).
+    for smooth_k, smooth_v, with_delta_s, per_tile in ((True, False, True, False), (False, True, False, False),
+                                                       (True, True, True, False), (True, False, False, True),
+                                                       (False, True, True, True)):
         q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, smooth_v)
         k_mean_arg = k_mean if smooth_k else None
         v_mean_arg = v_mean if smooth_v else None
         q_mean_arg = q_mean if with_delta_s else None
+        v_scale_arg = None if per_tile else v_scale
         poison_allocator()
-        out = ops.quantize_kv(k, v, k_mean_arg, v_mean_arg, v_scale, q_mean_arg, block_k, qk_dtype, multiplier)
-        want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean_arg), cpu(v_mean_arg), cpu(v_scale),
+        out = ops.quantize_kv(k, v, k_mean_arg, v_mean_arg, v_scale_arg, q_mean_arg, block_k, qk_dtype, multiplier)
+        want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean_arg), cpu(v_mean_arg), cpu(v_scale_arg),
                                          cpu(q_mean_arg), block_k, qk_dtype, multiplier)
-        tag = f"smooth_k={smooth_k} smooth_v={smooth_v}"
+        tag = f"smooth_k={smooth_k} smooth_v={smooth_v} per_tile={per_tile}"
         assert_bits_equal(out[0], want[0], f"k codes ({tag})")
         assert_bits_equal(out[1], want[1], f"k scales ({tag})")
         assert_bits_equal(out[2], want[2], f"v fp8 ({tag})")
+        if per_tile:
+            assert out[4].shape == (shape[0], shape[2], out[0].shape[2] // block_k)
+            assert_bits_equal(out[4], want[4], f"v tile scales ({tag})")
+        else:
+            assert out[4].numel() == 0
         if with_delta_s:
             # float32 dot products of length D against the float64 reference.
             bound = 1e-5 * (q_mean.abs().amax().item() * (k.float() - k_mean[:, :, None]).abs().amax().item()
@@ -205,6 +214,10 @@ def test_packed_qkv_layout():
     want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean), cpu(v_mean), cpu(v_scale), None, 64, "int8", 1.0)
     for i in range(3):
         assert_bits_equal(out[i], want[i], f"output {i}")
+    tiled = ops.quantize_kv(k, v, k_mean, v_mean, None, None, 128, "int8", 1.0)
+    want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean), cpu(v_mean), None, None, 128, "int8", 1.0)
+    for i in (2, 4):
+        assert_bits_equal(tiled[i], want[i], f"per-tile output {i}")
 
 
 def test_launch_errors_are_clear():
@@ -238,7 +251,7 @@ def test_dequantized_matches_input():
     input within half a quantization step."""
     q, k, v = make_qkv(1, 2, 2, 257, 257, 128, dtype=torch.float16, layout="hnd", seed=2)
     _, k_mean, v_mean, v_scale = ops.smoothing_stats(None, k, v, True)
-    k_codes, k_scales, v_fp8, _ = ops.quantize_kv(k, v, k_mean, v_mean, v_scale, None, 64, "int8", 1.0)
+    k_codes, k_scales, v_fp8, _, _ = ops.quantize_kv(k, v, k_mean, v_mean, v_scale, None, 64, "int8", 1.0)
     groups = torch.arange(k_codes.shape[2], device="cuda") % 8 // 2
     blocks = torch.arange(k_codes.shape[2], device="cuda") // 64
     scale = k_scales[:, :, blocks, groups][..., :257, None]
@@ -254,3 +267,32 @@ def test_dequantized_matches_input():
     # E4M3 keeps 3 mantissa bits: relative error <= 2^-4, absolute <= 2^-10 near zero.
     bound = torch.maximum((v.float() - v_mean[:, :, None]).abs() * 2**-4, 2**-10 * v_scale[:, :, None])
     assert ((v_hat - v.float()).abs() <= bound * (1 + 1e-5) + 1e-6).all()
+
+
+def test_v_tile_scales_dequantize():
+    """quantize_kv without v_scale: one FP8 scale per 128-key tile (the Hopper kernel's V). The
+    dequantized V is within E4M3's rounding of the input, tile by tile, including an all-zero
+    tile (the floor scale, codes 0), a tile 10^4 times smaller than its neighbours, and the
+    short last tile, whose padding keys must be zero codes."""
+    _, k, v = make_qkv(1, 2, 2, 300, 300, 128, dtype=torch.float16, layout="hnd", seed=4)
+    v = v.clone()
+    v[:, :, 128:256] = 0
+    v[:, 1, 128:256] = torch.randn(128, 128, device="cuda", dtype=torch.float16) * 1e-4
+    k_mean = ops.smoothing_stats(None, k, None, False).k_mean
+    poison_allocator()
+    out = ops.quantize_kv(k, v, k_mean, None, None, None, 128, "int8", 1.0)
+    v_fp8, tile_scale = out[2], out[4]
+    assert tile_scale.shape == (1, 2, 3)
+    assert tile_scale[0, 0, 1].item() == ref.V_TILE_SCALE_MIN  # the all-zero tile
+    want = (v.float()[:, :, :256].unflatten(2, (2, 128)).abs().amax(dim=(3, 4)) / 448).clamp(min=ref.V_TILE_SCALE_MIN)
+    torch.testing.assert_close(tile_scale[:, :, :2], want, rtol=0, atol=0)
+    slot = torch.arange(v_fp8.shape[-1], device="cuda")
+    base, within = slot & ~15, slot & 15
+    key = base + 2 * (within // 4) + (within % 4 & 1) + 8 * (within % 4 >> 1)
+    codes = torch.empty_like(v_fp8, dtype=torch.float32)
+    codes[..., key] = v_fp8.float()
+    assert (codes[..., 300:] == 0).all()  # padding keys of the last tile
+    scale = tile_scale.repeat_interleave(128, dim=2)[:, :, :300, None]
+    v_hat = codes[..., :300].transpose(2, 3) * scale
+    bound = torch.maximum(v.float().abs() * 2**-4, 2**-10 * scale)
+    assert ((v_hat - v.float()).abs() <= bound * (1 + 1e-5) + 1e-12).all()

@@ -163,8 +163,11 @@ def test_op_references_match_scalar_float32_emulation(qk_dtype):
     q_mean, k_mean, v_mean, v_scale = ref.smoothing_stats_reference(q, k, v, True)
     mult = 0.125 * math.log2(math.e)
     q_quant, q_scale, _ = ref.quantize_q_reference(q, q_mean, block_q, warps, qk_dtype, False, mult)
-    k_quant, k_scale, v_fp8, _ = ref.quantize_kv_reference(
+    k_quant, k_scale, v_fp8, _, _ = ref.quantize_kv_reference(
         k, v, k_mean, v_mean, v_scale, None, block_k, qk_dtype, 1.0)
+    # V with one scale per tile (no v_scale): the same arithmetic with the tile's scale.
+    _, _, v_fp8_tiled, _, tile_scale = ref.quantize_kv_reference(
+        k, v, k_mean, v_mean, None, None, block_k, qk_dtype, 1.0)
     if qk_dtype == "int4":
         q_quant, k_quant = ref.unpack_int4(q_quant), ref.unpack_int4(k_quant)
 
@@ -199,6 +202,18 @@ def test_op_references_match_scalar_float32_emulation(qk_dtype):
                         x = _f32(_f32(float(v[b, h, j, c]) - float(v_mean[b, h, c])) * inv)
                         want = float(torch.tensor(x).to(torch.float8_e4m3fn).float())
                     assert float(v_fp8[b, h, c, s].float()) == want
+            for blk in range(2):
+                keys = range(blk * block_k, min(Nk, (blk + 1) * block_k))
+                centred = [_f32(float(v[b, h, j, c]) - float(v_mean[b, h, c])) for j in keys for c in range(D)]
+                scale = max(_f32(max(abs(x) for x in centred) / 448.0), ref.V_TILE_SCALE_MIN)
+                assert tile_scale[b, h, blk].item() == scale
+                inv = _f32(1.0 / scale)
+                for s, j in enumerate(perm[:block_k]):
+                    want = 0.0
+                    if blk * block_k + j < Nk:
+                        x = _f32(_f32(float(v[b, h, blk * block_k + j, c]) - float(v_mean[b, h, c])) * inv)
+                        want = float(torch.tensor(x).to(torch.float8_e4m3fn).float())
+                    assert float(v_fp8_tiled[b, h, c, blk * block_k + s].float()) == want
     # Padding rows / keys are zero codes.
     assert not q_quant[:, :, Nq:].any() and not k_quant[:, :, Nk:].any()
 
@@ -270,8 +285,9 @@ def test_quantize_kv_reference_layout_and_delta_s():
     q_mean, k_mean, v_mean, v_scale = ref.smoothing_stats_reference(q, k, v, False)
     assert v_mean.shape == (0,)
     mult = 0.3
-    kq, ks, v8, ds = ref.quantize_kv_reference(
+    kq, ks, v8, ds, vts = ref.quantize_kv_reference(
         k, v, k_mean, v_mean, v_scale, q_mean, 64, "int8", mult)
+    assert vts.shape == (0,)  # V came with per-channel scales
     assert kq.shape == (B, Hkv, 128, D) and ks.shape == (B, Hkv, 2, 4)
     assert v8.shape == (B, Hkv, D, 128) and v8.dtype == torch.float8_e4m3fn and v8.is_contiguous()
     assert ds.shape == (B, Hq, 128) and ds.dtype == torch.float32
@@ -291,9 +307,12 @@ def test_quantize_kv_reference_layout_and_delta_s():
         want = (gk[:, hq // 2].double() @ q_mean[:, hq].double()[0]) * mult
         torch.testing.assert_close(ds[:, hq, :N], want.float(), rtol=1e-6, atol=1e-6)
     # Absent outputs
-    kq2, ks2, v82, ds2 = ref.quantize_kv_reference(k, None, None, None, None, None, 64, "int4", 1.0)
+    kq2, ks2, v82, ds2, vts2 = ref.quantize_kv_reference(k, None, None, None, None, None, 64, "int4", 1.0)
     assert kq2.shape == (B, Hkv, 128, D // 2)
-    assert v82.shape == (0,) and ds2.shape == (0,) and v82.dtype == torch.float32
+    assert v82.shape == (0,) and ds2.shape == (0,) and vts2.shape == (0,) and v82.dtype == torch.float32
+    # Without v_scale: one scale per tile of 64 keys, [B, Hkv, tiles].
+    *_, v8t, _, vts3 = ref.quantize_kv_reference(k, v, None, None, None, None, 64, "int8", 1.0)
+    assert vts3.shape == (B, Hkv, 2) and v8t.shape == v8.shape
 
 
 def test_smoothing_stats_reference():
@@ -517,6 +536,29 @@ def test_two_level_beats_one_level():
     assert two < 1.1 * fp32  # two levels recover nearly all of FP32 accumulation
     # smoothing V (paper A.3) also removes most of the FP22 loss of the one-level form
     assert _l1(q, k, v, want, two_level=False, fp22=True, smooth_v=True) < 0.5 * one
+
+
+def test_v_tile_scales_match_per_channel_accuracy():
+    """v_granularity="tile" (the Hopper kernel's V, one FP8 scale per tile, O kept in the units
+    of the last folded tile): as accurate as per-channel V on the ANCHORS families (E4M3's
+    exponent gives a tile-wide scale the per-channel one's relative precision), and exact in
+    its bookkeeping: with V constant per tile (each tile a different magnitude, one tile zero)
+    and uniform attention, O is the average of the tile values to float32 rounding."""
+    for family in ("bias0", "bias4"):
+        q, k, v = _family(family, (1, 2, 1000, 64), seed=3)
+        want = ref.exact_attention(q, k, v, is_causal=True)
+        kw = dict(is_causal=True, block_k=128, row_sum="pv")
+        tile = _l1(q, k, v, want, v_granularity="tile", **kw)
+        channel = _l1(q, k, v, want, **kw)
+        assert tile < 1.05 * channel, (family, tile, channel)
+    q = torch.zeros(1, 1, 3, 64).half()
+    k = torch.zeros(1, 1, 512, 64).half()
+    values = torch.tensor([3.0, 0.0, 1e-3, 200.0]).repeat_interleave(128)
+    v = values[None, None, :, None].expand(1, 1, 512, 64).half()
+    out = ref.sage_attention_reference(q, k, v, block_k=128, row_sum="pv", v_granularity="tile")
+    torch.testing.assert_close(out, torch.full_like(out, float(v.float().mean())), rtol=1e-5, atol=0)
+    with pytest.raises(ValueError, match="v_granularity"):
+        ref.sage_attention_reference(q, k, v, pv_dtype="fp16", v_granularity="tile")
 
 
 def test_row_sum_from_the_pv_mma():
