@@ -17,7 +17,7 @@ int main() {
                    .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(
                        const std::optional<Tensor>&, const std::optional<Tensor>&, const std::optional<Tensor>&, bool)>();
   auto quantize_kv = dispatcher.findSchemaOrThrow("sageattention2::quantize_kv", "")
-                         .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+                         .typed<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
                              const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
                              const std::optional<Tensor>&, const std::optional<Tensor>&,
                              const std::optional<Tensor>&, int64_t, const std::string&, double)>();
@@ -26,7 +26,7 @@ int main() {
   auto opts = torch::TensorOptions().dtype(torch::kHalf).device(cuda ? torch::kCUDA : torch::kMeta);
   Tensor k = cuda ? torch::randn({1, 2, 300, 128}, opts) : torch::empty({1, 2, 300, 128}, opts);
   auto [q_mean, k_mean, v_mean, v_scale] = stats.call(std::nullopt, k, k, false);
-  auto [k_codes, k_scale, v_fp8, delta_s] =
+  auto [k_codes, k_scale, v_fp8, delta_s, v_tile_scale] =
       quantize_kv.call(k, k, k_mean, std::nullopt, v_scale, std::nullopt, 64, "int8", 1.0);
   std::printf("device=%s k_codes=%s k_scale=%s v_fp8=%s\n", cuda ? "cuda" : "meta",
               c10::str(k_codes.sizes()).c_str(), c10::str(k_scale.sizes()).c_str(),

@@ -112,6 +112,15 @@ TEST(Quantizer, GroupMaximumMapsToQmax) {
     }
 }
 
+TEST(Quantizer, VTileScaleIsAFlooredPowerOfTwo) {
+  EXPECT_EQ(v_tile_scale(448.0f), 1.0f);          // max / 448 already a power of two
+  EXPECT_EQ(v_tile_scale(449.0f), 2.0f);          // else the next one up: codes stay <= 448
+  EXPECT_EQ(v_tile_scale(3.0f), 0.0078125f);      // 3 / 448 = 0.0067 -> 2^-7
+  EXPECT_EQ(v_tile_scale(0.0f), kVTileScaleMin);  // an all-zero tile: the floor, 2^-30
+  EXPECT_EQ(v_tile_scale(1e-12f), kVTileScaleMin);
+  EXPECT_EQ(kVTileScaleMin, std::ldexp(1.0f, -30));
+}
+
 TEST(Int4Packing, RoundTripsAllPairs) {
   for (int lo = -7; lo <= 7; ++lo)
     for (int hi = -7; hi <= 7; ++hi) {

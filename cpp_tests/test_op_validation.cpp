@@ -26,13 +26,13 @@ std::tuple<Tensor, Tensor, Tensor> quantize_q(const Tensor& q, const std::option
   return handle.call(q, mean, block_q, warps, dtype, smooth_block, 1.0);
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor> quantize_kv(const Tensor& k, const std::optional<Tensor>& v,
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quantize_kv(const Tensor& k, const std::optional<Tensor>& v,
                                                        const std::optional<Tensor>& v_scale,
                                                        const std::optional<Tensor>& q_mean, int64_t block_k,
                                                        const std::string& dtype) {
   static auto handle =
       op("sageattention2::quantize_kv")
-          .typed<std::tuple<Tensor, Tensor, Tensor, Tensor>(
+          .typed<std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor>(
               const Tensor&, const std::optional<Tensor>&, const std::optional<Tensor>&,
               const std::optional<Tensor>&, const std::optional<Tensor>&, const std::optional<Tensor>&, int64_t,
               const std::string&, double)>();
@@ -90,18 +90,25 @@ TEST(QuantizeKV, ShapesWithGqaDeltaS) {
   auto k = torch::empty({2, 2, 777, 128}, meta());
   auto v_scale = torch::empty({2, 2, 128}, meta(torch::kFloat));
   auto q_mean = torch::empty({2, 8, 128}, meta(torch::kFloat));
-  auto [kc, ks, vc, ds] = quantize_kv(k, k, v_scale, q_mean, 64, "int4");
+  auto [kc, ks, vc, ds, vts] = quantize_kv(k, k, v_scale, q_mean, 64, "int4");
   EXPECT_EQ(kc.sizes(), (c10::IntArrayRef{2, 2, 832, 64}));
   EXPECT_EQ(ks.sizes(), (c10::IntArrayRef{2, 2, 13, 4}));
   EXPECT_EQ(vc.sizes(), (c10::IntArrayRef{2, 2, 128, 832}));
   EXPECT_EQ(vc.scalar_type(), torch::kFloat8_e4m3fn);
   EXPECT_EQ(ds.sizes(), (c10::IntArrayRef{2, 8, 832}));
+  EXPECT_EQ(vts.numel(), 0);  // V came with per-channel scales
+  // Without v_scale: one V scale per tile, returned.
+  auto [kc2, ks2, vc2, ds2, vts2] = quantize_kv(k, k, std::nullopt, std::nullopt, 128, "int8");
+  EXPECT_EQ(vc2.sizes(), (c10::IntArrayRef{2, 2, 128, 896}));
+  EXPECT_EQ(vts2.sizes(), (c10::IntArrayRef{2, 2, 7}));
+  EXPECT_EQ(vts2.scalar_type(), torch::kFloat);
 }
 
 TEST(QuantizeKV, ErrorsNameTheArgument) {
   auto k = torch::empty({1, 2, 100, 64}, meta());
   auto v_scale = torch::empty({1, 2, 64}, meta(torch::kFloat));
-  EXPECT_NE(error_of([&] { quantize_kv(k, k, std::nullopt, std::nullopt, 64, "int8"); }).find("v_scale"),
+  EXPECT_NE(error_of([&] { quantize_kv(k, k, torch::empty({1, 2, 32}, meta(torch::kFloat)), std::nullopt, 64, "int8"); })
+                .find("v_scale"),
             std::string::npos);
   EXPECT_NE(error_of([&] { quantize_kv(k, k, v_scale, std::nullopt, 48, "int8"); }).find("block_k"),
             std::string::npos);

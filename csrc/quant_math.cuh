@@ -26,14 +26,22 @@ SAGE_HOST_DEVICE float quant_scale(float amax, float qmax) { return amax / qmax;
 SAGE_HOST_DEVICE float quant_inverse(float scale) { return scale > 0.0f ? 1.0f / scale : 0.0f; }
 
 // One FP8 scale per tile of V (the Hopper kernel's V, issue 4): the tile's max |V - v_mean| /
-// 448, floored so that an all-zero tile still gives a finite ratio s_prev / s_tile when the
-// kernel folds its O into the tile's units. V values down to 2^-39 keep E4M3's relative
-// precision; the fold stays in float32 while a head's tile maxima stay below 2^60 (always for
-// fp16 inputs). The reference: reference.V_TILE_SCALE_MIN.
+// 448, floored, then rounded up to a power of two. The floor keeps an all-zero tile's ratio
+// s_prev / s_tile finite when the kernel folds O into the tile's units, and V values down to
+// 2^-39 keep E4M3's relative precision; the fold stays in float32 while a head's tile maxima
+// stay below 2^60 (always for fp16 inputs). A power of two makes V * (1 / s), the fold's ratios
+// and the output's rescale exact, so a code is E4M3's own rounding of V (over five draws of the
+// ANCHORS families as accurate as per-channel scales, bias4 3 % better: benchmarks/RESULTS.md,
+// session 8). The reference: reference.quantize_v_per_tile.
 inline constexpr float kVTileScaleMin = 9.313225746154785e-10f;  // 2^-30
 SAGE_HOST_DEVICE float v_tile_scale(float amax) {
-  const float scale = quant_scale(amax, kFp8E4M3Max);
-  return scale > kVTileScaleMin ? scale : kVTileScaleMin;
+  float scale = quant_scale(amax, kFp8E4M3Max);
+  scale = scale > kVTileScaleMin ? scale : kVTileScaleMin;
+  uint32_t bits;
+  __builtin_memcpy(&bits, &scale, sizeof bits);
+  if (bits & 0x007FFFFFu) bits = (bits & 0x7F800000u) + 0x00800000u;  // the next power of two
+  __builtin_memcpy(&scale, &bits, sizeof bits);
+  return scale;
 }
 
 // rint (round half to even, the default rounding mode) of x * inv, clamped to [-qmax, qmax].

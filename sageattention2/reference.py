@@ -446,7 +446,8 @@ def quantize_v_per_tile(
 
     v [B,H,N,D]; v_mean [B,H,D] float32 or None. Returns (codes fp8 [B,H,N,D], scale float32
     [B,H,ceil(N/block_k)] = max over the tile's keys and channels of |V - v_mean| / fmax,
-    floored at V_TILE_SCALE_MIN).
+    floored at V_TILE_SCALE_MIN and rounded up to a power of two, so that the codes are the FP8
+    rounding of V itself and the kernel's rescales are exact).
     """
     dtype, fmax = _fp8_format(fmt)
     x = v.float()
@@ -455,6 +456,8 @@ def quantize_v_per_tile(
     n = x.shape[2]
     tiles = _pad_tokens(x, block_k).unflatten(2, (-1, block_k))  # [B,H,T,block_k,D]
     scale = torch.clamp(_f32_div(tiles.abs().amax(dim=(3, 4)), fmax), min=V_TILE_SCALE_MIN)
+    bits = scale.view(torch.int32)  # rounded up to a power of two: V * (1 / scale) is exact
+    scale = torch.where(bits & 0x7FFFFF != 0, (bits & 0x7F800000) + 0x800000, bits).view(torch.float32)
     inv = _f32_div(1.0, scale)
     codes = quantize_fp8(tiles * inv[..., None, None], fmt).flatten(2, 3)[:, :, :n]
     return codes, scale
