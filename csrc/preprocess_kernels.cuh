@@ -339,9 +339,28 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   ptx::cp_async_wait<0>();
   __syncthreads();
 
-  const auto k_group = [](int r) { return k_group_of_key(r); };
-  tile_group_absmax<T>(tile, pitch, valid, vecs, mean, k_group, group_amax);
+  // The group maxima: a thread keeps its 4 in registers and each warp reduces them before one
+  // shared atomic per group (an atomic per 16-byte vector put 16-32 lanes on one address).
+  float amax[kKGroupsPerBlock] = {};
+  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+    const int r = i / vecs, c = i % vecs;
+    float x[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
+    float a = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
+    const int group = k_group_of_key(r);
+#pragma unroll
+    for (int g = 0; g < kKGroupsPerBlock; ++g) amax[g] = g == group ? fmaxf(amax[g], a) : amax[g];
+  }
+#pragma unroll
+  for (int g = 0; g < kKGroupsPerBlock; ++g) {
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) amax[g] = fmaxf(amax[g], __shfl_xor_sync(0xffffffffu, amax[g], offset));
+    if (threadIdx.x % 32 == 0) atomic_max_abs(&group_amax[g], amax[g]);
+  }
   __syncthreads();
+  const auto k_group = [](int r) { return k_group_of_key(r); };
 
   if (threadIdx.x < kKGroupsPerBlock) {
     const float scale = quant_scale(__uint_as_float(group_amax[threadIdx.x]), static_cast<float>(Codes::kQmax));
@@ -418,22 +437,24 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
     if (threadIdx.x == 0) p.v_tile_scale[bh * (p.padded_tokens / block_k) + kb] = scale;
   }
 
-  // A thread transposes a channel pair (one 32-bit word of each tile row) over a 16-key slab:
+  // A thread transposes a channel pair (one 32-bit word of each tile row) over a 32-key slab:
   // consecutive lanes take consecutive words, so a warp's reads of one key hit 32 banks. (One
   // channel per thread with the slabs on consecutive lanes read 8 rows 16 keys apart, all in one
-  // bank: the launch was shared-memory bound at 91 % of L1 throughput, ncu.)
-  const int words = head_dim / 2, slabs = block_k / 16;
+  // bank: the launch was shared-memory bound at 91 % of L1 throughput, ncu.) 32 keys make each
+  // thread's stores whole 32-byte sectors of its two output rows.
+  constexpr int kSlabKeys = 32;
+  const int words = head_dim / 2, slabs = block_k / kSlabKeys;
   for (int i = threadIdx.x; i < words * slabs; i += blockDim.x) {
     const int d = 2 * (i % words), slab = i / words;
     const float mean0 = mean[d], mean1 = mean[d + 1];
     const float inv0 = per_tile ? tile_inv : channel_inv[d], inv1 = per_tile ? tile_inv : channel_inv[d + 1];
-    uint32_t codes[2][4];
+    uint32_t codes[2][kSlabKeys / 4];
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
+    for (int w = 0; w < kSlabKeys / 4; ++w) {
       float x[2][4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int key = v_key_of_slot(slab * 16 + w * 4 + e);
+        const int key = v_key_of_slot(slab * kSlabKeys + w * 4 + e);
         x[0][e] = x[1][e] = 0.0f;
         if (key < valid) {
           const uint32_t word = *reinterpret_cast<const uint32_t*>(v_tile + key * pitch + d);
@@ -446,9 +467,12 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
       for (int c = 0; c < 2; ++c) codes[c][w] = pack_e4m3x4(x[c][0], x[c][1], x[c][2], x[c][3]);
     }
 #pragma unroll
-    for (int c = 0; c < 2; ++c)
-      *reinterpret_cast<uint4*>(p.v_codes + (bh * head_dim + d + c) * p.padded_tokens + row0 + slab * 16) =
-          make_uint4(codes[c][0], codes[c][1], codes[c][2], codes[c][3]);
+    for (int c = 0; c < 2; ++c) {
+      uint4* out = reinterpret_cast<uint4*>(p.v_codes + (bh * head_dim + d + c) * p.padded_tokens + row0 +
+                                            slab * kSlabKeys);
+      out[0] = make_uint4(codes[c][0], codes[c][1], codes[c][2], codes[c][3]);
+      out[1] = make_uint4(codes[c][4], codes[c][5], codes[c][6], codes[c][7]);
+    }
   }
 }
 
