@@ -182,21 +182,32 @@ __device__ __forceinline__ void atomic_max_abs(unsigned* slot, float abs_value) 
   atomicMax(slot, __float_as_uint(abs_value));
 }
 
+// max |x - mean| over the 16-byte vector c of row r of a tile staged in shared memory (`pitch`
+// elements per row): the range every quantizer of this file takes, with its mean subtracted.
+template <typename T>
+__device__ __forceinline__ float vector_absmax(const T* tile, int pitch, int r, int c, const float* mean) {
+  float x[8];
+  widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
+  float a = 0.0f;
+#pragma unroll
+  for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
+  return a;
+}
+
+__device__ __forceinline__ float warp_max(float a) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+  return a;
+}
+
 // The two steps of per-thread quantization (paper Eq. 8) over a tile staged in shared memory
 // (`pitch` elements per row, `valid` real rows), smoothed by `mean`; `group_of(row)` is the
-// scale group of a row (Q: warp slab and row % 8; K: key % 8 / 2).
+// scale group of a row (Q: warp slab and row % 8).
 template <typename T, typename GroupOf>
 __device__ __forceinline__ void tile_group_absmax(const T* tile, int pitch, int valid, int vecs,
                                                   const float* mean, GroupOf group_of, unsigned* group_amax) {
-  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
-    const int r = i / vecs, c = i % vecs;
-    float x[8];
-    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
-    float a = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
-    atomic_max_abs(&group_amax[group_of(r)], a);
-  }
+  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x)
+    atomic_max_abs(&group_amax[group_of(i / vecs)], vector_absmax(tile, pitch, i / vecs, i % vecs, mean));
 }
 
 // Writes `rows` rows of codes to `dst` (row stride `code_dim` bytes); rows past `valid` are the
@@ -343,21 +354,15 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   // shared atomic per group (an atomic per 16-byte vector put 16-32 lanes on one address).
   float amax[kKGroupsPerBlock] = {};
   for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
-    const int r = i / vecs, c = i % vecs;
-    float x[8];
-    widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
-    float a = 0.0f;
-#pragma unroll
-    for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
-    const int group = k_group_of_key(r);
+    const float a = vector_absmax(tile, pitch, i / vecs, i % vecs, mean);
+    const int group = k_group_of_key(i / vecs);
 #pragma unroll
     for (int g = 0; g < kKGroupsPerBlock; ++g) amax[g] = g == group ? fmaxf(amax[g], a) : amax[g];
   }
 #pragma unroll
   for (int g = 0; g < kKGroupsPerBlock; ++g) {
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) amax[g] = fmaxf(amax[g], __shfl_xor_sync(0xffffffffu, amax[g], offset));
-    if (threadIdx.x % 32 == 0) atomic_max_abs(&group_amax[g], amax[g]);
+    const float group_max = warp_max(amax[g]);
+    if (threadIdx.x % 32 == 0) atomic_max_abs(&group_amax[g], group_max);
   }
   __syncthreads();
   const auto k_group = [](int r) { return k_group_of_key(r); };
@@ -421,15 +426,9 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   if (per_tile) {
     const int vecs = head_dim / kElemsPerVector;
     float a = 0.0f;
-    for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
-      const int r = i / vecs, c = i % vecs;
-      float x[8];
-      widen8<T>(*reinterpret_cast<const uint4*>(v_tile + r * pitch + c * kElemsPerVector), x);
-#pragma unroll
-      for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
-    }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+    for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x)
+      a = fmaxf(a, vector_absmax(v_tile, pitch, i / vecs, i % vecs, mean));
+    a = warp_max(a);
     if (threadIdx.x % 32 == 0) atomic_max_abs(&sm.tile_amax, a);
     __syncthreads();
     const float scale = v_tile_scale(__uint_as_float(sm.tile_amax));
