@@ -42,6 +42,11 @@ _HEAD_DIM_MULTIPLE = 8
 _MIN_CAPABILITY = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16 with FP32 accumulation
 _LOG2E = math.log2(math.e)
 # What each attention kernel runs (kernel_plan).
+# The Hopper path's smoothing vectors (K's mean; V's with smooth_v) are means over about this many
+# tokens, a strided sample (smoothing_sample_stride): any vector subtracted from every key shifts
+# each row of S by a constant (and V's mean is added back), so only the quantization error can
+# change; the statistics launch then reads ~1/16 of K at 4K instead of all of it.
+SMOOTHING_SAMPLE_TOKENS = 256
 MMA_PLAN = "per-thread quantized QK warp-level kernel (mma.sync)"
 WGMMA_PLAN = "INT8 QK (per-thread, Q quantized in the kernel) + FP8 PV Hopper kernel (wgmma)"
 
@@ -525,16 +530,25 @@ def _unpad_head_dim(out: Tensor, head_dim: int, out_nhd: bool) -> Tensor:
     return memory.transpose(1, 2) if out_nhd else memory
 
 
+def smoothing_sample_stride(tokens: int) -> int:
+    """The stride of the token sample whose mean is the Hopper path's smoothing vector: about
+    SMOOTHING_SAMPLE_TOKENS tokens (all of them below twice that), and odd, so that it is coprime
+    with any power-of-two period of the token order (image rows, frames): the sample then visits
+    every position of such a period rather than one column of an image."""
+    return max(1, tokens // SMOOTHING_SAMPLE_TOKENS) | 1
+
+
 def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
            sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The Hopper kernel's call: one smoothing_stats pass (K's mean; V's mean with smooth_v),
-    one quantize_kv pass (per-thread INT8 K, FP8 V with one scale per tile, transposed in the
-    PV-MMA order), then the kernel, which quantizes Q itself and returns the complete LSE (it
-    adds the row constant of K smoothing)."""
+    """The Hopper kernel's call: one smoothing_stats pass over a strided sample of the tokens
+    (K's mean; V's mean with smooth_v), one quantize_kv pass (per-thread INT8 K, FP8 V with one
+    scale per tile, transposed in the PV-MMA order), then the kernel, which quantizes Q itself
+    and returns the complete LSE (it adds the row constant of K smoothing)."""
     k_mean = v_mean = None
     if call.smooth_k or call.smooth_v:
-        stats = ops.smoothing_stats(None, k if call.smooth_k else None,
-                                    v if call.smooth_v else None, call.smooth_v)
+        sample = slice(None, None, smoothing_sample_stride(k.shape[2]))
+        stats = ops.smoothing_stats(None, k[:, :, sample] if call.smooth_k else None,
+                                    v[:, :, sample] if call.smooth_v else None, call.smooth_v)
         k_mean = stats.k_mean if call.smooth_k else None
         v_mean = stats.v_mean if call.smooth_v else None
     kv = ops.quantize_kv(k, v, k_mean, v_mean, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)

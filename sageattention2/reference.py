@@ -502,9 +502,16 @@ def v_key_permutation(n_keys: int, device: torch.device | str | None = None) -> 
 # --------------------------------------------------------------------------------------------
 
 
-def _token_mean(x: Tensor) -> Tensor:
-    """Mean over tokens [B,H,N,D] -> [B,H,D]: float64 sum, cast to x's float type (DESIGN.md)."""
-    return x.double().mean(dim=2).to(x.dtype)
+def _token_mean(x: Tensor, stride: int = 1) -> Tensor:
+    """Mean over tokens [B,H,N,D] -> [B,H,D]: float64 sum, cast to x's float type (DESIGN.md);
+    over the tokens 0, stride, 2 * stride, ... only when ``stride`` > 1 (a sampled smoothing
+    vector: DESIGN.md, "Smoothing")."""
+    return x[:, :, ::stride].double().mean(dim=2).to(x.dtype)
+
+
+def _check_mean_stride(mean_stride: int) -> None:
+    if isinstance(mean_stride, bool) or not isinstance(mean_stride, int) or mean_stride < 1:
+        raise ValueError(f"mean_stride must be a positive int, got {mean_stride!r}")
 
 
 def _q_block_means(x: Tensor, block_q: int) -> Tensor:
@@ -538,19 +545,23 @@ def smooth_qk(
     smooth_q: Optional[str] = None,
     smooth_k: bool = True,
     block_q: int = 128,
+    mean_stride: int = 1,
 ) -> SmoothedQK:
     """Smooth Q and K (paper 3.1): gamma(K) = K - mean(K); gamma(Q) = Q - mean per block or head.
 
     Works in float64 for float64 inputs, else in float32 with means summed in float64 and cast
     to float32 (DESIGN.md). ``smooth_q``: None, "block" (paper Eq. 2: each block of block_q
     queries subtracts its mean) or "head" (one mean per head; any vector subtracted from all
-    queries is exact because Delta-S compensates it).
+    queries is exact because Delta-S compensates it). ``mean_stride`` > 1: K's mean over the
+    tokens 0, s, 2s, ... (the Hopper path's sampled smoothing vector; any vector subtracted from
+    every key shifts each row of S by a constant).
     """
     _check_4d(q=q, k=k)
+    _check_mean_stride(mean_stride)
     dt = torch.float64 if q.dtype == torch.float64 else torch.float32
     qx, kx = q.to(dt), k.to(dt)
     B, Hq, Nq, D = qx.shape
-    k_mean = _token_mean(kx) if smooth_k else kx.new_zeros(B, kx.shape[1], D)
+    k_mean = _token_mean(kx, mean_stride) if smooth_k else kx.new_zeros(B, kx.shape[1], D)
     gamma_k = kx - k_mean[:, :, None, :] if smooth_k else kx
     rows = torch.arange(Nq, device=q.device)
     if smooth_q is None:
@@ -771,6 +782,7 @@ def sage_attention_reference(
     fp22: bool = True,
     row_sum: str = "p",
     v_granularity: str = "channel",
+    mean_stride: int = 1,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Simulate SageAttention2's forward (paper Algorithm 1) on [B,H,N,D] inputs.
@@ -796,6 +808,8 @@ def sage_attention_reference(
       3.3, the warp-level kernels), or "tile", one scalar per block_k-key tile (the Hopper
       kernel, issue 4): its R = P8 V8 is in units of the tile's scale, and O is kept in units of
       the current tile's, rescaled at each fold by alpha * s_prev / s_tile (as the kernel does).
+    * mean_stride: K's and (smooth_v) V's means over the tokens 0, s, 2s, ... only (the Hopper
+      path's sampled smoothing vectors, ``api.smoothing_sample_stride``); 1: all tokens.
     * Causal masking and tails follow SDPA (top-left aligned, see :func:`exact_attention`).
 
     Numerics: Q K^T of the integer codes is exact (float64), dequantized and corrected with
@@ -827,7 +841,8 @@ def sage_attention_reference(
     sm_scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
 
     # Step 1, paper 3.1 / Fig. 3: smooth Q and K (float32, means from float64 sums).
-    sm = smooth_qk(q.float(), k.float(), smooth_q=smooth_q, smooth_k=smooth_k, block_q=block_q)
+    sm = smooth_qk(q.float(), k.float(), smooth_q=smooth_q, smooth_k=smooth_k, block_q=block_q,
+                   mean_stride=mean_stride)
 
     # Step 3, paper 3.2: quantize gamma(Q), gamma(K); S = (codes_q codes_k^T) * dq dk.
     if qk_dtype == "fp16":
@@ -844,7 +859,7 @@ def sage_attention_reference(
     q_factor = (q_rows.expand(B, Hq, Nq) * sm_scale)[..., None]  # [B,Hq,Nq,1]
 
     # Paper 3.3 / A.3: V per channel to FP8 (optionally minus its mean), or kept as is.
-    v_mean = _token_mean(v.float()) if smooth_v else v.new_zeros(B, Hkv, v.shape[-1]).float()
+    v_mean = _token_mean(v.float(), mean_stride) if smooth_v else v.new_zeros(B, Hkv, v.shape[-1]).float()
     tile_scale = None
     if pv_dtype in FP8_FORMATS and v_granularity == "tile":
         v8, tile_scale = quantize_v_per_tile(v, v_mean, block_k, pv_dtype)

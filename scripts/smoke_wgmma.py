@@ -26,7 +26,7 @@ def emulate(q, k, v, causal, smooth_k=True, smooth_v=False):
         q, k, v, is_causal=causal, qk_dtype="int8", granularity="thread", block_q=128, warps=8,
         block_k=ops.WGMMA_BLOCK_K, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,
         pv_dtype="e4m3", two_level=True, fp22=False, row_sum="pv", v_granularity="tile",
-        return_lse=True)
+        mean_stride=api.smoothing_sample_stride(k.shape[2]), return_lse=True)
 
 
 worst = 0.0

@@ -627,6 +627,20 @@ def test_wgmma_geometry_matches_csrc() -> None:
         assert int(match.group(1)) == value, f"{name} = {match.group(1)}, expected {value}"
 
 
+def test_smoothing_sample_stride() -> None:
+    """The Hopper path's smoothing means: every token below 2 * SMOOTHING_SAMPLE_TOKENS, then an
+    odd stride (coprime with power-of-two periods of the token order) that keeps between half
+    and twice SMOOTHING_SAMPLE_TOKENS tokens."""
+    target = api.SMOOTHING_SAMPLE_TOKENS
+    for n in [*range(1, 2 * target), *range(2 * target, 300_000, 97), 2**20]:
+        stride = api.smoothing_sample_stride(n)
+        samples = -(-n // stride)
+        if n < 2 * target:
+            assert stride == 1, n
+        else:
+            assert stride % 2 == 1 and target // 2 <= samples <= 2 * target, (n, stride)
+
+
 @pytest.mark.parametrize(
     "options",
     [{}, {"smooth_q": False}, {"smooth_q": True}, {"smooth_q": "head"}, {"smooth_q": "block"},
@@ -1018,14 +1032,16 @@ def test_quantized_path_fallbacks(stand_in: list[dict[str, Any]]) -> None:
         dict(packed=True, layout="NHD", smooth_v=True),
         dict(d=96, layout="NHD", smooth_v=True),
         dict(d=40, b=None, causal=True),
+        dict(nk=1100, nq=20, smooth_v=True),
     ],
     ids=["hnd", "nhd-bf16-causal-scale", "3d-no-smooth-k-smooth-v", "mqa-d64", "packed-nhd",
-         "d96-nhd-smooth-v", "d40-3d-causal"],
+         "d96-nhd-smooth-v", "d40-3d-causal", "sampled-means"],
 )
 def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]) -> None:
     """The arguments sageattn gives attention_wgmma (where _kernel_for picks it), from the real
     preprocessing ops (their CPU reference implementations): q read in place, K/V quantized for
-    block_k=WGMMA_BLOCK_K, K's mean only with smooth_k, V's only with smooth_v, the kv length,
+    block_k=WGMMA_BLOCK_K, K's mean only with smooth_k, V's only with smooth_v (both over the
+    strided token sample of api.smoothing_sample_stride), the kv length,
     softmax scale, mask, output layout and LSE flag; and what the op returns is what sageattn
     returns, in the caller's layout (a head_dim the kernel is not built for zero-padded to the
     next built one, with the softmax scale of the true head_dim, the output cut back)."""
@@ -1082,7 +1098,11 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
     assert call["v_fp8"].shape == (b or 1, hkv, d_kernel, k_pad)
     assert call["v_fp8"].dtype == torch.float8_e4m3fn
     k_kernel, v_kernel = (torch.nn.functional.pad(t, (0, d_kernel - d)) for t in (k4, v4))
-    want_stats = ref.smoothing_stats_reference(None, k_kernel, v_kernel, smooth_v)
+    # The means are over every api.smoothing_sample_stride(nk)-th token (all below 512 keys).
+    stride = api.smoothing_sample_stride(nk)
+    assert stride == (5 if nk == 1100 else 1)
+    want_stats = ref.smoothing_stats_reference(None, k_kernel[:, :, ::stride],
+                                               v_kernel[:, :, ::stride], smooth_v)
     # V with one FP8 scale per tile (quantize_kv without v_scale), of V minus its mean.
     _, want_tile_scale = ref.quantize_v_per_tile(v_kernel, want_stats[2] if smooth_v else None,
                                                  ops.WGMMA_BLOCK_K)

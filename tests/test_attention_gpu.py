@@ -249,7 +249,7 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
         return ref.sage_attention_reference(
             q4, k4, v4, block_q=WGMMA_BLOCK_Q, warps=WGMMA_WARPS, block_k=ops.WGMMA_BLOCK_K,
             smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, row_sum="pv",
-            v_granularity="tile", **common,
+            v_granularity="tile", mean_stride=api.smoothing_sample_stride(k4.shape[2]), **common,
         )
     mma = dict(block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
                smooth_q=None if smooth_q is False else "head")
@@ -356,9 +356,11 @@ def run_wgmma_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: b
     """sageattn's preprocessing for the Hopper kernel (api._wgmma) written out: one
     smoothing_stats pass (K's mean and, with smooth_v, V's mean), one quantize_kv pass (INT8 K,
     FP8 V with one scale per tile); then attention_wgmma on poisoned memory, with ``q4`` as given
-    (it reads any view with a contiguous last dimension in place). Returns (out, lse)."""
+    (it reads any view with a contiguous last dimension in place). The means are over the
+    token sample sageattn takes (api.smoothing_sample_stride). Returns (out, lse)."""
     sm_scale = q4.shape[-1] ** -0.5 if scale is None else scale
-    stats = ops.smoothing_stats(None, k4, v4, smooth_v)
+    sample = slice(None, None, api.smoothing_sample_stride(k4.shape[2]))
+    stats = ops.smoothing_stats(None, k4[:, :, sample], v4[:, :, sample], smooth_v)
     k_mean = stats.k_mean if smooth_k else None
     v_mean = stats.v_mean if smooth_v else None
     kv = ops.quantize_kv(k4, v4, k_mean, v_mean, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)

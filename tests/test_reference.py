@@ -630,3 +630,30 @@ def test_metrics_hand_values():
     noisy = o + torch.tensor([0.5, 0.0, -0.5, 1.0])
     assert ref.relative_l1(noisy, o) == pytest.approx(2.0 / 6.0)
     assert ref.rmse(noisy, o) == pytest.approx(math.sqrt(1.5 / 4))
+
+
+def test_sampled_smoothing_means():
+    """mean_stride: K's (and with smooth_v V's) smoothing vector is the mean of every s-th token.
+    Any vector subtracted from every key shifts a row of S by a constant, and V's mean is added
+    back, so without quantization the output and the LSE do not change; with INT8 QK and FP8 PV
+    (the Hopper path) the error stays that of the all-token mean on a family with channel
+    offsets, to within a few percent."""
+    q, k, v = _family("bias4", (1, 2, 700, 64), seed=11)
+    sm = ref.smooth_qk(q.float(), k.float(), mean_stride=5)
+    assert torch.equal(sm.k_mean, k.float()[:, :, ::5].double().mean(dim=2).float())
+    assert not torch.equal(sm.k_mean, ref.smooth_qk(q.float(), k.float()).k_mean)
+    assert torch.equal(sm.gamma_k, k.float() - sm.k_mean[:, :, None])
+    exact_kw = dict(qk_dtype="fp16", pv_dtype="fp32", smooth_v=True, return_lse=True, is_causal=True)
+    out1, lse1 = ref.sage_attention_reference(q, k, v, **exact_kw)
+    out5, lse5 = ref.sage_attention_reference(q, k, v, mean_stride=5, **exact_kw)
+    torch.testing.assert_close(out5, out1, rtol=0, atol=1e-5)
+    torch.testing.assert_close(lse5, lse1, rtol=0, atol=1e-5)
+    want = ref.exact_attention(q, k, v)
+    hopper = dict(block_q=128, warps=8, block_k=128, row_sum="pv", v_granularity="tile")
+    for smooth_v in (False, True):
+        full = _l1(q, k, v, want, smooth_v=smooth_v, **hopper)
+        sampled = _l1(q, k, v, want, smooth_v=smooth_v, mean_stride=5, **hopper)
+        assert sampled < 1.05 * full, (smooth_v, sampled, full)
+    for bad in (0, -1, 1.0, True):
+        with pytest.raises(ValueError, match="mean_stride"):
+            ref.sage_attention_reference(q, k, v, mean_stride=bad)
