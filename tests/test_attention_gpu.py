@@ -588,6 +588,27 @@ def test_wgmma_op_reads_q_views(layout: str, shape: tuple[int, ...], causal: boo
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
+def test_wgmma_op_reads_broadcast_and_size_one_views() -> None:
+    """The kernel reads q through a tensor map of its strides: a broadcast view (stride 0 over
+    batch and heads, which the copy engine cannot step along) and views whose size-1 dimensions
+    have strides of another tensor (one query of a longer sequence) give the contiguous
+    tensor's result, bit for bit."""
+    q4, k4, v4 = make_qkv(2, 4, 4, 300, 300, 128, torch.float16, seed=5, bias=(1.0, 4.0, 1.0))
+    broadcast = q4[:1, :1].expand(2, 4, 300, 128)
+    assert broadcast.stride(0) == 0 and broadcast.stride(1) == 0
+    out, lse = run_wgmma_op(broadcast, k4, v4, False)
+    assert_finite(out, lse)
+    out_c, lse_c = run_wgmma_op(broadcast.contiguous(), k4, v4, False)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    one_query = q4[:1, :, 7:8]  # [1, 4, 1, 128] with the strides of [2, 4, 300, 128]
+    out, lse = run_wgmma_op(one_query, k4[:1], v4[:1], True)
+    out_c, lse_c = run_wgmma_op(one_query.contiguous(), k4[:1], v4[:1], True)
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    want, _ = emulate(one_query.contiguous(), k4[:1], v4[:1], True, kernel=WGMMA)
+    assert rel_l1(out, want.half()) <= EMULATION_L1
+
+
+@pytest.mark.usefixtures("wgmma_kernel")
 @pytest.mark.parametrize("out_nhd", [False, True], ids=["out-hnd", "out-nhd"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_wgmma_op_without_lse_and_scale(out_nhd: bool, dtype: torch.dtype) -> None:
