@@ -57,3 +57,14 @@ if hasattr(torch.ops.sageattention2, "attention_wgmma") and torch.cuda.get_devic
                                     n + 7, d ** -0.5, causal, causal, True)
     torch.cuda.synchronize()
     print("sanitize: attention_wgmma variants ran")
+
+# sageattn's Hopper path end to end: its smoothing means over a strided token sample (stride 5 at
+# 1100 keys: api.smoothing_sample_stride), smooth V, the LSE.
+if hasattr(torch.ops.sageattention2, "attention_wgmma") and torch.cuda.get_device_capability() == (9, 0):
+    from sageattention2 import api, sageattn
+
+    q, k, v = (torch.randn(1, 2, 1100, 128, device="cuda", dtype=torch.float16) for _ in range(3))
+    assert api.smoothing_sample_stride(1100) == 5
+    sageattn(q, k, v, smooth_v=True, return_lse=True, strict=True)
+    torch.cuda.synchronize()
+    print("sanitize: sageattn's Hopper path with sampled means ran")
