@@ -71,8 +71,13 @@ struct StatsGrid {
   int64_t rows_per_chunk;
 };
 
+// Up to this many rows a job is one CTA's, which writes the results itself: no second launch
+// (the Hopper path's sampled means read at most 256 rows per head: api.smoothing_sample_stride).
+inline constexpr int64_t kStatsSingleChunkRows = 256;
+
 constexpr StatsGrid stats_grid(int64_t max_rows, int64_t jobs, int sm_count,
                                int64_t min_rows_per_chunk = 64, int max_chunks = 64) {
+  if (max_rows <= kStatsSingleChunkRows) return StatsGrid{1, max_rows > 1 ? max_rows : 1};
   // Aim for about 16 CTAs per SM over all jobs: about 3 waves at the 5 resident CTAs an SM holds,
   // so the last, partial wave costs little (with 4 per SM, a second wave of a few CTAs doubled
   // the launch's time: 52 % of DRAM bandwidth at B4 H32 N1024, ncu).

@@ -24,7 +24,7 @@ cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dt
     using T = decltype(tag);
     smoothing_stats_partial_kernel<T><<<dim3(p.chunks, jobs), kPreprocessThreads, 0, stream>>>(p);
   });
-  smoothing_stats_finalize_kernel<<<jobs, kPreprocessThreads, 0, stream>>>(p);
+  if (p.chunks > 1) smoothing_stats_finalize_kernel<<<jobs, kPreprocessThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -31,6 +31,19 @@ __device__ __forceinline__ int stats_source_of_job(const StatsParams& p, int job
   return s;
 }
 
+// Channel d of a job's results from its token sum and (V) channel max and min.
+__device__ __forceinline__ void write_stats(const StatsSource& src, int job, int d, float sum, float hi, float lo) {
+  const int64_t out_base = static_cast<int64_t>(job - src.first_job) * src.view.head_dim;
+  const float mean = sum / static_cast<float>(src.view.tokens);
+  if (src.mean_out != nullptr) src.mean_out[out_base + d] = mean;
+  if (src.track_range) {
+    // max_n |V[n] - m| == max(max_n V - m, m - min_n V) exactly: float subtraction of a
+    // constant is monotonic and fl(m - v) == -fl(v - m) under round-to-nearest-even.
+    const float shift = src.smooth ? mean : 0.0f;
+    src.scale_out[out_base + d] = quant_scale(fmaxf(hi - shift, shift - lo), kFp8E4M3Max);
+  }
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads)
     smoothing_stats_partial_kernel(const __grid_constant__ StatsParams p) {
@@ -104,6 +117,10 @@ __global__ void __launch_bounds__(kPreprocessThreads)
       hi = fmaxf(hi, red_max[lane * head_dim + d]);
       lo = fminf(lo, red_min[lane * head_dim + d]);
     }
+    if (p.chunks == 1) {  // the whole job: no fold launch (the finalize kernel's 0 + s == s)
+      write_stats(src, job, d, s, hi, lo);
+      continue;
+    }
     p.partial_sum[out_base + d] = s;
     if (src.track_range) {
       p.partial_max[out_base + d] = hi;
@@ -118,7 +135,6 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const StatsSource& src = p.sources[stats_source_of_job(p, job)];
   const int head_dim = src.view.head_dim;
   const int64_t in_base = static_cast<int64_t>(job) * p.chunks * kMaxHeadDim;
-  const int64_t out_base = static_cast<int64_t>(job - src.first_job) * head_dim;
   const int used_chunks = static_cast<int>(ceil_div(src.view.tokens, p.rows_per_chunk));
 
   for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
@@ -130,14 +146,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
         lo = fminf(lo, p.partial_min[in_base + c * kMaxHeadDim + d]);
       }
     }
-    const float mean = s / static_cast<float>(src.view.tokens);
-    if (src.mean_out != nullptr) src.mean_out[out_base + d] = mean;
-    if (src.track_range) {
-      // max_n |V[n] - m| == max(max_n V - m, m - min_n V) exactly: float subtraction of a
-      // constant is monotonic and fl(m - v) == -fl(v - m) under round-to-nearest-even.
-      const float shift = src.smooth ? mean : 0.0f;
-      src.scale_out[out_base + d] = quant_scale(fmaxf(hi - shift, shift - lo), kFp8E4M3Max);
-    }
+    write_stats(src, job, d, s, hi, lo);
   }
 }
 

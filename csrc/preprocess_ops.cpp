@@ -76,12 +76,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
   p.chunks = grid.chunks;
   p.rows_per_chunk = grid.rows_per_chunk;
   auto f32 = any.options().dtype(at::kFloat);
-  at::Tensor partial_sum = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
-  at::Tensor partial_max = v ? at::empty({jobs, grid.chunks, kMaxHeadDim}, f32) : partial_sum;
-  at::Tensor partial_min = v ? at::empty({jobs, grid.chunks, kMaxHeadDim}, f32) : partial_sum;
-  p.partial_sum = partial_sum.data_ptr<float>();
-  p.partial_max = partial_max.data_ptr<float>();
-  p.partial_min = partial_min.data_ptr<float>();
+  // One chunk per job: its CTA writes the results, no partials (and no second launch).
+  const int64_t partial_chunks = grid.chunks > 1 ? grid.chunks : 0;
+  at::Tensor partial_sum = at::empty({jobs, partial_chunks, kMaxHeadDim}, f32);
+  at::Tensor partial_max = v ? at::empty({jobs, partial_chunks, kMaxHeadDim}, f32) : partial_sum;
+  at::Tensor partial_min = v ? at::empty({jobs, partial_chunks, kMaxHeadDim}, f32) : partial_sum;
+  p.partial_sum = partial_chunks > 0 ? partial_sum.data_ptr<float>() : nullptr;
+  p.partial_max = partial_chunks > 0 ? partial_max.data_ptr<float>() : nullptr;
+  p.partial_min = partial_chunks > 0 ? partial_min.data_ptr<float>() : nullptr;
   C10_CUDA_CHECK(launch_smoothing_stats(p, jobs, input_dtype(any), at::cuda::getCurrentCUDAStream()));
   return {out.q_mean, out.k_mean, out.v_mean, out.v_scale};
 }

@@ -41,7 +41,7 @@ struct StatsParams {
   int jobs_per_source = 0;  // > 0: every source has this many jobs, interleaved in the grid
   int chunks = 1;
   int64_t rows_per_chunk = 1;
-  float* partial_sum = nullptr;  // [jobs][chunks][kMaxHeadDim]
+  float* partial_sum = nullptr;  // [jobs][chunks][kMaxHeadDim]; null with one chunk (no fold launch)
   float* partial_max = nullptr;
   float* partial_min = nullptr;
 };

@@ -42,8 +42,8 @@ _HEAD_DIM_MULTIPLE = 8
 _MIN_CAPABILITY = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16 with FP32 accumulation
 _LOG2E = math.log2(math.e)
 # What each attention kernel runs (kernel_plan).
-# The Hopper path's smoothing vectors (K's mean; V's with smooth_v) are means over about this many
-# tokens, a strided sample (smoothing_sample_stride): any vector subtracted from every key shifts
+# The Hopper path's smoothing vectors (K's mean; V's with smooth_v) are means over at most this
+# many tokens, a strided sample (smoothing_sample_stride): any vector subtracted from every key shifts
 # each row of S by a constant (and V's mean is added back), so only the quantization error can
 # change; the statistics launch then reads ~1/16 of K at 4K instead of all of it.
 SMOOTHING_SAMPLE_TOKENS = 256
@@ -531,11 +531,12 @@ def _unpad_head_dim(out: Tensor, head_dim: int, out_nhd: bool) -> Tensor:
 
 
 def smoothing_sample_stride(tokens: int) -> int:
-    """The stride of the token sample whose mean is the Hopper path's smoothing vector: about
-    SMOOTHING_SAMPLE_TOKENS tokens (all of them below twice that), and odd, so that it is coprime
-    with any power-of-two period of the token order (image rows, frames): the sample then visits
+    """The stride of the token sample whose mean is the Hopper path's smoothing vector: at most
+    SMOOTHING_SAMPLE_TOKENS tokens (all of them up to that many; the statistics launch then
+    reduces each head in one CTA, with no second launch), and odd, so that it is coprime with
+    any power-of-two period of the token order (image rows, frames): the sample then visits
     every position of such a period rather than one column of an image."""
-    return max(1, tokens // SMOOTHING_SAMPLE_TOKENS) | 1
+    return -(-tokens // SMOOTHING_SAMPLE_TOKENS) | 1
 
 
 def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
