@@ -20,8 +20,9 @@ __device__ __forceinline__ const T* row_ptr(const BhndView& v, int b, int h, int
 // ---------------------------------------------------------------------------------------------
 // Smoothing statistics: per-channel means over tokens (Q, K, V) and V's per-channel range.
 // One launch covers up to three tensors; its CTAs each reduce a chunk of rows of one
-// (tensor, batch, head) "job", and a second tiny launch folds the chunks in a fixed order so
-// the result is the same bit for bit on every run.
+// (tensor, batch, head) "job", and, when a job has several chunks, a second tiny launch folds
+// them in a fixed order so the result is the same bit for bit on every run (a job of one chunk,
+// up to kStatsSingleChunkRows rows, is written by its CTA).
 // ---------------------------------------------------------------------------------------------
 
 
