@@ -41,12 +41,12 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIM_MULTIPLE = 8
 _MIN_CAPABILITY = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16 with FP32 accumulation
 _LOG2E = math.log2(math.e)
-# What each attention kernel runs (kernel_plan).
 # The Hopper path's smoothing vectors (K's mean; V's with smooth_v) are means over at most this
 # many tokens, a strided sample (smoothing_sample_stride): any vector subtracted from every key shifts
 # each row of S by a constant (and V's mean is added back), so only the quantization error can
 # change; the statistics launch then reads ~1/16 of K at 4K instead of all of it.
 SMOOTHING_SAMPLE_TOKENS = 256
+# What each attention kernel runs (kernel_plan).
 MMA_PLAN = "per-thread quantized QK warp-level kernel (mma.sync)"
 WGMMA_PLAN = "INT8 QK (per-thread, Q quantized in the kernel) + FP8 PV Hopper kernel (wgmma)"
 

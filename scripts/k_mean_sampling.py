@@ -8,11 +8,10 @@ Stride 17 is what sageattn uses at N=4096 (api.smoothing_sample_stride).
     python3 scripts/k_mean_sampling.py [--draws 4] [--strides 1 17 33 65]
 """
 import argparse
+import functools
 
-import torch
-
+from accuracy_draws import print_draws
 from sageattention2 import api, ops
-from sageattention2 import reference as ref
 
 OFFICIAL = {("bias0", False): (0.999265, 0.0383), ("bias0", True): (0.999389, 0.0367),
             ("bias4", False): (0.99990, 0.0117), ("bias4", True): (0.99987, 0.0132),
@@ -32,29 +31,4 @@ def hopper(q, k, v, causal, stride):
     return out
 
 
-sums = {}
-print("| draw | family | causal | " + " | ".join(f"stride {s}" for s in args.strides) + " | official |")
-print("|---|---|---|" + "---|" * (len(args.strides) + 1))
-for draw in range(args.draws + 1):
-    torch.manual_seed(0 if draw == 0 else 1000 + draw)
-    families = {name: ref.make_input_family(name, (1, 8, 4096, 128), torch.float16, "cuda")
-                for name in ("bias0", "bias4", "outliers")}
-    for name, (q, k, v) in families.items():
-        for causal in (False, True):
-            want = ref.exact_attention(q, k, v, is_causal=causal)
-            cells = []
-            for stride in args.strides:
-                out = hopper(q, k, v, causal, stride)
-                l1, cos = ref.relative_l1(out, want), ref.cosine_similarity(out, want)
-                sums.setdefault((name, causal, stride), []).append(l1)
-                cells.append(f"{l1:.5f} / {cos:.6f}")
-            o = OFFICIAL[name, causal]
-            print(f"| {'ANCHORS' if draw == 0 else draw} | {name} | {causal} | " + " | ".join(cells)
-                  + f" | {o[1]:.4f} / {o[0]:.6f} |", flush=True)
-print(f"\nmean rel. L1 over {args.draws + 1} draws")
-print("| family | causal | " + " | ".join(f"stride {s}" for s in args.strides) + " |")
-print("|---|---|" + "---|" * len(args.strides))
-for name in ("bias0", "bias4", "outliers"):
-    for causal in (False, True):
-        cells = [f"{sum(sums[name, causal, s]) / len(sums[name, causal, s]):.5f}" for s in args.strides]
-        print(f"| {name} | {causal} | " + " | ".join(cells) + " |")
+print_draws({f"stride {s}": functools.partial(hopper, stride=s) for s in args.strides}, args.draws, OFFICIAL)

@@ -7,10 +7,11 @@ draws is not.
     python3 scripts/v_scale_accuracy.py [--draws 4] [--pow2]
 """
 import argparse
-import math
+import functools
 
 import torch
 
+from accuracy_draws import print_draws
 from sageattention2 import reference as ref
 
 parser = argparse.ArgumentParser()
@@ -38,29 +39,7 @@ def emulate(q, k, v, causal, pow2=False, **kw):
     ref.quantize_v_per_tile = per_tile_pow2 if pow2 else per_tile
     return ref.sage_attention_reference(
         q, k, v, is_causal=causal, qk_dtype="int8", granularity="thread", block_q=128, warps=8, block_k=128,
-        smooth_k=True, smooth_q=None, pv_dtype="e4m3", two_level=True, fp22=True, row_sum="pv", **kw)
+        smooth_k=True, smooth_q=None, pv_dtype="e4m3", two_level=True, fp22=True, row_sum="pv", **kw).half()
 
 
-sums = {}
-print("| draw | family | causal | " + " | ".join(variants) + " |")
-print("|---|---|---|" + "---|" * len(variants))
-for draw in range(args.draws + 1):
-    torch.manual_seed(0 if draw == 0 else 1000 + draw)
-    families = {name: ref.make_input_family(name, (1, 8, 4096, 128), torch.float16, "cuda")
-                for name in ("bias0", "bias4", "outliers")}
-    for name, (q, k, v) in families.items():
-        for causal in (False, True):
-            want = ref.exact_attention(q, k, v, is_causal=causal)
-            cells = []
-            for label, kw in variants.items():
-                out = emulate(q, k, v, causal, **kw).half()
-                l1, cos = ref.relative_l1(out, want), ref.cosine_similarity(out, want)
-                sums.setdefault((name, causal, label), []).append(l1)
-                cells.append(f"{l1:.5f} / {cos:.6f}")
-            print(f"| {'ANCHORS' if draw == 0 else draw} | {name} | {causal} | " + " | ".join(cells) + " |",
-                  flush=True)
-print("\nmean rel. L1 over the draws:")
-for name in ("bias0", "bias4", "outliers"):
-    for causal in (False, True):
-        print(f"| {name} | {causal} | " + " | ".join(
-            f"{sum(sums[name, causal, label]) / len(sums[name, causal, label]):.5f}" for label in variants) + " |")
+print_draws({label: functools.partial(emulate, **kw) for label, kw in variants.items()}, args.draws)
