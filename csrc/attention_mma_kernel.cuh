@@ -1,9 +1,9 @@
-// The warp-level SageAttention2 kernel (paper Algorithm 1) in FlashAttention-2 form: a CTA of
-// 8 warps owns 128 queries (16 per warp), streams 128-key tiles of K and V through a three-stage
-// cp.async pipeline, computes S = Q K^T with integer mma.sync from per-thread quantized codes,
-// dequantizes with one Q scale and one K scale per thread (Fig. 4), adds the exact Delta-S of Q
-// smoothing, runs the online softmax in base 2 (sm_scale * log2(e) is folded into the Q scales)
-// and accumulates P V in FP32.
+// The warp-level SageAttention2 kernel (paper Algorithm 1) in FlashAttention-2 form: a CTA owns
+// 128 queries (8 warps of 16 with FP8 PV, 4 warps of 32 with FP16/BF16 PV), streams tiles of K
+// and V (128 or 64 keys) through a cp.async pipeline, computes S = Q K^T with integer mma.sync
+// from per-thread quantized codes, dequantizes with one Q scale and one K scale per thread and
+// slab (Fig. 4), adds the exact Delta-S of Q smoothing, runs the online softmax in base 2
+// (sm_scale * log2(e) is folded into the Q scales) and accumulates P V in FP32.
 //
 // Variants are template parameters (attention_params.h): QkCodes INT8 (m16n8k32.s8) or INT4
 // (m16n8k64.s4, the 4-bit kernel: same fragments, two channels a byte), and PvOperands in the
@@ -44,10 +44,22 @@ __device__ __forceinline__ float small_int_to_float(int32_t x) {
 template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
 struct AttentionMmaKernel {
   static constexpr bool kFp8Pv = kPv == PvOperands::kFp8;
-  static constexpr int kBlockQ = kMmaBlockQ, kWarps = kMmaWarps, kBlockK = kMmaBlockK;
+  static constexpr int kBlockQ = kMmaBlockQ;
+  // Execution geometry. The FP8 variants (Ada's fast path, registers tight): 8 warps of one
+  // 16-row MMA slab, 128-key tiles. INT8 + FP16 PV: 4 warps of two slabs and 64-key tiles, as
+  // FlashAttention-2: every K/V fragment a warp reads from shared memory feeds both slabs'
+  // MMAs, which halves the shared-memory traffic per MMA (8 warps of one slab read 384 KB per
+  // 128 x 128 tile, more than half the tile's time at 365 TOPS on the H100), and the CTA fits
+  // in 91 KB, so two run per SM (and one on a 99 KB Ada/Ampere SM). The per-thread groups are
+  // the same either way: Q groups of 16-row slabs (quantize_q(warps=kMmaWarps)), K groups of
+  // kMmaBlockK-key blocks, of which a 64-key tile is half (its keys 8i + 2t + {0,1} are still
+  // group t).
+  static constexpr int kWarps = kFp8Pv ? kMmaWarps : kMmaInputPvWarps;
+  static constexpr int kBlockK = kFp8Pv ? kMmaBlockK : kMmaInputPvTileK;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kRowsPerWarp = kBlockQ / kWarps;  // 16: one MMA slab
+  static constexpr int kRowsPerWarp = kBlockQ / kWarps;  // 16 or 32: one or two MMA slabs
   static constexpr int kSlabs = kRowsPerWarp / 16;
+  static constexpr int kQGroupsPerBlock = kMmaWarps * 8;  // quantize_q's: 8 per 16-row slab
   static constexpr int kKeyTiles = kBlockK / 8;          // n8 tiles of S per KV tile
   static constexpr int kDimTiles = kHeadDim / 8;         // n8 tiles of O
   // A QK k-step reads 32 bytes of a code row: 32 INT8 or 64 INT4 channels.
@@ -61,23 +73,23 @@ struct AttentionMmaKernel {
   static constexpr int kVChunks = kVRowBytes / 16;
   static constexpr int kPvSteps = kBlockK / 32;          // k-steps of the FP8 PV MMA per tile
   static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
+  static_assert(kMmaBlockQ % kWarps == 0 && kMmaBlockK % kBlockK == 0 && kBlockK % 32 == 0, "geometry");
   static constexpr int kQBytes = kBlockQ * kQkRowBytes;
   static constexpr int kKBytes = kBlockK * kQkRowBytes;
   static constexpr int kVBytes = kVRows * kVRowBytes;
   static constexpr int kDeltaBytes = kBlockK * 4;
   static constexpr int kKScaleBytes = 16;  // the 4 K group scales of the tile
   static constexpr int kStageBytes = kKBytes + kVBytes + kDeltaBytes + kKScaleBytes;
-  // Three stages: a K/V tile is requested two tiles ahead of its use (measured: no faster than
-  // two stages at 64-key tiles, kept as headroom). The FP8 variants must fit the 99 KB a block
-  // may have on Ada (sm_89), where they are the fast path: INT8 + FP8 at head_dim 128 takes
-  // 81 KB with two stages (114 KB with three). INT8 + FP16 at head_dim 128 takes 162 KB: sm_80
-  // and sm_90 only (launch_attention_mma checks the device's limit).
+  // Three stages: a K/V tile is requested two tiles ahead of its use. The FP8 variants must fit
+  // the 99 KB a block may have on Ada (sm_89), where they are the fast path: INT8 + FP8 at
+  // head_dim 128 takes 81 KB with two stages (114 KB with three). INT8 + FP16 at head_dim 128
+  // takes 91 KB (64-key tiles): two CTAs per SM on sm_80/sm_90, one on sm_86/sm_89.
   static constexpr int kStages = kFp8Pv && kQk == QkCodes::kInt8 && kHeadDim == 128 ? 2 : 3;
   static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
-  // Q's fragments stay in registers for the whole KV loop (INT8 + FP16 PV: fewer spills under
-  // the 2-CTA register cap at head_dim 64) or are re-read from shared memory every tile (FP8 PV:
-  // 16 registers fewer, which at head_dim 128 is the difference between spilling and not).
-  static constexpr bool kResidentQ = !kFp8Pv;
+  // Q's fragments stay in registers for the whole KV loop (INT8 + FP16 PV at head_dim 64) or are
+  // re-read from shared memory every tile (head_dim 128, and FP8 PV: 16 or 32 registers fewer,
+  // which there is the difference between spilling and not).
+  static constexpr bool kResidentQ = !kFp8Pv && kHeadDim == 64;
   static_assert(!kFp8Pv || kSmemBytes <= 99 * 1024, "the FP8 variants must fit an Ada SM");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(127 * 127 * kHeadDim < (1 << 22), "small_int_to_float needs |QK int32| < 2^22");
@@ -116,16 +128,31 @@ struct AttentionMmaKernel {
   using KCopy = TileCopy<kQkChunks, kBlockK>;
   using VCopy = TileCopy<kVChunks, kVRows>;
 
-  // Per-(batch, head) base pointers of everything a KV tile reads.
+  // Per-(batch, head) base pointers of everything a KV tile reads. Derived from the block index
+  // at every tile rather than held through the KV loop: their 8 registers made INT8 + FP16 PV
+  // at head_dim 128 spill (it runs at 255).
   struct KvHead {
     const int8_t* k;
     const float* k_scale;
     const void* v;       // the head's V rows (kInput) or its transposed E4M3 V (kFp8)
     const float* delta;  // null without Q smoothing
+
+    __device__ static KvHead of(const AttentionMmaParams& p) {
+      const int h = blockIdx.y, b = blockIdx.z;
+      const int hk = h / (p.q_heads / p.kv_heads);
+      const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
+      KvHead head;
+      head.k = p.k_codes + bhk * p.k_padded * kQkRowBytes;
+      head.k_scale = p.k_scale + bhk * (p.k_padded / kMmaBlockK) * 4;
+      head.v = kFp8Pv ? static_cast<const void*>(static_cast<const uint8_t*>(p.v) + bhk * kHeadDim * p.k_padded)
+                      : static_cast<const void*>(static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h);
+      head.delta = p.delta_s != nullptr ? p.delta_s + (static_cast<int64_t>(b) * p.q_heads + h) * p.k_padded : nullptr;
+      return head;
+    }
   };
 
-  __device__ static void load_kv_tile(const AttentionMmaParams& p, const Smem& s, int stage, const KvHead& head,
-                                      int64_t k0) {
+  __device__ static void load_kv_tile(const AttentionMmaParams& p, const Smem& s, int stage, int64_t k0) {
+    const KvHead head = KvHead::of(p);
     const int8_t* kg = head.k + (k0 + KCopy::row()) * kQkRowBytes + KCopy::chunk() * 16;
     unsigned char* ks = s.k(stage) + KCopy::smem_offset();
 #pragma unroll
@@ -152,7 +179,7 @@ struct AttentionMmaKernel {
     }
     // The tile's K scales travel with it: read from global memory between the QK MMAs and the
     // softmax, their latency stalled every warp once per tile.
-    if (threadIdx.x == kThreads - 1) ptx::cp_async_16(s.k_scale(stage), head.k_scale + k0 / kBlockK * 4, true);
+    if (threadIdx.x == kThreads - 1) ptx::cp_async_16(s.k_scale(stage), head.k_scale + k0 / kMmaBlockK * 4, true);
     if (head.delta != nullptr && threadIdx.x < kBlockK / 4)
       ptx::cp_async_16(s.delta(stage) + threadIdx.x * 4, head.delta + k0 + threadIdx.x * 4, true);
   }
@@ -257,20 +284,18 @@ struct AttentionMmaKernel {
     }
     const int kv_tiles = static_cast<int>(tiles);  // 32-bit loop counters: registers are short
     const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
-    const void* v_head = kFp8Pv ? static_cast<const void*>(static_cast<const uint8_t*>(p.v) + bhk * kHeadDim * p.k_padded)
-                                : static_cast<const void*>(static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h);
-    const KvHead head{p.k_codes + bhk * p.k_padded * kQkRowBytes, p.k_scale + bhk * (p.k_padded / kBlockK) * 4, v_head,
-                      p.delta_s != nullptr ? p.delta_s + (static_cast<int64_t>(b) * p.q_heads + h) * p.k_padded
-                                           : nullptr};
     // Prologue: Q and tile 0 form the first group, tiles 1 .. kStages-2 one group each.
     for (int i = 0; i < kStages - 1; ++i) {
-      if (i < kv_tiles) load_kv_tile(p, s, i, head, static_cast<int64_t>(i) * kBlockK);
+      if (i < kv_tiles) load_kv_tile(p, s, i, static_cast<int64_t>(i) * kBlockK);
       ptx::cp_async_commit();
     }
 
-    // One Q scale per thread: its rows g and g+8 are both in group warp*8 + g (Eq. 8).
-    const float q_scale =
-        p.q_scale[((static_cast<int64_t>(b) * p.q_heads + h) * q_blocks + qb) * (kWarps * 8) + warp * 8 + g];
+    // One Q scale per thread and slab: its rows g and g+8 of slab j are both in group 8j + g (Eq. 8).
+    float q_scale[kSlabs];
+#pragma unroll
+    for (int sl = 0; sl < kSlabs; ++sl)
+      q_scale[sl] = p.q_scale[((static_cast<int64_t>(b) * p.q_heads + h) * q_blocks + qb) * kQGroupsPerBlock +
+                              (warp * kSlabs + sl) * 8 + g];
 
     float o[kSlabs][kDimTiles][4];
 #pragma unroll
@@ -286,6 +311,9 @@ struct AttentionMmaKernel {
       for (int r = 0; r < 2; ++r) row_max[sl][r] = -INFINITY, row_sum[sl][r] = 0.0f;
 
     const int warp_row0 = warp * kRowsPerWarp;
+    // The warp's rows that are queries (< q_len): its row j is one iff j < warp_queries.
+    const int64_t queries_left = p.q_len - q0 - warp_row0;
+    const int warp_queries = static_cast<int>(queries_left < kRowsPerWarp ? queries_left : kRowsPerWarp);
     // The warp's Q fragments (A operands, one per 32 bytes of codes).
     uint32_t qa[kSlabs][kQkSteps][4];
     for (int it = 0; it < kv_tiles; ++it) {
@@ -294,7 +322,7 @@ struct AttentionMmaKernel {
       ptx::cp_async_wait<kStages - 2>();  // tile `it` (and, first time round, Q) has landed
       __syncthreads();                    // ... for every thread; and stage it-1 is free again
       const int ahead = it + kStages - 1;
-      if (ahead < kv_tiles) load_kv_tile(p, s, ahead % kStages, head, static_cast<int64_t>(ahead) * kBlockK);
+      if (ahead < kv_tiles) load_kv_tile(p, s, ahead % kStages, static_cast<int64_t>(ahead) * kBlockK);
       ptx::cp_async_commit();
       // ---- S = Q K^T (INT8 or INT4, exact int32 accumulation) ----
       int32_t acc[kSlabs][kKeyTiles][4];
@@ -333,7 +361,7 @@ struct AttentionMmaKernel {
 
       // ---- dequantize (one scale per thread), Delta-S, masks ----
       // Keys 2t and 2t+1 of every 8 are K group t (Eq. 8), so one K scale per thread too.
-      const float scale = q_scale * s.k_scale(stage)[t];
+      const float k_scale = s.k_scale(stage)[t];
       const bool has_delta = p.delta_s != nullptr;
       const bool needs_mask = k0 + kBlockK > p.kv_len || (kCausal && k0 + kBlockK - 1 > q0 + warp_row0);
       float sc[kSlabs][kKeyTiles][4];
@@ -345,7 +373,7 @@ struct AttentionMmaKernel {
         for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float x = small_int_to_float(acc[sl][n][e]) * scale + ((e & 1) ? ds.y : ds.x);
+            float x = small_int_to_float(acc[sl][n][e]) * (q_scale[sl] * k_scale) + ((e & 1) ? ds.y : ds.x);
             sc[sl][n][e] = x;
           }
       }
@@ -373,19 +401,55 @@ struct AttentionMmaKernel {
 
       // ---- online softmax (base 2). With FP8 PV, x448 of P's E4M3 scale joins the exponent:
       // P~ * 448 in [0, 448] comes out of exp2 directly (and so does its row sum). ----
+      float tile_max[kSlabs][2];
 #pragma unroll
       for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          float mx = row_max[sl][r];
+          float mx = -INFINITY;
 #pragma unroll
           for (int n = 0; n < kKeyTiles; ++n) mx = fmaxf(mx, fmaxf(sc[sl][n][2 * r], sc[sl][n][2 * r + 1]));
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-          mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-          // A row that has seen only masked keys keeps max -inf; exp2 against 0 keeps it at 0.
-          const float ref = mx == -INFINITY ? 0.0f : mx;
-          const float alpha = ptx::exp2_approx(row_max[sl][r] - ref);
-          row_max[sl][r] = mx;
+          tile_max[sl][r] = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        }
+      // FP16/BF16 PV: the running max moves, and O and l are rescaled, only when a tile's max
+      // passes it by more than 2^kMmaLazyRescaleLog2 in some row of the warp (rows past q_len do
+      // not count, so the emulation can follow). P~ then stays below 256, far inside both types'
+      // range, whose relative rounding does not depend on the magnitude. Past the first tiles a
+      // rescale is rare, and a tile skips kSlabs * 2 * kDimTiles * 2 FMULs on O (+4-8 % on the
+      // H100, benchmarks/RESULTS.md). FP8 P~ * 448 must stay within E4M3's 448: exact max there.
+      bool rescale = true;
+      if constexpr (!kFp8Pv) {
+        bool grows = false;
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+          for (int r = 0; r < 2; ++r)
+            grows |= sl * 16 + 8 * r + g < warp_queries && tile_max[sl][r] > row_max[sl][r] + kMmaLazyRescaleLog2;
+        rescale = __any_sync(0xffffffffu, grows);
+      }
+      if (rescale) {
+#pragma unroll
+        for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const float mx = fmaxf(row_max[sl][r], tile_max[sl][r]);
+            // A row that has seen only masked keys keeps max -inf; exp2 against 0 keeps it at 0.
+            const float alpha = ptx::exp2_approx(row_max[sl][r] - (mx == -INFINITY ? 0.0f : mx));
+            row_max[sl][r] = mx;
+            row_sum[sl][r] *= alpha;
+#pragma unroll
+            for (int n = 0; n < kDimTiles; ++n) {
+              o[sl][n][2 * r] *= alpha;
+              o[sl][n][2 * r + 1] *= alpha;
+            }
+          }
+      }
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl)
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const float ref = row_max[sl][r] == -INFINITY ? 0.0f : row_max[sl][r];
           const float bias = kFp8Pv ? ref - kLog2Fp8Max : ref;
           float sum = 0.0f;
 #pragma unroll
@@ -394,12 +458,7 @@ struct AttentionMmaKernel {
             sc[sl][n][2 * r + 1] = ptx::exp2_approx(sc[sl][n][2 * r + 1] - bias);
             sum += sc[sl][n][2 * r] + sc[sl][n][2 * r + 1];
           }
-          row_sum[sl][r] = row_sum[sl][r] * alpha + sum;  // lane-partial; reduced at the end
-#pragma unroll
-          for (int n = 0; n < kDimTiles; ++n) {
-            o[sl][n][2 * r] *= alpha;
-            o[sl][n][2 * r + 1] *= alpha;
-          }
+          row_sum[sl][r] += sum;  // lane-partial; reduced at the end
         }
 
       if constexpr (kFp8Pv) accumulate_pv_fp8(s, stage, lane, sc, o);
@@ -449,16 +508,16 @@ inline constexpr bool kCompilingFp8Mma = false;
 inline constexpr bool kCompilingFp8Mma = true;
 #endif
 
-// Two CTAs per SM (a 128-register cap) pay for INT8 + FP16 PV at head_dim 64 (H100, 4K, 64-key
-// tiles: 211 vs 158 TOPS; with 128-key tiles ptxas spills 40-60 bytes there) and lose at
-// head_dim 128 (235 vs 248 TOPS; 330-490 bytes spilled). The FP8 variants run where they are
-// native, Ada, whose 100 KB SM holds one CTA of INT8 + FP8 at either head_dim anyway: they take
-// the registers they need.
-template <int kHeadDim, PvOperands kPv>
-inline constexpr int kMmaMinBlocksPerSm = kHeadDim == 64 && kPv == PvOperands::kInput ? 2 : 1;
+// INT8 + FP16 PV (4 warps of 128 threads, 91 KB at head_dim 128) runs two CTAs per SM: at most
+// 255 registers per thread, no cap in practice. The FP8 variants run where they are native, Ada,
+// whose 100 KB SM holds one CTA of INT8 + FP8 at either head_dim anyway: they take the
+// registers they need.
+template <PvOperands kPv>
+inline constexpr int kMmaMinBlocksPerSm = kPv == PvOperands::kInput ? 2 : 1;
 
 template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
-__global__ void __launch_bounds__(kMmaWarps * 32, (kMmaMinBlocksPerSm<kHeadDim, kPv>)) attention_mma_kernel(const __grid_constant__ AttentionMmaParams p) {
+__global__ void __launch_bounds__(AttentionMmaKernel<T, kHeadDim, kCausal, kQk, kPv>::kThreads,
+                                  kMmaMinBlocksPerSm<kPv>) attention_mma_kernel(const __grid_constant__ AttentionMmaParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   if constexpr (kPv == PvOperands::kFp8 && !kCompilingFp8Mma) {
     __trap();

@@ -147,8 +147,7 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes,
   const cudaError_t status = launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status != cudaErrorNotSupported, "attention_mma: ",
               fp8_v ? "FP8 PV needs an sm_89+ GPU and a build with code for it (TORCH_CUDA_ARCH_LIST 8.9 or 9.0a)"
-                    : "INT8 + FP16/BF16 PV at head_dim 128 needs 162 KB of shared memory per block (sm_80, sm_90); "
-                      "this GPU has less (use FP8 PV on sm_89)");
+                    : "this variant needs more shared memory per block than this GPU allows");
   C10_CUDA_CHECK(status);
   return {out.out, out.lse};
 }

@@ -10,16 +10,21 @@
 
 namespace sageattention2 {
 
-// Tile geometry of the warp-level kernel: b_q = 128 queries over c_w = 8 warps of 16 rows, and
+// Quantization geometry of the warp-level kernel: b_q = 128 queries in 8 slabs of 16 rows, and
 // b_k = 128 keys (Eq. 8 with c_w = 8): the per-thread scale groups are those
-// quantize_q(block_q=128, warps=8) and quantize_kv(block_k=128) produce. One 16-row MMA slab per
-// warp keeps O, S and the fragments in registers without spilling at head_dim 128 (32 rows per
-// warp, the paper's c_w = 4, needed 255+ registers), and gives finer Q groups (2 rows). 128-key
-// tiles halve the per-tile fixed costs (barrier, pipeline wait, row-max shuffles, rescale):
-// +10 % over 64 on the H100 at 4K head_dim 128, for K groups of 32 keys instead of 16.
+// quantize_q(block_q=128, warps=8) and quantize_kv(block_k=128) produce, Q groups of 2 rows
+// {g, g+8} of a slab, K groups of 32 keys. The FP8 variants run one slab per warp over 128-key
+// tiles: that keeps O, S and the fragments in registers without spilling at head_dim 128 on
+// Ada, and 128-key tiles halve the per-tile fixed costs (+10 % over 64 on the H100).
 inline constexpr int kMmaBlockQ = 128;
 inline constexpr int kMmaWarps = 8;
 inline constexpr int kMmaBlockK = 128;
+// How INT8 QK + FP16/BF16 PV runs those groups (attention_mma_kernel.cuh says why): 4 warps of
+// two 16-row slabs, the online softmax over 64-key tiles (half a K group block), and the running
+// max moved only when a tile's max passes it by more than 2^8 somewhere in a warp's 32 rows.
+inline constexpr int kMmaInputPvWarps = 4;
+inline constexpr int kMmaInputPvTileK = 64;
+inline constexpr int kMmaLazyRescaleLog2 = 8;
 
 // The variants of the warp-level kernel (template parameters, DESIGN.md): how Q and K are coded
 // for the QK product, and in what type P and V enter the PV product.
@@ -56,7 +61,8 @@ struct AttentionMmaParams {
 
 // dtype is the output's (and, for PvOperands::kInput, V's). cudaErrorNotSupported for an FP8
 // variant on a GPU whose code in this build predates sm_89, or a variant whose shared memory
-// exceeds the GPU's per-block limit (INT8 + FP16 PV at head_dim 128 needs 162 KB: sm_80, sm_90).
+// exceeds the GPU's per-block limit (none does on sm_80+: the largest takes 114 KB on sm_90, and
+// at most 91 KB on the 99 KB SMs of sm_86/sm_89; a safety net).
 cudaError_t launch_attention_mma(const AttentionMmaParams& p, InputDtype dtype, cudaStream_t stream);
 
 

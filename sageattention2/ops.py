@@ -77,6 +77,13 @@ QK_DTYPES = ("int8", "int4")
 MMA_BLOCK_Q = 128
 MMA_WARPS = 8
 MMA_BLOCK_K = 128
+# How its INT8 QK + fp16/bf16 PV variant runs (kMmaInputPvWarps, kMmaInputPvTileK,
+# kMmaLazyRescaleLog2): warps of MMA_BLOCK_Q / MMA_INPUT_PV_WARPS rows, the online softmax over
+# tiles of MMA_INPUT_PV_TILE_K keys, the running max moved only past 2^MMA_LAZY_RESCALE_LOG2
+# (reference.sage_attention_reference's softmax_block, lazy_rescale and rescale_rows).
+MMA_INPUT_PV_WARPS = 4
+MMA_INPUT_PV_TILE_K = 64
+MMA_LAZY_RESCALE_LOG2 = 8
 MMA_HEAD_DIMS = (64, 128)
 # The Hopper kernel (csrc/attention_params.h: kWgmmaBlockK): K from quantize_kv(block_k=128).
 WGMMA_BLOCK_K = 128

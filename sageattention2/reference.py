@@ -783,6 +783,9 @@ def sage_attention_reference(
     row_sum: str = "p",
     v_granularity: str = "channel",
     mean_stride: int = 1,
+    softmax_block: Optional[int] = None,
+    lazy_rescale: Optional[float] = None,
+    rescale_rows: int = 32,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Simulate SageAttention2's forward (paper Algorithm 1) on [B,H,N,D] inputs.
@@ -810,6 +813,12 @@ def sage_attention_reference(
       the current tile's, rescaled at each fold by alpha * s_prev / s_tile (as the kernel does).
     * mean_stride: K's and (smooth_v) V's means over the tokens 0, s, 2s, ... only (the Hopper
       path's sampled smoothing vectors, ``api.smoothing_sample_stride``); 1: all tokens.
+    * softmax_block: the keys of one online-softmax step (a divisor of block_k; default
+      block_k, which v_granularity "tile" requires): K is still quantized in block_k groups.
+    * lazy_rescale: the running max m of a row moves (and O, l are rescaled) only when a tile's
+      max passes m by more than 2^lazy_rescale, tested in base 2, for some row of its group of
+      ``rescale_rows`` consecutive queries (a warp's rows); else P~ = exp(S - m) with the old
+      m, up to 2^lazy_rescale (attention_mma's FP16/BF16 PV). None: m is the exact running max.
     * Causal masking and tails follow SDPA (top-left aligned, see :func:`exact_attention`).
 
     Numerics: Q K^T of the integer codes is exact (float64), dequantized and corrected with
@@ -832,6 +841,15 @@ def sage_attention_reference(
         raise ValueError(f"block_k must be a multiple of {PV_MMA_K} (FP8 mma k-step)")
     if v_granularity not in ("channel", "tile") or (v_granularity == "tile" and pv_dtype not in FP8_FORMATS):
         raise ValueError(f"v_granularity must be 'channel' or (with an FP8 pv_dtype) 'tile', got {v_granularity!r}")
+    step_k = block_k if softmax_block is None else softmax_block
+    if step_k <= 0 or block_k % step_k != 0 or step_k % PV_MMA_K != 0 or (
+            v_granularity == "tile" and step_k != block_k):
+        raise ValueError(f"softmax_block must divide block_k={block_k} in multiples of {PV_MMA_K} "
+                         f"(and equal it with v_granularity='tile'), got {softmax_block!r}")
+    if lazy_rescale is not None and (lazy_rescale < 0 or pv_dtype in FP8_FORMATS):
+        raise ValueError(f"lazy_rescale must be None or >= 0 with a non-FP8 pv_dtype, got {lazy_rescale!r}")
+    if rescale_rows <= 0:
+        raise ValueError(f"rescale_rows must be positive, got {rescale_rows}")
     q_group_index(block_q, warps)  # validates block_q / warps
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -903,10 +921,10 @@ def sage_attention_reference(
     if tile_scale is not None:
         tile_scale = _expand_kv_heads(tile_scale[:, :, :, None, None], Hq)  # [B,Hq,tiles,1,1]
         prev_scale = tile_scale[:, :, 0]
-    for j0 in range(0, Nk, block_k):
+    for j0 in range(0, Nk, step_k):
         if is_causal and j0 > Nq - 1:
             break  # SDPA causal: no query i < j0 attends this tile or any later one
-        j1 = min(Nk, j0 + block_k)  # the last tile may be short (tail keys are padding)
+        j1 = min(Nk, j0 + step_k)  # the last tile may be short (tail keys are padding)
         # Paper 3.1: S = dequant(codes_q codes_k^T) + Delta-S, times the softmax scale.
         s = torch.matmul(q_codes, k_scaled[:, :, j0:j1].transpose(-1, -2)) * q_factor
         if smooth_q is not None:
@@ -921,6 +939,12 @@ def sage_attention_reference(
         # Paper Eq. 1: m_ij = max(m_i,j-1, rowmax S_ij), P~ = exp(S - m_ij), l and O rescaled.
         # A row with no key so far keeps m = -inf; subtracting 0 then gives P~ = 0, alpha = 0.
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))
+        if lazy_rescale is not None:
+            grows = (m_new - m) / math.log(2) > lazy_rescale  # [B,Hq,Nq,1]; -inf - -inf: NaN, False
+            pad = (-Nq) % rescale_rows
+            grows = torch.nn.functional.pad(grows[..., 0], (0, pad)).view(B, Hq, -1, rescale_rows)
+            grows = grows.any(dim=-1).repeat_interleave(rescale_rows, dim=-1)[..., :Nq, None]
+            m_new = torch.where(grows, m_new, m)
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         p = torch.exp(s - m_safe)
         alpha = torch.exp(m - m_safe)

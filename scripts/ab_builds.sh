@@ -3,7 +3,8 @@
 # B4 H32 fp16): side A is the tree in base.tar (make it with `git archive <rev> -o base.tar` in
 # the repo root), B the working tree, any other side X the tree in X.tar (more variants in one
 # device call, e.g. SIDES="A B C"). Default A, B, A to see drift. Logs under $OUT.
-#   bash scripts/ab_builds.sh    (BENCH=preprocess: benchmarks/bench_preprocess.py instead)
+#   bash scripts/ab_builds.sh    (BENCH=preprocess: benchmarks/bench_preprocess.py instead;
+#                                 BENCH=mma: attention_mma INT8 + FP16 PV alone, ab_mma_kernel.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/sage_out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 MAX_JOBS=16 TORCH_CUDA_ARCH_LIST=9.0a
@@ -11,6 +12,10 @@ R=$(pwd)
 bench() {
   if [ "${BENCH:-kernel}" = preprocess ]; then
     (cd /tmp && echo "build $1" && python3 "$R/benchmarks/bench_preprocess.py" --lengths 1024 4096)
+    return
+  fi
+  if [ "${BENCH:-kernel}" = mma ]; then
+    (cd /tmp && python3 "$R/scripts/ab_mma_kernel.py" "$1")
     return
   fi
   (cd /tmp && python3 - "$1" <<'PY'

@@ -602,13 +602,16 @@ def test_kernel_plan_on_pretended_gpus(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_mma_geometry_matches_csrc() -> None:
-    """ops.MMA_* (the quantization geometry sageattn feeds attention_mma) are the kernel's."""
+    """ops.MMA_* (the quantization geometry sageattn feeds attention_mma, and how its FP16-PV
+    variant runs it, which the GPU tests emulate) are the kernel's."""
     path = REPO / "csrc" / "attention_params.h"
     if not path.exists():
         pytest.skip("csrc/attention_params.h not in this checkout")
     text = path.read_text()
     for name, value in (("kMmaBlockQ", ops.MMA_BLOCK_Q), ("kMmaWarps", ops.MMA_WARPS),
-                        ("kMmaBlockK", ops.MMA_BLOCK_K)):
+                        ("kMmaBlockK", ops.MMA_BLOCK_K), ("kMmaInputPvWarps", ops.MMA_INPUT_PV_WARPS),
+                        ("kMmaInputPvTileK", ops.MMA_INPUT_PV_TILE_K),
+                        ("kMmaLazyRescaleLog2", ops.MMA_LAZY_RESCALE_LOG2)):
         match = re.search(rf"constexpr\s+int\s+{name}\s*=\s*(\d+)\s*;", text)
         assert match is not None, f"{name} not found in {path}"
         assert int(match.group(1)) == value, f"{name} = {match.group(1)} but ops has {value}"

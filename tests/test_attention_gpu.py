@@ -235,8 +235,9 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
 
     attention_mma: Q smoothed per head (``smooth_q`` None or True) or not (False), QK in
     ``kernel.qk``; PV in the input dtype (V is not quantized, so ``smooth_v`` changes nothing
-    there: ignored) or in FP8 (P~ x448 and V per channel, minus its mean with ``smooth_v``,
-    two-level accumulation).
+    there: ignored; softmax steps of MMA_INPUT_PV_TILE_K keys, the lazy running max of a warp's
+    rows) or in FP8 (P~ x448 and V per channel, minus its mean with ``smooth_v``, two-level
+    accumulation).
     attention_wgmma: no Q smoothing (``smooth_q`` must be None or False), Q groups of
     WGMMA_BLOCK_Q / WGMMA_WARPS, K of ops.WGMMA_BLOCK_K, FP8 PV with one V scale per tile (and V's
     mean when ``smooth_v``).
@@ -258,7 +259,8 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
             q4, k4, v4, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, **mma, **common)
     return ref.sage_attention_reference(
         q4, k4, v4, smooth_v=False, pv_dtype="bf16" if v4.dtype == torch.bfloat16 else "fp16",
-        two_level=False, **mma, **common,
+        two_level=False, softmax_block=ops.MMA_INPUT_PV_TILE_K, lazy_rescale=ops.MMA_LAZY_RESCALE_LOG2,
+        rescale_rows=ops.MMA_BLOCK_Q // ops.MMA_INPUT_PV_WARPS, **mma, **common,
     )
 
 

@@ -582,6 +582,36 @@ def test_row_sum_from_the_pv_mma():
         ref.sage_attention_reference(q, k, v, row_sum="ones")
 
 
+def test_lazy_rescale_and_softmax_steps():
+    """softmax_block and lazy_rescale (attention_mma's FP16-PV softmax) change how the online
+    softmax walks the keys, not what it computes: without rounding of P~ the output and LSE are
+    the exact-max ones to float32. With FP16 P~ a later key 2^20 above a row's earlier scores
+    (P~ past FP16's range unless the max moves) still gives the exact answer: a jump beyond
+    2^lazy_rescale moves the max of every row of the group."""
+    g = _gen(11)
+    q, k, v = (torch.randn(1, 2, 200, 64, generator=g) for _ in range(3))
+    kw = dict(qk_dtype="int8", block_q=128, warps=8, block_k=128, fp22=False, two_level=False,
+              return_lse=True)
+    for causal in (False, True):
+        base, base_lse = ref.sage_attention_reference(q, k, v, is_causal=causal, pv_dtype="fp32", **kw)
+        lazy, lazy_lse = ref.sage_attention_reference(q, k, v, is_causal=causal, pv_dtype="fp32",
+                                                      softmax_block=64, lazy_rescale=8.0, **kw)
+        torch.testing.assert_close(lazy, base, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(lazy_lse, base_lse, rtol=1e-5, atol=1e-5)
+    # Query 5 meets key 150 (third 64-key step) 20 (log2) above everything before it.
+    q2, k2 = q.clone(), k.clone()
+    k2[:, :, 150] = q2[:, :, 5] * (20 * math.log(2) * 8 / q2[:, :, 5].square().sum(-1, keepdim=True))
+    want = ref.exact_attention(q2, k2, v)
+    got = ref.sage_attention_reference(q2, k2, v, qk_dtype="fp16", pv_dtype="fp16", softmax_block=64,
+                                       lazy_rescale=8.0, block_k=128, fp22=False, two_level=False)
+    assert torch.isfinite(got).all()
+    assert ref.relative_l1(got, want) < 2e-3
+    for bad in (dict(softmax_block=48), dict(softmax_block=96), dict(lazy_rescale=8.0, pv_dtype="e4m3"),
+                dict(softmax_block=64, v_granularity="tile", pv_dtype="e4m3"), dict(rescale_rows=0)):
+        with pytest.raises(ValueError):
+            ref.sage_attention_reference(q, k, v, block_k=128, **bad)
+
+
 def test_anchor_figures_loosely(bias4):
     """ANCHORS.md idealised simulation (8-bit bias4 0.9999 / 0.012, 4-bit 0.99868 / 0.046,
     4-bit + smooth Q 0.9998 / 0.018) at a quarter of the sequence length."""

@@ -26,19 +26,14 @@ def load_checker():
     return module
 
 
-# Known stack frames (kernel variant, arch, head_dim, causal) -> max bytes, reported in
-# benchmarks/RESULTS.md. INT8 + FP16 PV at head_dim 64 is capped at 128 registers for two CTAs per
-# SM (faster on the H100 despite the spill). On sm_90 the FP8 and INT4 mma.sync are emulated (not
-# the fast path there; the Hopper kernel is): their extra registers spill. The sm_89 variants
-# (the Ada fast path) spill nothing.
+# Known stack frames (kernel variant, arch, head_dim, causal) -> max bytes. On sm_90 the FP8 and
+# INT4 mma.sync are emulated (not the fast path there; the Hopper kernel is): their extra
+# registers spill. Every other variant, INT8 + FP16 PV on every arch and the sm_89 FP8 variants
+# (the Ada fast path), spills nothing.
 KNOWN_STACK = {
-    ("attention_mma_kernel<int8, input>", arch, 64, causal): 96
-    for arch in ("sm_80", "sm_89", "sm_90") for causal in (False, True)
-}
-KNOWN_STACK.update({
     (f"attention_mma_kernel<{qk}, fp8>", "sm_90", d, causal): 96
     for qk in ("int8", "int4") for d in (64, 128) for causal in (False, True)
-})
+}
 
 
 @pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not available")
