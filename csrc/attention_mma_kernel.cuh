@@ -41,6 +41,12 @@ __device__ __forceinline__ float small_int_to_float(int32_t x) {
   return __int_as_float(x + kMagic) - 12582912.0f;
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+inline constexpr bool kMmaBefore90 = true;
+#else
+inline constexpr bool kMmaBefore90 = false;
+#endif
+
 template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
 struct AttentionMmaKernel {
   static constexpr bool kFp8Pv = kPv == PvOperands::kFp8;
@@ -90,6 +96,7 @@ struct AttentionMmaKernel {
   // re-read from shared memory every tile (head_dim 128, and FP8 PV: 16 or 32 registers fewer,
   // which there is the difference between spilling and not).
   static constexpr bool kResidentQ = !kFp8Pv && kHeadDim == 64;
+  static constexpr bool kHeadPerTile = !kFp8Pv && kHeadDim == 128 && kMmaBefore90;
   static_assert(!kFp8Pv || kSmemBytes <= 99 * 1024, "the FP8 variants must fit an Ada SM");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(127 * 127 * kHeadDim < (1 << 22), "small_int_to_float needs |QK int32| < 2^22");
@@ -128,9 +135,10 @@ struct AttentionMmaKernel {
   using KCopy = TileCopy<kQkChunks, kBlockK>;
   using VCopy = TileCopy<kVChunks, kVRows>;
 
-  // Per-(batch, head) base pointers of everything a KV tile reads. Derived from the block index
-  // at every tile rather than held through the KV loop: their 8 registers made INT8 + FP16 PV
-  // at head_dim 128 spill (it runs at 255).
+  // Per-(batch, head) base pointers of everything a KV tile reads, held through the KV loop, or
+  // derived from the block index again at every tile where their 8 registers would spill
+  // (kHeadPerTile: INT8 + FP16 PV at head_dim 128 built for sm_80/sm_89 spilled 72 bytes; on
+  // the H100 holding them measured 1-3 % faster at head_dim 128 and 10 % at 64).
   struct KvHead {
     const int8_t* k;
     const float* k_scale;
@@ -151,8 +159,8 @@ struct AttentionMmaKernel {
     }
   };
 
-  __device__ static void load_kv_tile(const AttentionMmaParams& p, const Smem& s, int stage, int64_t k0) {
-    const KvHead head = KvHead::of(p);
+  __device__ static void load_kv_tile(const AttentionMmaParams& p, const Smem& s, int stage, const KvHead& head,
+                                      int64_t k0) {
     const int8_t* kg = head.k + (k0 + KCopy::row()) * kQkRowBytes + KCopy::chunk() * 16;
     unsigned char* ks = s.k(stage) + KCopy::smem_offset();
 #pragma unroll
@@ -284,9 +292,10 @@ struct AttentionMmaKernel {
     }
     const int kv_tiles = static_cast<int>(tiles);  // 32-bit loop counters: registers are short
     const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
+    const KvHead head = KvHead::of(p);
     // Prologue: Q and tile 0 form the first group, tiles 1 .. kStages-2 one group each.
     for (int i = 0; i < kStages - 1; ++i) {
-      if (i < kv_tiles) load_kv_tile(p, s, i, static_cast<int64_t>(i) * kBlockK);
+      if (i < kv_tiles) load_kv_tile(p, s, i, head, static_cast<int64_t>(i) * kBlockK);
       ptx::cp_async_commit();
     }
 
@@ -322,7 +331,8 @@ struct AttentionMmaKernel {
       ptx::cp_async_wait<kStages - 2>();  // tile `it` (and, first time round, Q) has landed
       __syncthreads();                    // ... for every thread; and stage it-1 is free again
       const int ahead = it + kStages - 1;
-      if (ahead < kv_tiles) load_kv_tile(p, s, ahead % kStages, static_cast<int64_t>(ahead) * kBlockK);
+      if (ahead < kv_tiles)
+        load_kv_tile(p, s, ahead % kStages, kHeadPerTile ? KvHead::of(p) : head, static_cast<int64_t>(ahead) * kBlockK);
       ptx::cp_async_commit();
       // ---- S = Q K^T (INT8 or INT4, exact int32 accumulation) ----
       int32_t acc[kSlabs][kKeyTiles][4];
