@@ -12,6 +12,7 @@ those two columns say nothing of Ada; they are here to show what the same source
 from __future__ import annotations
 
 import argparse
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,12 +24,15 @@ from sageattention2 import ops, sageattn
 LOG2E = 1.4426950408889634
 
 
-def flash_ms(q, k, v, causal: bool) -> float:
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
+def flash_call(q, k, v, causal: bool) -> Callable[[], object]:
+    """SDPA with the flash backend (FA2), as a callable to time."""
+    def run() -> object:
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return run
 
 
-def kernel_ms(q, k, v, causal: bool, qk: str, fp8_v: bool) -> float:
+def kernel_call(q, k, v, causal: bool, qk: str, fp8_v: bool) -> Callable[[], object]:
     """attention_mma alone on inputs prepared as sageattn prepares them (Q and K smoothed)."""
     mult = q.shape[-1] ** -0.5 * LOG2E
     stats = ops.smoothing_stats(q, k, v if fp8_v else None, False)
@@ -36,8 +40,16 @@ def kernel_ms(q, k, v, causal: bool, qk: str, fp8_v: bool) -> float:
     kv = ops.quantize_kv(k, v if fp8_v else None, stats.k_mean, None, stats.v_scale if fp8_v else None,
                          stats.q_mean, ops.MMA_BLOCK_K, qk, mult)
     pv = (kv.v_fp8, stats.v_scale, None) if fp8_v else (v, None, None)
-    return median_ms(lambda: torch.ops.sageattention2.attention_mma(
-        qc, qs, kv.k_quant, kv.k_scale, kv.delta_s, *pv, qk, q.shape[2], k.shape[2], q.dtype, causal, False, False))
+    return lambda: torch.ops.sageattention2.attention_mma(
+        qc, qs, kv.k_quant, kv.k_scale, kv.delta_s, *pv, qk, q.shape[2], k.shape[2], q.dtype, causal, False, False)
+
+
+def flash_ms(q, k, v, causal: bool) -> float:
+    return median_ms(flash_call(q, k, v, causal))
+
+
+def kernel_ms(q, k, v, causal: bool, qk: str, fp8_v: bool) -> float:
+    return median_ms(kernel_call(q, k, v, causal, qk, fp8_v))
 
 
 def main() -> None:
