@@ -4,8 +4,9 @@
 
 q, k, v = randn(4, 32, N, D) fp16 (HND); TOPS = 4*B*H*N*N*D / time (halved for causal); time =
 median of triton's do_bench(warmup=25, rep=150). Columns: SDPA flash (FA2); the INT8 QK + FP16 PV
-variant (the one that runs natively on sm_80 and sm_90) as the full sageattn call (every
-preprocessing launch included, strict=True) and as the kernel alone; the INT8 + FP8 and INT4 +
+variant (the one that runs natively on sm_80 and sm_90) as the full sageattn call (its defaults
+with pv_quant="none", every preprocessing launch included, strict=True) and as the kernel alone
+(which quantizes Q itself); the INT8 + FP8 and INT4 +
 FP8 variants, kernel alone. On the H100 the FP8 and INT4 mma.sync are emulated (ANCHORS.md), so
 those two columns say nothing of Ada; they are here to show what the same source costs on Hopper.
 """
@@ -33,15 +34,18 @@ def flash_call(q, k, v, causal: bool) -> Callable[[], object]:
 
 
 def kernel_call(q, k, v, causal: bool, qk: str, fp8_v: bool) -> Callable[[], object]:
-    """attention_mma alone on inputs prepared as sageattn prepares them (Q and K smoothed)."""
-    mult = q.shape[-1] ** -0.5 * LOG2E
-    stats = ops.smoothing_stats(q, k, v if fp8_v else None, False)
-    qc, qs, _ = ops.quantize_q(q, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, qk, False, mult)
+    """attention_mma alone (it quantizes Q itself) on K and V prepared as sageattn's defaults
+    prepare them: K smoothed, Q smoothed for INT4 only."""
+    sm_scale = q.shape[-1] ** -0.5
+    smooth_q = qk == "int4"
+    stats = ops.smoothing_stats(q if smooth_q else None, k, v if fp8_v else None, False)
+    q_mean = stats.q_mean if smooth_q else None
     kv = ops.quantize_kv(k, v if fp8_v else None, stats.k_mean, None, stats.v_scale if fp8_v else None,
-                         stats.q_mean, ops.MMA_BLOCK_K, qk, mult)
+                         q_mean, ops.MMA_BLOCK_K, qk, sm_scale * LOG2E)
     pv = (kv.v_fp8, stats.v_scale, None) if fp8_v else (v, None, None)
     return lambda: torch.ops.sageattention2.attention_mma(
-        qc, qs, kv.k_quant, kv.k_scale, kv.delta_s, *pv, qk, q.shape[2], k.shape[2], q.dtype, causal, False, False)
+        q, q_mean, kv.k_quant, kv.k_scale, kv.delta_s if smooth_q else None, *pv, stats.k_mean, qk, k.shape[2],
+        sm_scale, causal, False, False)
 
 
 def flash_ms(q, k, v, causal: bool) -> float:
@@ -69,8 +73,7 @@ def main() -> None:
                 ops_count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
                 tops = lambda ms: ops_count / ms / 1e9  # noqa: E731
                 flash = tops(flash_ms(q, k, v, causal))
-                full = tops(median_ms(lambda: sageattn(q, k, v, is_causal=causal, smooth_q="head", pv_quant="none",
-                                                       strict=True)))
+                full = tops(median_ms(lambda: sageattn(q, k, v, is_causal=causal, pv_quant="none", strict=True)))
                 kernel = tops(kernel_ms(q, k, v, causal, "int8", False))
                 # The emulated variants take ~1 s a call at 16K: measured up to 4K.
                 emulated = [tops(kernel_ms(q, k, v, causal, qk, True)) if fp8 and n <= 4096 else float("nan")

@@ -14,22 +14,22 @@ struct AttentionOutputs {
   at::Tensor out, lse;
 };
 
-AttentionOutputs allocate_attention_mma(const at::Tensor& q_codes, const at::Tensor& q_scale,
+AttentionOutputs allocate_attention_mma(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
                                         const at::Tensor& k_codes, const at::Tensor& k_scale,
                                         const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
                                         const std::optional<at::Tensor>& v_scale,
-                                        const std::optional<at::Tensor>& v_mean, const std::string& qk_dtype,
-                                        int64_t q_len, int64_t kv_len, at::ScalarType out_dtype, bool out_nhd,
-                                        bool return_lse);
+                                        const std::optional<at::Tensor>& v_mean,
+                                        const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
+                                        int64_t kv_len, bool out_nhd, bool return_lse);
 
-std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes, const at::Tensor& q_scale,
+std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
                                                       const at::Tensor& k_codes, const at::Tensor& k_scale,
                                                       const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
                                                       const std::optional<at::Tensor>& v_scale,
                                                       const std::optional<at::Tensor>& v_mean,
-                                                      const std::string& qk_dtype, int64_t q_len, int64_t kv_len,
-                                                      at::ScalarType out_dtype, bool is_causal, bool out_nhd,
-                                                      bool return_lse);
+                                                      const std::optional<at::Tensor>& k_mean,
+                                                      const std::string& qk_dtype, int64_t kv_len, double sm_scale,
+                                                      bool is_causal, bool out_nhd, bool return_lse);
 
 AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
                                           const at::Tensor& v_fp8, const at::Tensor& v_tile_scale,

@@ -5,10 +5,10 @@
 namespace sageattention2 {
 namespace {
 
-template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
+template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
 cudaError_t launch(const AttentionMmaParams& p, cudaStream_t stream) {
-  using Kernel = AttentionMmaKernel<T, kHeadDim, kCausal, kQk, kPv>;
-  auto kernel = attention_mma_kernel<T, kHeadDim, kCausal, kQk, kPv>;
+  using Kernel = AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>;
+  auto kernel = attention_mma_kernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>;
   if constexpr (kPv == PvOperands::kFp8) {
     // The code the driver picked for this GPU must have the FP8 MMA (sm_89+; archs before it
     // compile the FP8 variants as stubs).
@@ -24,14 +24,23 @@ cudaError_t launch(const AttentionMmaParams& p, cudaStream_t stream) {
   if (Kernel::kSmemBytes > smem_limit) return cudaErrorNotSupported;  // INT8 + FP16 PV, hd128, on a 99 KB SM
   status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
   if (status != cudaSuccess) return status;
-  const dim3 grid(static_cast<unsigned>(p.q_padded / kMmaBlockQ), p.q_heads, p.batch);
+  const dim3 grid(static_cast<unsigned>((p.q_len + kMmaBlockQ - 1) / kMmaBlockQ), p.q_heads, p.batch);
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
   return cudaGetLastError();
 }
 
+// Q smoothing is a variant, not a runtime test: its Delta-S operand (16 registers a tile at
+// head_dim 128) pushed the INT8 + FP16 PV loop, at 255 registers, into spilling.
+template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
+cudaError_t launch_smooth_q(const AttentionMmaParams& p, cudaStream_t stream) {
+  return p.q_mean != nullptr ? launch<T, kHeadDim, kCausal, true, kQk, kPv>(p, stream)
+                             : launch<T, kHeadDim, kCausal, false, kQk, kPv>(p, stream);
+}
+
 template <typename T, int kHeadDim, QkCodes kQk, PvOperands kPv>
 cudaError_t launch_causal(const AttentionMmaParams& p, cudaStream_t stream) {
-  return p.causal ? launch<T, kHeadDim, true, kQk, kPv>(p, stream) : launch<T, kHeadDim, false, kQk, kPv>(p, stream);
+  return p.causal ? launch_smooth_q<T, kHeadDim, true, kQk, kPv>(p, stream)
+                  : launch_smooth_q<T, kHeadDim, false, kQk, kPv>(p, stream);
 }
 
 template <typename T, QkCodes kQk, PvOperands kPv>

@@ -1,8 +1,9 @@
 // The warp-level SageAttention2 kernel (paper Algorithm 1) in FlashAttention-2 form: a CTA owns
 // 128 queries (8 warps of 16 with FP8 PV, 4 warps of 32 with FP16/BF16 PV), streams tiles of K
 // and V (128 or 64 keys) through a cp.async pipeline, computes S = Q K^T with integer mma.sync
-// from per-thread quantized codes, dequantizes with one Q scale and one K scale per thread and
-// slab (Fig. 4), adds the exact Delta-S of Q smoothing, runs the online softmax in base 2
+// from per-thread quantized codes (Q's quantized by the CTA itself before its loop, K's by
+// quantize_kv), dequantizes with one Q scale and one K scale per thread and slab (Fig. 4), adds
+// the exact Delta-S of Q smoothing (a compiled variant), runs the online softmax in base 2
 // (sm_scale * log2(e) is folded into the Q scales) and accumulates P V in FP32.
 //
 // Variants are template parameters (attention_params.h): QkCodes INT8 (m16n8k32.s8) or INT4
@@ -15,6 +16,7 @@
 
 #include "attention_params.h"
 #include "ptx.cuh"
+#include "quant_math.cuh"
 
 namespace sageattention2 {
 
@@ -41,13 +43,14 @@ __device__ __forceinline__ float small_int_to_float(int32_t x) {
   return __int_as_float(x + kMagic) - 12582912.0f;
 }
 
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
-inline constexpr bool kMmaBefore90 = true;
-#else
-inline constexpr bool kMmaBefore90 = false;
-#endif
+// The value, hidden from the optimiser: what is derived from it is computed where it is used,
+// not hoisted out of a loop into registers held across it.
+__device__ __forceinline__ int opaque(int x) {
+  asm volatile("" : "+r"(x));
+  return x;
+}
 
-template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
+template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
 struct AttentionMmaKernel {
   static constexpr bool kFp8Pv = kPv == PvOperands::kFp8;
   static constexpr int kBlockQ = kMmaBlockQ;
@@ -65,7 +68,6 @@ struct AttentionMmaKernel {
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kRowsPerWarp = kBlockQ / kWarps;  // 16 or 32: one or two MMA slabs
   static constexpr int kSlabs = kRowsPerWarp / 16;
-  static constexpr int kQGroupsPerBlock = kMmaWarps * 8;  // quantize_q's: 8 per 16-row slab
   static constexpr int kKeyTiles = kBlockK / 8;          // n8 tiles of S per KV tile
   static constexpr int kDimTiles = kHeadDim / 8;         // n8 tiles of O
   // A QK k-step reads 32 bytes of a code row: 32 INT8 or 64 INT4 channels.
@@ -81,6 +83,7 @@ struct AttentionMmaKernel {
   static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
   static_assert(kMmaBlockQ % kWarps == 0 && kMmaBlockK % kBlockK == 0 && kBlockK % 32 == 0, "geometry");
   static constexpr int kQBytes = kBlockQ * kQkRowBytes;
+  static constexpr int kRowConstantBytes = kBlockQ * 4;  // q . k_mean per query (LSE only)
   static constexpr int kKBytes = kBlockK * kQkRowBytes;
   static constexpr int kVBytes = kVRows * kVRowBytes;
   static constexpr int kDeltaBytes = kBlockK * 4;
@@ -91,23 +94,25 @@ struct AttentionMmaKernel {
   // head_dim 128 takes 81 KB with two stages (114 KB with three). INT8 + FP16 at head_dim 128
   // takes 91 KB (64-key tiles): two CTAs per SM on sm_80/sm_90, one on sm_86/sm_89.
   static constexpr int kStages = kFp8Pv && kQk == QkCodes::kInt8 && kHeadDim == 128 ? 2 : 3;
-  static constexpr int kSmemBytes = kQBytes + kStages * kStageBytes;
+  static constexpr int kSmemBytes = kQBytes + kRowConstantBytes + kStages * kStageBytes;
   // Q's fragments stay in registers for the whole KV loop (INT8 + FP16 PV at head_dim 64) or are
   // re-read from shared memory every tile (head_dim 128, and FP8 PV: 16 or 32 registers fewer,
   // which there is the difference between spilling and not).
   static constexpr bool kResidentQ = !kFp8Pv && kHeadDim == 64;
-  static constexpr bool kHeadPerTile = !kFp8Pv && kHeadDim == 128 && kMmaBefore90;
+  static constexpr bool kHeadPerTile = !kFp8Pv && kHeadDim == 128;
   static_assert(!kFp8Pv || kSmemBytes <= 99 * 1024, "the FP8 variants must fit an Ada SM");
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(127 * 127 * kHeadDim < (1 << 22), "small_int_to_float needs |QK int32| < 2^22");
   static_assert(kQk == QkCodes::kInt8 || kFp8Pv, "INT4 QK is built with FP8 PV only (the 4-bit kernel)");
 
-  // Shared memory: the Q tile, then kStages pipeline stages of {K codes, V, Delta-S}. Stage
-  // addresses are computed, not indexed from an array, so nothing lands in local memory.
+  // Shared memory: the Q codes, the row constants of the LSE, then kStages pipeline stages of
+  // {K codes, V, Delta-S}. Stage addresses are computed, not indexed from an array, so nothing
+  // lands in local memory.
   struct Smem {
     unsigned char* base;
     __device__ unsigned char* q() const { return base; }
-    __device__ unsigned char* stage(int i) const { return base + kQBytes + i * kStageBytes; }
+    __device__ float* row_constant() const { return reinterpret_cast<float*>(base + kQBytes); }
+    __device__ unsigned char* stage(int i) const { return base + kQBytes + kRowConstantBytes + i * kStageBytes; }
     __device__ unsigned char* k(int i) const { return stage(i); }
     __device__ unsigned char* v(int i) const { return stage(i) + kKBytes; }
     __device__ float* delta(int i) const { return reinterpret_cast<float*>(stage(i) + kKBytes + kVBytes); }
@@ -135,15 +140,15 @@ struct AttentionMmaKernel {
   using KCopy = TileCopy<kQkChunks, kBlockK>;
   using VCopy = TileCopy<kVChunks, kVRows>;
 
-  // Per-(batch, head) base pointers of everything a KV tile reads, held through the KV loop, or
-  // derived from the block index again at every tile where their 8 registers would spill
-  // (kHeadPerTile: INT8 + FP16 PV at head_dim 128 built for sm_80/sm_89 spilled 72 bytes; on
-  // the H100 holding them measured 1-3 % faster at head_dim 128 and 10 % at 64).
+  // Per-(batch, head) base pointers of everything a KV tile reads (hk: the KV head), held
+  // through the KV loop, or derived again at every tile where their 8 registers would spill
+  // (kHeadPerTile: INT8 + FP16 PV at head_dim 128, whose loop runs at 255 registers; on the H100
+  // holding them measured 1-3 % faster at head_dim 128 and 10 % at 64, benchmarks/RESULTS.md).
   struct KvHead {
     const int8_t* k;
     const float* k_scale;
     const void* v;       // the head's V rows (kInput) or its transposed E4M3 V (kFp8)
-    const float* delta;  // null without Q smoothing
+    const float* delta;  // kSmoothQ only
 
     __device__ static KvHead of(const AttentionMmaParams& p) {
       const int h = blockIdx.y, b = blockIdx.z;
@@ -154,7 +159,7 @@ struct AttentionMmaKernel {
       head.k_scale = p.k_scale + bhk * (p.k_padded / kMmaBlockK) * 4;
       head.v = kFp8Pv ? static_cast<const void*>(static_cast<const uint8_t*>(p.v) + bhk * kHeadDim * p.k_padded)
                       : static_cast<const void*>(static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h);
-      head.delta = p.delta_s != nullptr ? p.delta_s + (static_cast<int64_t>(b) * p.q_heads + h) * p.k_padded : nullptr;
+      head.delta = kSmoothQ ? p.delta_s + (static_cast<int64_t>(b) * p.q_heads + h) * p.k_padded : nullptr;
       return head;
     }
   };
@@ -188,7 +193,7 @@ struct AttentionMmaKernel {
     // The tile's K scales travel with it: read from global memory between the QK MMAs and the
     // softmax, their latency stalled every warp once per tile.
     if (threadIdx.x == kThreads - 1) ptx::cp_async_16(s.k_scale(stage), head.k_scale + k0 / kMmaBlockK * 4, true);
-    if (head.delta != nullptr && threadIdx.x < kBlockK / 4)
+    if (kSmoothQ && threadIdx.x < kBlockK / 4)
       ptx::cp_async_16(s.delta(stage) + threadIdx.x * 4, head.delta + k0 + threadIdx.x * 4, true);
   }
 
@@ -267,23 +272,96 @@ struct AttentionMmaKernel {
     }
   }
 
+  // The CTA's Q block to per-thread codes in shared memory (paper Eq. 8, the groups and the
+  // arithmetic of quantize_q(block_q=128, warps=8): the same codes and scales, bit for bit), so
+  // Q costs no pass before the kernel. The quad that shares rows {g, g+8} of a 16-row slab
+  // holds one group: thread t reads the rows' 16-byte vectors t, t + 4, ... (a warp's load
+  // covers 64 contiguous bytes of 8 rows), takes the group max over the quad and writes its
+  // codes where the ldmatrix of the QK product reads them. Rows past q_len are zero codes and
+  // stay out of the max. Returns the thread's Q scale of each slab, times sm_scale * log2(e).
+  // With the LSE and K smoothing, q . k_mean of each row (raw q: the row constant K smoothing
+  // drops from every score) goes to shared memory for the epilogue.
+  __device__ static void quantize_q_block(const AttentionMmaParams& p, const Smem& s, int b, int h, int64_t q0,
+                                          int warp_row0, int g, int t, float (&q_scale)[kSlabs]) {
+    constexpr int kVecs = kHeadDim / 8 / 4;  // 16-byte vectors of a row per quad thread
+    using Codes = IntCodes<kQk == QkCodes::kInt4>;
+    const T* q_head = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h;
+    const int64_t bh = static_cast<int64_t>(b) * p.q_heads + h;
+    const float* mean = kSmoothQ ? p.q_mean + bh * kHeadDim : nullptr;
+    const float* k_mean = p.lse != nullptr && p.k_mean != nullptr
+                              ? p.k_mean + (static_cast<int64_t>(b) * p.kv_heads + h / (p.q_heads / p.kv_heads)) * kHeadDim
+                              : nullptr;
+#pragma unroll 1
+    for (int sl = 0; sl < kSlabs; ++sl) {
+      uint4 raw[2][kVecs];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int64_t query = q0 + warp_row0 + sl * 16 + g + 8 * r;
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j)
+          raw[r][j] = query < p.q_len ? ptx::ld_global_nc_v4(q_head + query * p.q_stride_n + (4 * j + t) * 8)
+                                      : make_uint4(0, 0, 0, 0);
+      }
+      float x[2][kVecs][8];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool valid = q0 + warp_row0 + sl * 16 + g + 8 * r < p.q_len;
+        float dot = 0.0f;
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          widen8<T>(raw[r][j], x[r][j]);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) {
+            const int channel = (4 * j + t) * 8 + e;
+            if (k_mean != nullptr) dot = fmaf(x[r][j][e], __ldg(k_mean + channel), dot);
+            // Rows past q_len read as zeros and stay zeros (the mean is not subtracted there).
+            if (kSmoothQ && valid) x[r][j][e] -= __ldg(mean + channel);
+          }
+        }
+        if (k_mean != nullptr) {
+          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
+          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+          if (t == 0) s.row_constant()[warp_row0 + sl * 16 + g + 8 * r] = dot;
+        }
+      }
+      float amax = 0.0f;
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j)
+#pragma unroll
+          for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[r][j][e]));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+      const float scale = quant_scale(amax, static_cast<float>(Codes::kQmax));
+      const float inv = quant_inverse(scale);
+      // A runtime slab index must not index the register array (it would go to local memory).
+#pragma unroll
+      for (int i = 0; i < kSlabs; ++i)
+        if (i == sl) q_scale[i] = scale * p.q_scale_multiplier;
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int j = 0; j < kVecs; ++j) {
+          const int byte = (4 * j + t) * Codes::kBytesPer8;  // of the code row
+          Codes::store(reinterpret_cast<int8_t*>(s.q() + swizzled_offset<kQkChunks>(warp_row0 + sl * 16 + g + 8 * r,
+                                                                                  byte / 16) + byte % 16),
+                       x[r][j], inv);
+        }
+    }
+  }
+
   __device__ static void run(const AttentionMmaParams& p, unsigned char* smem_base) {
     const Smem s{smem_base};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // accumulator fragment: rows g, g+8; columns 2t, 2t+1
-    const int q_blocks = static_cast<int>(p.q_padded / kBlockQ);
+    const int q_blocks = static_cast<int>(gridDim.x);
     // Causal: the heaviest query blocks (most keys) are scheduled first.
     const int qb = kCausal ? q_blocks - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
     const int h = blockIdx.y, b = blockIdx.z;
     const int hk = h / (p.q_heads / p.kv_heads);
     const int64_t q0 = static_cast<int64_t>(qb) * kBlockQ;
 
-    // ---- Q tile (once) and the first KV tile ----
-    const int8_t* qg = p.q_codes + ((static_cast<int64_t>(b) * p.q_heads + h) * p.q_padded + q0) * kQkRowBytes;
-    for (int i = threadIdx.x; i < kBlockQ * kQkChunks; i += kThreads) {
-      const int row = i / kQkChunks, chunk = i % kQkChunks;
-      ptx::cp_async_16(s.q() + swizzled_offset<kQkChunks>(row, chunk), qg + row * kQkRowBytes + chunk * 16, true);
-    }
     int64_t tiles = (p.kv_len + kBlockK - 1) / kBlockK;
     if constexpr (kCausal) {
       const int64_t last_query = (q0 + kBlockQ < p.q_len ? q0 + kBlockQ : p.q_len) - 1;
@@ -292,19 +370,16 @@ struct AttentionMmaKernel {
     }
     const int kv_tiles = static_cast<int>(tiles);  // 32-bit loop counters: registers are short
     const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
+    const int warp_row0 = warp * kRowsPerWarp;
+    // One Q scale per thread and slab: its rows g and g+8 of slab j are both in group 8j + g (Eq. 8).
+    float q_scale[kSlabs];
+    quantize_q_block(p, s, b, h, q0, warp_row0, g, t, q_scale);
     const KvHead head = KvHead::of(p);
-    // Prologue: Q and tile 0 form the first group, tiles 1 .. kStages-2 one group each.
+    // Prologue: tiles 0 .. kStages-2 one cp.async group each.
     for (int i = 0; i < kStages - 1; ++i) {
       if (i < kv_tiles) load_kv_tile(p, s, i, head, static_cast<int64_t>(i) * kBlockK);
       ptx::cp_async_commit();
     }
-
-    // One Q scale per thread and slab: its rows g and g+8 of slab j are both in group 8j + g (Eq. 8).
-    float q_scale[kSlabs];
-#pragma unroll
-    for (int sl = 0; sl < kSlabs; ++sl)
-      q_scale[sl] = p.q_scale[((static_cast<int64_t>(b) * p.q_heads + h) * q_blocks + qb) * kQGroupsPerBlock +
-                              (warp * kSlabs + sl) * 8 + g];
 
     float o[kSlabs][kDimTiles][4];
 #pragma unroll
@@ -319,7 +394,6 @@ struct AttentionMmaKernel {
 #pragma unroll
       for (int r = 0; r < 2; ++r) row_max[sl][r] = -INFINITY, row_sum[sl][r] = 0.0f;
 
-    const int warp_row0 = warp * kRowsPerWarp;
     // The warp's rows that are queries (< q_len): its row j is one iff j < warp_queries.
     const int64_t queries_left = p.q_len - q0 - warp_row0;
     const int warp_queries = static_cast<int>(queries_left < kRowsPerWarp ? queries_left : kRowsPerWarp);
@@ -328,9 +402,13 @@ struct AttentionMmaKernel {
     for (int it = 0; it < kv_tiles; ++it) {
       const int stage = it % kStages;
       const int64_t k0 = static_cast<int64_t>(it) * kBlockK;
-      ptx::cp_async_wait<kStages - 2>();  // tile `it` (and, first time round, Q) has landed
-      __syncthreads();                    // ... for every thread; and stage it-1 is free again
-      const int ahead = it + kStages - 1;
+      ptx::cp_async_wait<kStages - 2>();  // tile `it` has landed
+      __syncthreads();                    // ... for every thread (and, first time round, Q's codes); and
+                                          // stage it-1 is free again
+      // kHeadPerTile: the tile index passes through opaque(), so the tile's global addresses are
+      // computed here from it and the block index rather than carried across the loop as
+      // pointers (which spilled at 255 registers).
+      const int ahead = kHeadPerTile ? opaque(it + kStages - 1) : it + kStages - 1;
       if (ahead < kv_tiles)
         load_kv_tile(p, s, ahead % kStages, kHeadPerTile ? KvHead::of(p) : head, static_cast<int64_t>(ahead) * kBlockK);
       ptx::cp_async_commit();
@@ -372,12 +450,11 @@ struct AttentionMmaKernel {
       // ---- dequantize (one scale per thread), Delta-S, masks ----
       // Keys 2t and 2t+1 of every 8 are K group t (Eq. 8), so one K scale per thread too.
       const float k_scale = s.k_scale(stage)[t];
-      const bool has_delta = p.delta_s != nullptr;
       const bool needs_mask = k0 + kBlockK > p.kv_len || (kCausal && k0 + kBlockK - 1 > q0 + warp_row0);
       float sc[kSlabs][kKeyTiles][4];
 #pragma unroll
       for (int n = 0; n < kKeyTiles; ++n) {
-        const float2 ds = has_delta ? *reinterpret_cast<const float2*>(s.delta(stage) + n * 8 + 2 * t)
+        const float2 ds = kSmoothQ ? *reinterpret_cast<const float2*>(s.delta(stage) + n * 8 + 2 * t)
                                     : make_float2(0.0f, 0.0f);
 #pragma unroll
         for (int sl = 0; sl < kSlabs; ++sl)
@@ -501,10 +578,12 @@ struct AttentionMmaKernel {
         }
         if (p.lse != nullptr && t == 0) {
           constexpr float kLn2 = 0.6931471805599453f;
-          // FP8: l sums P~ * 448.
+          // FP8: l sums P~ * 448. K smoothing dropped the row constant sm_scale * q . k_mean,
+          // which the LSE of the true scores includes (this thread wrote it, quantize_q_block).
           const float log2_l = __log2f(l) - (kFp8Pv ? kLog2Fp8Max : 0.0f);
+          const float dropped = p.k_mean != nullptr ? p.sm_scale * s.row_constant()[warp_row0 + sl * 16 + g + 8 * r] : 0.0f;
           p.lse[(static_cast<int64_t>(b) * p.q_heads + h) * p.q_len + query] =
-              l > 0.0f ? (row_max[sl][r] + log2_l) * kLn2 : -INFINITY;
+              l > 0.0f ? (row_max[sl][r] + log2_l) * kLn2 + dropped : -INFINITY;
         }
       }
   }
@@ -525,14 +604,14 @@ inline constexpr bool kCompilingFp8Mma = true;
 template <PvOperands kPv>
 inline constexpr int kMmaMinBlocksPerSm = kPv == PvOperands::kInput ? 2 : 1;
 
-template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
-__global__ void __launch_bounds__(AttentionMmaKernel<T, kHeadDim, kCausal, kQk, kPv>::kThreads,
+template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
+__global__ void __launch_bounds__(AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>::kThreads,
                                   kMmaMinBlocksPerSm<kPv>) attention_mma_kernel(const __grid_constant__ AttentionMmaParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   if constexpr (kPv == PvOperands::kFp8 && !kCompilingFp8Mma) {
     __trap();
   } else {
-    AttentionMmaKernel<T, kHeadDim, kCausal, kQk, kPv>::run(p, smem);
+    AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>::run(p, smem);
   }
 }
 

@@ -24,6 +24,16 @@ void check_f32(const at::Tensor& t, const char* name, c10::SymIntArrayRef expect
   TORCH_CHECK(t.sym_sizes() == expected, name, " must have shape ", expected, ", got ", t.sym_sizes());
 }
 
+// The caller's Q, which both attention kernels quantize themselves: rows read as 16-byte vectors.
+void check_q(const at::Tensor& q) {
+  TORCH_CHECK(q.dim() == 4, "q must be a 4-D [batch, q_heads, q_len, head_dim] tensor");
+  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16, got ",
+              q.scalar_type());
+  TORCH_CHECK(q.sym_stride(3) == 1, "q must be contiguous in its last dimension");
+  for (int i = 0; i < 3; ++i)
+    TORCH_CHECK(q.sym_stride(i) % 8 == 0, "q.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
+}
+
 // The output of both attention ops: [B, Hq, q_len, Dv] in `opts`' dtype, HND memory or the
 // [B, Hq, q_len, Dv] view of NHD memory; the LSE [B, Hq, q_len] float32 or an empty [0].
 AttentionOutputs allocate_outputs(const c10::SymInt& batch, const c10::SymInt& q_heads, const c10::SymInt& q_len,
@@ -38,37 +48,33 @@ AttentionOutputs allocate_outputs(const c10::SymInt& batch, const c10::SymInt& q
 
 }  // namespace
 
-AttentionOutputs allocate_attention_mma(const at::Tensor& q_codes, const at::Tensor& q_scale,
+AttentionOutputs allocate_attention_mma(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
                                         const at::Tensor& k_codes, const at::Tensor& k_scale,
                                         const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
                                         const std::optional<at::Tensor>& v_scale,
-                                        const std::optional<at::Tensor>& v_mean, const std::string& qk_dtype,
-                                        int64_t q_len, int64_t kv_len, at::ScalarType out_dtype, bool out_nhd,
-                                        bool return_lse) {
+                                        const std::optional<at::Tensor>& v_mean,
+                                        const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
+                                        int64_t kv_len, bool out_nhd, bool return_lse) {
   TORCH_CHECK(qk_dtype == "int8" || qk_dtype == "int4", "qk_dtype must be 'int8' or 'int4', got '", qk_dtype, "'");
   const bool int4 = qk_dtype == "int4";
   const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
-  check_codes(q_codes, "q_codes", kMmaBlockQ);
+  check_q(q);
   check_codes(k_codes, "k_codes", kMmaBlockK);
-  TORCH_CHECK(out_dtype == at::kHalf || out_dtype == at::kBFloat16, "out_dtype must be float16 or bfloat16, got ",
-              out_dtype);
   TORCH_CHECK(v.dim() == 4, "v must be 4-D: [batch, kv_heads, kv_len, head_dim] (float16/bfloat16) or "
               "[batch, kv_heads, head_dim, padded_kv_len] (float8_e4m3fn from quantize_kv)");
-  const c10::SymInt batch = q_codes.sym_size(0), q_heads = q_codes.sym_size(1);
+  const c10::SymInt batch = q.sym_size(0), q_heads = q.sym_size(1), q_len = q.sym_size(2);
   const c10::SymInt kv_heads = k_codes.sym_size(1), k_padded = k_codes.sym_size(2);
+  const int64_t head_dim = q.sym_size(3).guard_int(__FILE__, __LINE__);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128 for attention_mma, got ", head_dim);
+  TORCH_CHECK(q_len > 0, "q must have at least one token");
   // INT4 codes hold two channels a byte.
-  const int64_t head_dim = q_codes.sym_size(3).guard_int(__FILE__, __LINE__) * (int4 ? 2 : 1);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128 for attention_mma, got ", head_dim,
-              " (q_codes.size(3) = ", q_codes.sym_size(3), " with qk_dtype '", qk_dtype, "')");
-  TORCH_CHECK(k_codes.sym_size(3) == q_codes.sym_size(3), "q_codes and k_codes must share their last dimension");
+  TORCH_CHECK(k_codes.sym_size(3) * (int4 ? 2 : 1) == head_dim, "k_codes must hold q's head_dim (", head_dim,
+              ") channels with qk_dtype '", qk_dtype, "', got k_codes.size(3) = ", k_codes.sym_size(3));
   TORCH_CHECK(k_codes.sym_size(0) == batch && v.sym_size(0) == batch, "q, k and v must share the batch size");
   TORCH_CHECK(v.sym_size(1) == kv_heads, "v must have k's heads");
   TORCH_CHECK(q_heads % kv_heads == 0, "q heads (", q_heads, ") must be a multiple of kv heads (", kv_heads, ")");
-  TORCH_CHECK(kv_len > 0, "kv_len must be at least 1, got ", kv_len);
-  TORCH_CHECK(k_padded >= kv_len && k_padded < kv_len + kMmaBlockK,
-              "k_codes must be kv_len tokens padded to a multiple of ", kMmaBlockK);
-  TORCH_CHECK(q_len > 0 && q_codes.sym_size(2) >= q_len && q_codes.sym_size(2) < q_len + kMmaBlockQ,
-              "q_len must be the unpadded length of q_codes (padded to ", kMmaBlockQ, "), got ", q_len);
+  TORCH_CHECK(kv_len > 0 && k_padded >= kv_len && k_padded < kv_len + kMmaBlockK,
+              "kv_len must be the unpadded length of k_codes (padded to ", kMmaBlockK, "), got ", kv_len);
   if (fp8_v) {
     TORCH_CHECK(v.is_contiguous(), "v (float8_e4m3fn) must be contiguous, as quantize_kv returns it");
     TORCH_CHECK(v.sym_sizes() == c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}),
@@ -82,42 +88,54 @@ AttentionOutputs allocate_attention_mma(const at::Tensor& q_codes, const at::Ten
                 "v must be float16, bfloat16 or float8_e4m3fn, got ", v.scalar_type());
     TORCH_CHECK(!int4, "qk_dtype 'int4' runs with FP8 PV only: pass quantize_kv's float8_e4m3fn v and v_scale");
     TORCH_CHECK(!v_scale && !v_mean, "v_scale and v_mean go with float8_e4m3fn v only");
-    TORCH_CHECK(out_dtype == v.scalar_type(), "out_dtype (", out_dtype, ") must be v's dtype (", v.scalar_type(), ")");
+    TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v (", v.scalar_type(), ") must have q's dtype (",
+                q.scalar_type(), ")");
     TORCH_CHECK(v.sym_size(3) == head_dim, "v must have head_dim ", head_dim, ", got ", v.sym_size(3));
     TORCH_CHECK(v.sym_size(2) == kv_len, "v must have kv_len (", kv_len, ") tokens, got ", v.sym_size(2));
     TORCH_CHECK(v.sym_stride(3) == 1, "v must be contiguous in its last dimension");
     for (int i = 0; i < 3; ++i)
       TORCH_CHECK(v.sym_stride(i) % 8 == 0, "v.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
   }
-  const c10::SymInt q_blocks = q_codes.sym_size(2) / kMmaBlockQ, k_blocks = k_padded / kMmaBlockK;
-  check_f32(q_scale, "q_scale", {batch, q_heads, q_blocks, kMmaWarps * 8});
-  check_f32(k_scale, "k_scale", {batch, kv_heads, k_blocks, 4});
+  check_f32(k_scale, "k_scale", {batch, kv_heads, k_padded / kMmaBlockK, 4});
+  // Q smoothed by q_mean needs the Delta-S of that mean (quantize_kv(q_mean=...)), and only then.
+  TORCH_CHECK(q_mean.has_value() == delta_s.has_value(),
+              "q_mean and delta_s go together: Q smoothed by q_mean needs quantize_kv's delta_s of that q_mean");
+  if (q_mean) check_f32(*q_mean, "q_mean", {batch, q_heads, c10::SymInt(head_dim)});
   if (delta_s) check_f32(*delta_s, "delta_s", {batch, q_heads, k_padded});
-  for (const at::Tensor* t : {&q_scale, &k_codes, &k_scale, &v})
-    TORCH_CHECK(t->device() == q_codes.device(), "all inputs must be on ", q_codes.device());
-  for (const auto* t : {&delta_s, &v_scale, &v_mean})
-    TORCH_CHECK(!*t || (*t)->device() == q_codes.device(), "all inputs must be on ", q_codes.device());
+  if (k_mean) check_f32(*k_mean, "k_mean", {batch, kv_heads, c10::SymInt(head_dim)});
+  for (const at::Tensor* t : {&k_codes, &k_scale, &v})
+    TORCH_CHECK(t->device() == q.device(), "all inputs must be on ", q.device());
+  for (const auto* t : {&q_mean, &delta_s, &v_scale, &v_mean, &k_mean})
+    TORCH_CHECK(!*t || (*t)->device() == q.device(), "all inputs must be on ", q.device());
 
-  return allocate_outputs(batch, q_heads, c10::SymInt(q_len), head_dim, q_codes.options().dtype(out_dtype), out_nhd,
-                          return_lse);
+  return allocate_outputs(batch, q_heads, q_len, head_dim, q.options(), out_nhd, return_lse);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes, const at::Tensor& q_scale,
+std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
                                                       const at::Tensor& k_codes, const at::Tensor& k_scale,
                                                       const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
                                                       const std::optional<at::Tensor>& v_scale,
                                                       const std::optional<at::Tensor>& v_mean,
-                                                      const std::string& qk_dtype, int64_t q_len, int64_t kv_len,
-                                                      at::ScalarType out_dtype, bool is_causal, bool out_nhd,
-                                                      bool return_lse) {
-  AttentionOutputs out = allocate_attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, v_scale, v_mean,
-                                                qk_dtype, q_len, kv_len, out_dtype, out_nhd, return_lse);
-  check_launchable(q_codes, "q_codes");
-  const c10::cuda::CUDAGuard guard(q_codes.device());
+                                                      const std::optional<at::Tensor>& k_mean,
+                                                      const std::string& qk_dtype, int64_t kv_len, double sm_scale,
+                                                      bool is_causal, bool out_nhd, bool return_lse) {
+  AttentionOutputs out = allocate_attention_mma(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean,
+                                                qk_dtype, kv_len, out_nhd, return_lse);
+  check_launchable(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
   const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
   AttentionMmaParams p;
-  p.q_codes = q_codes.data_ptr<int8_t>();
-  p.q_scale = q_scale.data_ptr<float>();
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.q_stride_n = q.stride(2);
+  p.q_mean = q_mean ? q_mean->data_ptr<float>() : nullptr;
+  p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
+  // The product in double, then rounded once: the scale_multiplier quantize_q and quantize_kv
+  // receive from the same double (sageattn's sm_scale * log2(e)), so the codes and scales match
+  // theirs bit for bit.
+  p.q_scale_multiplier = static_cast<float>(sm_scale * 1.4426950408889634);
+  p.sm_scale = static_cast<float>(sm_scale);
   p.k_codes = k_codes.data_ptr<int8_t>();
   p.k_scale = k_scale.data_ptr<float>();
   p.delta_s = delta_s ? delta_s->data_ptr<float>() : nullptr;
@@ -134,16 +152,15 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q_codes,
   p.out_stride_h = out.out.stride(1);
   p.out_stride_n = out.out.stride(2);
   p.lse = return_lse ? out.lse.data_ptr<float>() : nullptr;
-  p.batch = static_cast<int>(q_codes.size(0));
-  p.q_heads = static_cast<int>(q_codes.size(1));
+  p.batch = static_cast<int>(q.size(0));
+  p.q_heads = static_cast<int>(q.size(1));
   p.kv_heads = static_cast<int>(k_codes.size(1));
-  p.head_dim = static_cast<int>(out.out.size(3));
-  p.q_len = q_len;
+  p.head_dim = static_cast<int>(q.size(3));
+  p.q_len = q.size(2);
   p.kv_len = kv_len;
-  p.q_padded = q_codes.size(2);
   p.k_padded = k_codes.size(2);
   p.causal = is_causal;
-  const InputDtype dtype = out_dtype == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status != cudaErrorNotSupported, "attention_mma: ",
               fp8_v ? "FP8 PV needs an sm_89+ GPU and a build with code for it (TORCH_CUDA_ARCH_LIST 8.9 or 9.0a)"
@@ -157,12 +174,7 @@ AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor&
                                           const std::optional<at::Tensor>& v_mean,
                                           const std::optional<at::Tensor>& k_mean, int64_t kv_len, bool out_nhd,
                                           bool return_lse) {
-  TORCH_CHECK(q.dim() == 4, "q must be a 4-D [batch, q_heads, q_len, head_dim] tensor");
-  TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16, "q must be float16 or bfloat16, got ",
-              q.scalar_type());
-  TORCH_CHECK(q.sym_stride(3) == 1, "q must be contiguous in its last dimension");
-  for (int i = 0; i < 3; ++i)
-    TORCH_CHECK(q.sym_stride(i) % 8 == 0, "q.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
+  check_q(q);
   check_codes(k_codes, "k_codes", kWgmmaBlockK);
   const c10::SymInt batch = q.sym_size(0), q_heads = q.sym_size(1), q_len = q.sym_size(2);
   const c10::SymInt kv_heads = k_codes.sym_size(1), k_padded = k_codes.sym_size(2);

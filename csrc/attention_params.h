@@ -38,8 +38,14 @@ enum class PvOperands : int {
 };
 
 struct AttentionMmaParams {
-  const int8_t* q_codes = nullptr;  // [B, Hq, q_padded, D] (INT4: D / 2 bytes a row)
-  const float* q_scale = nullptr;   // [B, Hq, q_padded / 128, 64], times sm_scale * log2(e)
+  // [B, Hq, q_len, D] fp16/bf16 with the strides below (last dimension contiguous): the kernel
+  // quantizes each CTA's Q block itself, in quantize_q(block_q=128, warps=8)'s groups.
+  const void* q = nullptr;
+  int64_t q_stride_b = 0, q_stride_h = 0, q_stride_n = 0;
+  const float* q_mean = nullptr;    // [B, Hq, D] or null (Q smoothed per head; delta_s then set)
+  const float* k_mean = nullptr;    // [B, Hkv, D] or null (smooth K: its row constant joins the LSE)
+  float q_scale_multiplier = 1.0f;  // sm_scale * log2(e), folded into the Q scales
+  float sm_scale = 1.0f;            // softmax scale (natural units), for the LSE's row constant
   const int8_t* k_codes = nullptr;  // [B, Hkv, k_padded, D] (INT4: D / 2 bytes a row)
   const float* k_scale = nullptr;   // [B, Hkv, k_padded / 128, 4]
   const float* delta_s = nullptr;   // [B, Hq, k_padded] or null
@@ -55,11 +61,11 @@ struct AttentionMmaParams {
   int64_t out_stride_b = 0, out_stride_h = 0, out_stride_n = 0;
   float* lse = nullptr;             // [B, Hq, q_len] or null
   int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
-  int64_t q_len = 0, kv_len = 0, q_padded = 0, k_padded = 0;
+  int64_t q_len = 0, kv_len = 0, k_padded = 0;
   bool causal = false;
 };
 
-// dtype is the output's (and, for PvOperands::kInput, V's). cudaErrorNotSupported for an FP8
+// dtype is q's and the output's (and, for PvOperands::kInput, V's). cudaErrorNotSupported for an FP8
 // variant on a GPU whose code in this build predates sm_89, or a variant whose shared memory
 // exceeds the GPU's per-block limit (none does on sm_80+: the largest takes 114 KB on sm_90, and
 // at most 91 KB on the 99 KB SMs of sm_86/sm_89; a safety net).

@@ -31,16 +31,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   return {o.k_codes, o.k_scales, o.v_codes, o.delta_s, o.v_tile_scale};
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q_codes, const at::Tensor& q_scale,
+std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
                                                       const at::Tensor& k_codes, const at::Tensor& k_scale,
                                                       const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
                                                       const std::optional<at::Tensor>& v_scale,
                                                       const std::optional<at::Tensor>& v_mean,
-                                                      const std::string& qk_dtype, int64_t q_len, int64_t kv_len,
-                                                      at::ScalarType out_dtype, bool /*is_causal*/, bool out_nhd,
+                                                      const std::optional<at::Tensor>& k_mean,
+                                                      const std::string& qk_dtype, int64_t kv_len,
+                                                      double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
                                                       bool return_lse) {
-  auto o = allocate_attention_mma(q_codes, q_scale, k_codes, k_scale, delta_s, v, v_scale, v_mean, qk_dtype, q_len,
-                                  kv_len, out_dtype, out_nhd, return_lse);
+  auto o = allocate_attention_mma(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean, qk_dtype, kv_len,
+                                  out_nhd, return_lse);
   return {o.out, o.lse};
 }
 
@@ -71,9 +72,9 @@ TORCH_LIBRARY(sageattention2, m) {
       "Tensor? q_mean, int block_k, str qk_dtype, float delta_s_multiplier) "
       "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s, Tensor v_tile_scale)");
   m.def(
-      "attention_mma(Tensor q_codes, Tensor q_scale, Tensor k_codes, Tensor k_scale, Tensor? delta_s, "
-      "Tensor v, Tensor? v_scale, Tensor? v_mean, str qk_dtype, int q_len, int kv_len, ScalarType out_dtype, "
-      "bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
+      "attention_mma(Tensor q, Tensor? q_mean, Tensor k_codes, Tensor k_scale, Tensor? delta_s, Tensor v, "
+      "Tensor? v_scale, Tensor? v_mean, Tensor? k_mean, str qk_dtype, int kv_len, float sm_scale, bool is_causal, "
+      "bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_wgmma(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? v_mean, "
       "Tensor? k_mean, int kv_len, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "

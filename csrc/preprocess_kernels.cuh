@@ -151,41 +151,6 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   }
 }
 
-// ---------------------------------------------------------------------------------------------
-// Per-thread quantization of a 16-byte vector of 8 channels (DESIGN.md arithmetic), stored as
-// 8 INT8 bytes or 4 bytes of packed INT4.
-// ---------------------------------------------------------------------------------------------
-
-template <bool kInt4>
-struct IntCodes {
-  static constexpr int kQmax = kInt4 ? 7 : 127;
-  static constexpr int kBytesPer8 = kInt4 ? 4 : 8;
-
-  __device__ static __forceinline__ void store(int8_t* dst, const float (&x)[8], float inv) {
-    int q[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = quantize_to_int(x[i], inv, kQmax);
-    if constexpr (kInt4) {
-      uint32_t w = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) w |= static_cast<uint32_t>(pack_int4x2(q[2 * i], q[2 * i + 1])) << (8 * i);
-      *reinterpret_cast<uint32_t*>(dst) = w;
-    } else {
-      uint2 w = make_uint2(0, 0);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        w.x |= static_cast<uint32_t>(q[i] & 0xFF) << (8 * i);
-        w.y |= static_cast<uint32_t>(q[4 + i] & 0xFF) << (8 * i);
-      }
-      *reinterpret_cast<uint2*>(dst) = w;
-    }
-  }
-  __device__ static __forceinline__ void store_zero(int8_t* dst) {
-    if constexpr (kInt4) *reinterpret_cast<uint32_t*>(dst) = 0u;
-    else *reinterpret_cast<uint2*>(dst) = make_uint2(0, 0);
-  }
-};
-
 // Non-negative floats order like their bit patterns, so a shared-memory atomicMax on the bits
 // is an exact (and order-independent, hence deterministic) max of |x|.
 __device__ __forceinline__ void atomic_max_abs(unsigned* slot, float abs_value) {

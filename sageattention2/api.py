@@ -41,7 +41,7 @@ _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIM_MULTIPLE = 8
 _MIN_CAPABILITY = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16 with FP32 accumulation
 _LOG2E = math.log2(math.e)
-# The Hopper path's smoothing vectors (K's mean; V's with smooth_v) are means over at most this
+# K's smoothing vector (and, on the Hopper path, V's with smooth_v) is a mean over at most this
 # many tokens, a strided sample (smoothing_sample_stride): any vector subtracted from every key shifts
 # each row of S by a constant (and V's mean is added back), so only the quantization error can
 # change; the statistics launch then reads ~1/16 of K at 4K instead of all of it.
@@ -153,7 +153,7 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
 
 def _smooth_q_mode(value: object) -> Literal["auto", "head", "block", "none"]:
     """Resolve smooth_q: False -> "none"; True -> "head"; "auto"/"head"/"block" as named ("auto"
-    is each kernel's choice: none for the Hopper 8-bit kernel, "head" for the warp-level one)."""
+    is the kernel's choice: none for INT8 QK, "head" for INT4 QK; :func:`_smooths_q`)."""
     if isinstance(value, bool):
         return "head" if value else "none"
     if isinstance(value, str) and value in SMOOTH_Q_MODES:
@@ -531,7 +531,8 @@ def _unpad_head_dim(out: Tensor, head_dim: int, out_nhd: bool) -> Tensor:
 
 
 def smoothing_sample_stride(tokens: int) -> int:
-    """The stride of the token sample whose mean is the Hopper path's smoothing vector: at most
+    """The stride of the token sample whose mean is K's smoothing vector (and the Hopper path's
+    V mean; not with the warp-level kernel's FP8 PV, whose V range reads all tokens): at most
     SMOOTHING_SAMPLE_TOKENS tokens (all of them up to that many; the statistics launch then
     reduces each head in one CTA, with no second launch), and odd, so that it is coprime with
     any power-of-two period of the token order (image rows, frames): the sample then visits
@@ -561,40 +562,42 @@ def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
 
 def _mma(call: AttentionCall, choice: KernelChoice, q: Tensor, k: Tensor, v: Tensor,
          sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The warp-level kernel's call (docs/DESIGN.md): one smoothing_stats pass (Q's per-head
-    mean, K's mean and, for FP8 PV, V's per-channel range and, with smooth_v, mean), quantize_q
-    and quantize_kv (per-thread INT8/INT4 Q and K with ``sm_scale * log2(e)`` folded into the Q
-    scales and Delta-S; for FP8 PV, V in E4M3 transposed in the PV-MMA order), then attention_mma
-    with V in FP8 or the caller's fp16/bf16 V. Returns the complete LSE (the kernel's lacks the
-    row constant of K smoothing, added here)."""
+    """The warp-level kernel's call (docs/DESIGN.md): at most one smoothing_stats pass (Q's
+    per-head mean when Q is smoothed; K's mean, over the token sample of
+    :func:`smoothing_sample_stride` unless V's statistics need the whole of K's tokens anyway;
+    for FP8 PV, V's per-channel range and, with smooth_v, mean), one quantize_kv pass
+    (per-thread INT8/INT4 K, Delta-S of Q's mean, for FP8 PV V in E4M3 transposed in the PV-MMA
+    order), then attention_mma, which quantizes Q itself (``sm_scale * log2(e)`` folded into its
+    scales) and returns the complete LSE."""
     multiplier = sm_scale * _LOG2E
-    smooth_q = call.smooth_q in ("auto", "head")
+    smooth_q = _smooths_q(call, choice)
     fp8 = choice.pv == "fp8"
     q_mean = k_mean = v_mean = v_scale = None
     if smooth_q or call.smooth_k or fp8:
-        stats = ops.smoothing_stats(q if smooth_q else None, k if call.smooth_k else None,
+        # smoothing_stats takes K and V over the same tokens: with FP8 PV, V's range needs all.
+        k_rows = k if fp8 else k[:, :, ::smoothing_sample_stride(k.shape[2])]
+        stats = ops.smoothing_stats(q if smooth_q else None, k_rows if call.smooth_k else None,
                                     v if fp8 else None, fp8 and call.smooth_v)
         q_mean = stats.q_mean if smooth_q else None
         k_mean = stats.k_mean if call.smooth_k else None
         if fp8:
             v_scale = stats.v_scale
             v_mean = stats.v_mean if call.smooth_v else None
-    qq = ops.quantize_q(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, choice.qk, False, multiplier)
     kv = ops.quantize_kv(k, v if fp8 else None, k_mean, v_mean, v_scale, q_mean, ops.MMA_BLOCK_K,
                          choice.qk, multiplier)
-    out, lse = ops.attention_mma(
-        qq.q_quant, qq.q_scale, kv.k_quant, kv.k_scale,
-        kv.delta_s if q_mean is not None else None, kv.v_fp8 if fp8 else v, v_scale, v_mean,
-        choice.qk, q.shape[2], k.shape[2], q.dtype, call.is_causal, call.tensor_layout == "NHD",
-        call.return_lse,
+    return ops.attention_mma(
+        q, q_mean, kv.k_quant, kv.k_scale, kv.delta_s if q_mean is not None else None,
+        kv.v_fp8 if fp8 else v, v_scale, v_mean, k_mean, choice.qk, k.shape[2], sm_scale,
+        call.is_causal, call.tensor_layout == "NHD", call.return_lse,
     )
-    if call.return_lse and k_mean is not None:
-        # The kernel's scores lack the row constant sm_scale * q_i . k_mean that K smoothing
-        # drops (softmax ignores it, the LSE does not): one extra float32 pass over Q, only here.
-        k_mean = k_mean.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq, D]
-        row = torch.matmul(q.float(), k_mean.unsqueeze(-1)).squeeze(-1)  # [B, Hq, Nq]
-        lse = lse + sm_scale * row
-    return out, lse
+
+
+def _smooths_q(call: AttentionCall, choice: KernelChoice) -> bool:
+    """Whether the warp-level kernel smooths Q (per head) for ``call``: as asked, and for
+    smooth_q="auto" with INT4 QK only, whose 4-bit codes need it (paper 3.2: smoothing Q at least
+    halves INT4's error on inputs with channel offsets). INT8 QK is accurate without it (the
+    Hopper kernel's choice too), and then Q takes no pass before the kernel at all."""
+    return call.smooth_q == "head" or (call.smooth_q == "auto" and choice.qk == "int4")
 
 
 def _quantized(call: AttentionCall, choice: KernelChoice) -> Tensor | tuple[Tensor, Tensor]:
@@ -671,9 +674,8 @@ def sageattn(
             sm_90, whose FP8 mma.sync is emulated: slower and less accurate than FP16 there).
         smooth_k: subtract K's per-head mean before quantizing (exact: softmax is invariant to it).
         smooth_q: ``"head"`` (one mean per head, corrected exactly by Delta-S), ``"block"`` (the
-            paper's per-Q-block mean; no kernel, fallback), ``False``, or ``"auto"`` (the
-            kernel's choice: off on the Hopper kernel, which serves INT8 calls without Q
-            smoothing on sm_90, "head" on the warp-level kernel). ``True`` means ``"head"``.
+            paper's per-Q-block mean; no kernel, fallback), ``False``, or ``"auto"`` (off for
+            INT8 QK, "head" for INT4 QK, whose 4-bit codes need it). ``True`` means ``"head"``.
         smooth_v: subtract V's per-channel mean before FP8 quantization (paper A.3; added back to
             the output). Only matters with FP8 PV; with PV in the input dtype V is not
             quantized and it has no effect.
@@ -694,17 +696,16 @@ def sageattn(
 
     * sm_90 with the Hopper build, ``qk_quant`` INT8, ``pv_quant`` "auto"/"fp8", ``smooth_q``
       "auto"/off: ``attention_wgmma`` (INT8 QK with Q quantized in the kernel, FP8 PV);
-    * otherwise the warp-level ``attention_mma``, after ``smoothing_stats`` (Q's per-head and
-      K's means, V's per-channel range and mean for FP8 PV), ``quantize_q`` and ``quantize_kv``
-      (per-thread INT8/INT4 Q and K, FP8 V; docs/DESIGN.md): INT8 QK with FP8 PV (sm_89+) or
-      PV in the input dtype (``pv_quant="none"``, or any GPU without FP8), INT4 QK with FP8 PV
-      (``qk_quant="int4"``, sm_89+).
+    * otherwise the warp-level ``attention_mma`` (Q quantized in the kernel), after
+      ``smoothing_stats`` (K's mean, Q's per-head mean when Q is smoothed, V's per-channel
+      range and mean for FP8 PV) and ``quantize_kv`` (per-thread INT8/INT4 K, FP8 V;
+      docs/DESIGN.md): INT8 QK with FP8 PV (sm_89+) or PV in the input dtype
+      (``pv_quant="none"``, or any GPU without FP8), INT4 QK with FP8 PV (``qk_quant="int4"``,
+      sm_89+).
 
     The output is written in the input layout. Inputs whose strides the kernels cannot read in
     place (last dimension not contiguous, other strides not multiples of 8 elements, not 16-byte
-    aligned) are copied first. With ``return_lse`` and ``smooth_k`` on the warp-level kernel, the
-    row constant ``scale * q_i . k_mean`` that smoothing drops is added back in an extra float32
-    pass over Q.
+    aligned) are copied first.
 
     Fallback: a call the quantized kernels cannot serve (CPU tensors, float32/float64, a GPU
     older than sm_80, dropout, any attn_mask, a head_dim above 128 or not a multiple of 8,

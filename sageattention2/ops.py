@@ -71,8 +71,9 @@ NAMESPACE = "sageattention2"
 OP_NAMES = ("smoothing_stats", "quantize_q", "quantize_kv")
 QK_DTYPES = ("int8", "int4")
 # Tile geometry of the warp-level attention kernel (csrc/attention_params.h: kMmaBlockQ, kMmaWarps,
-# kMmaBlockK): its inputs are quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS) and
-# quantize_kv(block_k=MMA_BLOCK_K), whose per-thread groups are what each thread dequantizes with.
+# kMmaBlockK): it quantizes Q itself in the groups of quantize_q(block_q=MMA_BLOCK_Q,
+# warps=MMA_WARPS) and takes quantize_kv(block_k=MMA_BLOCK_K): the per-thread groups each thread
+# dequantizes with.
 # tests/test_api.py checks that these match the C++ constants.
 MMA_BLOCK_Q = 128
 MMA_WARPS = 8
@@ -138,6 +139,12 @@ def _require_op(name: str) -> None:
 
 
 _OP_HANDLES: dict[str, Any] = {}
+# Every op the extension has is looked up now, at import: the dict then never changes, so a
+# torch.compile'd caller (dynamo guards on it) is not recompiled when an op is first used.
+if HAS_EXTENSION:
+    for _name in (*OP_NAMES, "attention_mma", "attention_wgmma"):
+        if hasattr(getattr(torch.ops, NAMESPACE), _name):
+            _OP_HANDLES[_name] = getattr(getattr(torch.ops, NAMESPACE), _name).default
 
 
 def _op(name: str) -> Any:
@@ -201,48 +208,52 @@ def quantize_kv(
 
 
 def attention_mma(
-    q_codes: Tensor,
-    q_scale: Tensor,
+    q: Tensor,
+    q_mean: Tensor | None,
     k_codes: Tensor,
     k_scale: Tensor,
     delta_s: Tensor | None,
     v: Tensor,
     v_scale: Tensor | None,
     v_mean: Tensor | None,
+    k_mean: Tensor | None,
     qk_dtype: str,
-    q_len: int,
     kv_len: int,
-    out_dtype: torch.dtype,
+    sm_scale: float,
     is_causal: bool,
     out_nhd: bool,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Warp-level attention (``mma.sync``, DESIGN.md) on the outputs of
-    quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, qk_dtype, scale_multiplier=sm_scale*log2(e))
-    and quantize_kv(block_k=MMA_BLOCK_K, qk_dtype, delta_s_multiplier=sm_scale*log2(e)).
+    """Warp-level attention (``mma.sync``, DESIGN.md) on the caller's ``q`` and the outputs of
+    quantize_kv(block_k=MMA_BLOCK_K, qk_dtype, delta_s_multiplier=sm_scale*log2(e)).
 
-    ``qk_dtype`` is "int8" or "int4" (packed codes, last dimension D/2). PV runs either
+    ``q`` is fp16/bf16 ``[B, Hq, q_len, D]``, any view whose last dimension is contiguous: the
+    kernel quantizes it itself, in the groups and with the arithmetic of
+    quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, qk_dtype,
+    scale_multiplier=sm_scale*log2(e)), minus ``q_mean [B, Hq, D]`` when given (Q smoothed per
+    head: ``delta_s`` must then be quantize_kv's Delta-S of that mean, and is None otherwise).
+    ``qk_dtype`` is "int8" or "int4" (packed K codes, last dimension D/2). PV runs either
 
-    * in the input dtype: ``v`` is the caller's fp16/bf16 ``[B, Hkv, kv_len, D]`` view,
-      ``v_scale`` and ``v_mean`` are None and ``out_dtype`` is v's dtype (INT8 QK only; every
-      arch), or
+    * in the input dtype: ``v`` is the caller's ``[B, Hkv, kv_len, D]`` view in q's dtype,
+      ``v_scale`` and ``v_mean`` are None (INT8 QK only; every arch), or
     * in FP8: ``v`` is quantize_kv's ``v_fp8`` ``[B, Hkv, D, Nk_pad]`` float8_e4m3fn with its
       per-channel ``v_scale [B, Hkv, D]`` and, for smooth V, ``v_mean [B, Hkv, D]`` (added back
-      in the epilogue); ``out_dtype`` float16 or bfloat16 (sm_89+ builds, family
-      MMA_FP8_FAMILY).
+      in the epilogue) (sm_89+ builds, family MMA_FP8_FAMILY).
 
-    ``q_len`` and ``kv_len`` are the true lengths (the codes are padded). Returns ``(out
-    [B, Hq, q_len, D]`` in ``out_dtype``, NHD memory when ``out_nhd``; ``lse [B, Hq, q_len]``
-    float32 natural log without the row constant that K smoothing drops, or ``[0]`` unless
-    ``return_lse``). Empty optional tensors (absent outputs of the preprocessing ops) are passed
-    as absent.
+    ``k_mean [B, Hkv, D]`` (K's smoothing vector, or None): the LSE then includes the row
+    constant ``sm_scale * q_i . k_mean`` that K smoothing drops. ``kv_len`` is the true key
+    count (the codes are padded). Returns ``(out [B, Hq, q_len, D]`` in q's dtype, NHD memory
+    when ``out_nhd``; ``lse [B, Hq, q_len]`` float32 natural log of the true scaled scores, or
+    ``[0]`` unless ``return_lse``). Empty optional tensors (absent outputs of the preprocessing
+    ops) are passed as absent.
     """
     op = _op("attention_mma")
-    delta_s, v_scale, v_mean = (None if t is not None and t.numel() == 0 else t
-                                for t in (delta_s, v_scale, v_mean))
+    q_mean, delta_s, v_scale, v_mean, k_mean = (
+        None if t is not None and t.numel() == 0 else t
+        for t in (q_mean, delta_s, v_scale, v_mean, k_mean))
     out, lse = op(
-        q_codes, q_scale, k_codes, k_scale, delta_s, v, v_scale, v_mean, qk_dtype, q_len, kv_len,
-        out_dtype, is_causal, out_nhd, return_lse,
+        q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean, qk_dtype, kv_len,
+        sm_scale, is_causal, out_nhd, return_lse,
     )
     return out, lse
 

@@ -98,14 +98,23 @@ def find_cuobjdump() -> str | None:
     return next((c for c in candidates if c and Path(c).is_file() and os.access(c, os.X_OK)), None)
 
 
+def mma_flags(name: str) -> tuple[int, bool, bool]:
+    """(head_dim, causal, smooth_q) of an attention_mma_kernel's mangled name."""
+    m = re.search(r"Li(\d+)ELb([01])ELb([01])E", name)
+    assert m, name
+    return int(m.group(1)), m.group(2) == "1", m.group(3) == "1"
+
+
 def demangled_short(name: str) -> str:
-    """attention_mma_kernel<fp16, 128, causal, int8, fp8> from the mangled name (enough to read a
-    table)."""
-    m = re.search(r"(attention_\w+?_kernel)I(\d*_{0,2}\w+?)Li(\d+)ELb([01])E", name)
+    """attention_mma_kernel<fp16, 128, causal, smooth-q, int8, fp8> from the mangled name (enough
+    to read a table)."""
+    m = re.search(r"(attention_\w+?_kernel)I(\d*_{0,2}\w+?)Li(\d+)ELb([01])E(Lb([01])E)?", name)
     if not m:
         return name
     dtype = "bf16" if "bfloat16" in m.group(2) else "fp16"
     short = f"{m.group(1)}<{dtype}, {m.group(3)}, {'causal' if m.group(4) == '1' else 'full'}"
+    if m.group(5):
+        short += ", smooth-q" if m.group(6) == "1" else ", no-smooth-q"
     codes = variant(name)
     return short + (codes[codes.index("<") + 1:-1].join([", ", ">"]) if "<" in codes else ">")
 

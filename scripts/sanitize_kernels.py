@@ -33,13 +33,15 @@ if hasattr(torch.ops.sageattention2, "attention_mma"):
             v = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
             stats = ops.smoothing_stats(q, k, v, True)
             for qk, fp8_v in variants:
-                qc, qs, _ = ops.quantize_q(q, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, qk, False, 0.1)
                 kv = ops.quantize_kv(k, v if fp8_v else None, stats.k_mean, stats.v_mean if fp8_v else None,
                                      stats.v_scale if fp8_v else None, stats.q_mean, ops.MMA_BLOCK_K, qk, 0.1)
                 pv = (kv.v_fp8, stats.v_scale, stats.v_mean) if fp8_v else (v, None, None)
                 for causal in (False, True):
-                    torch.ops.sageattention2.attention_mma(qc, qs, kv.k_quant, kv.k_scale, kv.delta_s, *pv, qk, n,
-                                                           n + 7, dtype, causal, causal, True)
+                    for smooth_q in (False, True):  # Q smoothing is a kernel variant
+                        q_mean, delta_s = (stats.q_mean, kv.delta_s) if smooth_q else (None, None)
+                        torch.ops.sageattention2.attention_mma(q, q_mean, kv.k_quant, kv.k_scale, delta_s, *pv,
+                                                               stats.k_mean, qk, n + 7, 0.1 / 1.4426950408889634,
+                                                               causal, causal, True)
     torch.cuda.synchronize()
     print(f"sanitize: attention_mma variants ran: {variants}")
 

@@ -19,15 +19,14 @@ LOG2E = math.log2(math.e)
 
 
 def run(q, k, v, causal: bool, qk: str, fp8_v: bool, smooth_v: bool = False):
-    mult = q.shape[-1] ** -0.5 * LOG2E
+    sm_scale = q.shape[-1] ** -0.5
     stats = ops.smoothing_stats(q, k, v if fp8_v else None, smooth_v and fp8_v)
     v_mean = stats.v_mean if smooth_v and fp8_v else None
-    qc, qs, _ = ops.quantize_q(q, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, qk, False, mult)
     kv = ops.quantize_kv(k, v if fp8_v else None, stats.k_mean, v_mean, stats.v_scale if fp8_v else None,
-                         stats.q_mean, ops.MMA_BLOCK_K, qk, mult)
+                         stats.q_mean, ops.MMA_BLOCK_K, qk, sm_scale * LOG2E)
     pv = (kv.v_fp8, stats.v_scale, v_mean) if fp8_v else (v, None, None)
-    out, _ = torch.ops.sageattention2.attention_mma(qc, qs, kv.k_quant, kv.k_scale, kv.delta_s, *pv, qk, q.shape[2],
-                                                    k.shape[2], q.dtype, causal, False, True)
+    out, _ = torch.ops.sageattention2.attention_mma(q, stats.q_mean, kv.k_quant, kv.k_scale, kv.delta_s, *pv,
+                                                    stats.k_mean, qk, k.shape[2], sm_scale, causal, False, True)
     return out
 
 

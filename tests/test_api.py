@@ -426,7 +426,7 @@ def test_build_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
             assert api._build_reason() == "the attention kernels are not built yet"
             q, k, v = qkv(d=64, dtype=torch.float16)
             with pytest.raises(RuntimeError, match="has no attention_mma op"):
-                ops.attention_mma(q, q, k, k, None, v, None, None, "int8", 9, 9, torch.float16,
+                ops.attention_mma(q, None, k, k, None, v, None, None, None, "int8", 9, 0.125,
                                   False, False, False)
     monkeypatch.setattr(ops, "HAS_EXTENSION", False)
     assert not ops.has_op("smoothing_stats")
@@ -728,30 +728,46 @@ def test_kernel_view(make: Any) -> None:
 
 LOG2E = math.log2(math.e)
 # attention_mma's argument names (the op schema, DESIGN.md), for recording its calls.
-MMA_ARG_NAMES = ("q_codes", "q_scale", "k_codes", "k_scale", "delta_s", "v", "v_scale", "v_mean",
-                 "qk_dtype", "q_len", "kv_len", "out_dtype", "is_causal", "out_nhd", "return_lse")
+MMA_ARG_NAMES = ("q", "q_mean", "k_codes", "k_scale", "delta_s", "v", "v_scale", "v_mean",
+                 "k_mean", "qk_dtype", "kv_len", "sm_scale", "is_causal", "out_nhd", "return_lse")
 
 
-def attention_mma_stand_in(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes: torch.Tensor,
+def attention_mma_stand_in(q: torch.Tensor, q_mean: torch.Tensor | None, k_codes: torch.Tensor,
                            k_scale: torch.Tensor, delta_s: torch.Tensor | None, v: torch.Tensor,
                            v_scale: torch.Tensor | None, v_mean: torch.Tensor | None,
-                           qk_dtype: str, q_len: int, kv_len: int, out_dtype: torch.dtype,
-                           is_causal: bool, out_nhd: bool,
+                           k_mean: torch.Tensor | None, qk_dtype: str, kv_len: int,
+                           sm_scale: float, is_causal: bool, out_nhd: bool,
                            return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's contract (DESIGN.md) in float64: dequantize the per-thread groups (INT8, or INT4
-    unpacked from its nibbles), add Delta-S, exact base-2 softmax, top-left causal mask; V as
-    given (fp16/bf16) or dequantized from FP8 (keys un-permuted, code * v_scale, plus v_mean);
-    output in ``out_dtype`` and the requested memory layout, natural-log LSE of the scores the
-    kernel sees. P is not rounded (to the input dtype or E4M3) as the kernel does."""
-    b, hq, nq_pad, _ = q_codes.shape
+    """The op's contract (DESIGN.md) in float64: Q (minus q_mean) quantized as
+    quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, scale_multiplier=sm_scale*log2(e)) does
+    (the reference quantizer), the per-thread groups dequantized (INT8, or INT4 unpacked from
+    its nibbles), Delta-S added, exact base-2 softmax, top-left causal mask; V as given
+    (fp16/bf16) or dequantized from FP8 (keys un-permuted, code * v_scale, plus v_mean); output
+    in q's dtype and the requested memory layout, natural-log LSE of the scores the kernel sees
+    plus the row constant sm_scale * q_i . k_mean of K smoothing. P is not rounded (to the input
+    dtype or E4M3) as the kernel does."""
+    b, hq, q_len, d = q.shape
     hkv, nk_pad = k_codes.shape[1], k_codes.shape[2]
-    assert q_codes.dtype == torch.int8 and k_codes.dtype == torch.int8
+    assert q.dtype in (torch.float16, torch.bfloat16) and q.stride(-1) == 1
+    assert all(s % 8 == 0 for s in q.stride()[:-1])
+    assert d in ops.MMA_HEAD_DIMS and q_len > 0
+    assert k_codes.dtype == torch.int8
+    assert k_codes.shape[-1] == (d // 2 if qk_dtype == "int4" else d)
+    # Q smoothed per head needs the Delta-S of that mean, and only then.
+    assert (q_mean is None) == (delta_s is None)
+    if q_mean is not None:
+        assert q_mean.dtype == torch.float32 and q_mean.shape == (b, hq, d)
+        assert delta_s.dtype == torch.float32 and delta_s.shape == (b, hq, nk_pad)
+    if k_mean is not None:
+        assert k_mean.dtype == torch.float32 and k_mean.shape == (b, hkv, d)
+    q_codes, q_scale, _ = ref.quantize_q_reference(q, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS,
+                                                   qk_dtype, False, sm_scale * LOG2E)
+    nq_pad = q_codes.shape[2]
     if qk_dtype == "int4":
         q_codes, k_codes = ref.unpack_int4(q_codes), ref.unpack_int4(k_codes)
     else:
         assert qk_dtype == "int8"
-    d = q_codes.shape[-1]
-    assert d in ops.MMA_HEAD_DIMS and k_codes.shape[-1] == d
+    assert q_codes.shape[-1] == k_codes.shape[-1] == d
     assert nq_pad % ops.MMA_BLOCK_Q == 0 and nk_pad % ops.MMA_BLOCK_K == 0
     assert nq_pad - ops.MMA_BLOCK_Q < q_len <= nq_pad
     assert nk_pad - ops.MMA_BLOCK_K < kv_len <= nk_pad
@@ -759,7 +775,6 @@ def attention_mma_stand_in(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes
     if v.dtype == torch.float8_e4m3fn:
         assert v.shape == (b, hkv, d, nk_pad) and v.is_contiguous()
         assert v_scale is not None and v_scale.shape == (b, hkv, d)
-        assert out_dtype in (torch.float16, torch.bfloat16)
         # Stored key s of transposed V is key perm[s] (DESIGN.md "FP8 P and V"): un-permute,
         # transpose back, and scale: code * v_scale (= P~ * 448 * code / 448 * v_scale).
         v_t = torch.empty(v.shape, dtype=torch.float64)
@@ -770,7 +785,7 @@ def attention_mma_stand_in(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes
             values = values + v_mean.double()[:, :, None, :]
     else:
         assert qk_dtype == "int8" and v_scale is None and v_mean is None
-        assert v.dtype == out_dtype and v.shape == (b, hkv, kv_len, d) and v.stride(-1) == 1
+        assert v.dtype == q.dtype and v.shape == (b, hkv, kv_len, d) and v.stride(-1) == 1
         values = v.double()
     r = torch.arange(nq_pad)
     qs = q_scale[:, :, r // ops.MMA_BLOCK_Q,
@@ -788,8 +803,11 @@ def attention_mma_stand_in(q_codes: torch.Tensor, q_scale: torch.Tensor, k_codes
         s = s.masked_fill(torch.ones(q_len, kv_len, dtype=torch.bool).tril().logical_not(),
                           -math.inf)
     lse = torch.logsumexp(s, dim=-1)
+    if k_mean is not None:  # the row constant K smoothing drops (of the raw q)
+        k_mean_q = k_mean.double().repeat_interleave(hq // hkv, dim=1)  # [B, Hq, D]
+        lse = lse + sm_scale * (q.double() @ k_mean_q[..., None]).squeeze(-1)
     out = torch.softmax(s, dim=-1) @ values.repeat_interleave(hq // hkv, dim=1)
-    out = out.to(out_dtype)
+    out = out.to(q.dtype)
     if out_nhd:
         out = out.transpose(1, 2).contiguous().transpose(1, 2)
     else:
@@ -884,18 +902,33 @@ def case_arguments(case: dict[str, Any], q4: torch.Tensor, k4: torch.Tensor, v4:
         dict(d=96, layout="NHD"),
         dict(d=32, pv="fp8", smooth_v=True),
         dict(d=80, qk="int4", b=None, layout="NHD", causal=True),
+        dict(smooth_q="head", hkv=2, gqa=True, layout="NHD"),
+        dict(smooth_q=True, pv="fp8", causal=True, smooth_v=True, d=128),
+        dict(smooth_q="head", smooth_k=False, b=None, dtype=torch.bfloat16),
+        dict(qk="int4", smooth_q="head", packed=True, layout="NHD"),
+        dict(nq=20, nk=1100, causal=True, hkv=2, gqa=True),
+        dict(nq=20, nk=1100, smooth_q="head", layout="NHD", d=96),
+        dict(pv="fp8", nq=20, nk=1100, smooth_v=True),
     ],
     ids=["hnd", "nhd-bf16", "3d", "3d-nhd", "mqa-causal", "gqa-causal-nq<nk", "causal-nq>nk",
          "d128-no-smooth-q", "no-smooth-k", "no-smoothing-scale", "packed-nhd",
          "fp8", "fp8-nhd-bf16-causal-smooth-v", "fp8-gqa-no-smooth-q-smooth-v",
          "fp8-3d-no-smooth-k-d128", "fp8-packed-smooth-v", "int4", "int4-nhd-bf16-causal-smooth-v",
-         "int4-mqa-causal-nq>nk-no-smooth-q", "d96-nhd", "d32-fp8-smooth-v", "d80-int4-3d-nhd"],
+         "int4-mqa-causal-nq>nk-no-smooth-q", "d96-nhd", "d32-fp8-smooth-v", "d80-int4-3d-nhd",
+         "smooth-q-head-gqa-nhd", "smooth-q-true-fp8-causal-smooth-v-d128",
+         "smooth-q-head-no-smooth-k-3d-bf16", "int4-smooth-q-head-packed-nhd",
+         "sampled-k-mean-gqa-causal", "sampled-k-mean-smooth-q-d96-nhd",
+         "fp8-all-token-means-smooth-v"],
 )
 def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, Any]) -> None:
     """What sageattn gives attention_mma (its CPU stand-in) for each variant, and that the
-    result is the emulation of the same quantization: INT8 or INT4 Q/K codes, V in the input
-    dtype (read in place) or FP8 with its scale and (smooth_v) mean, the true lengths, the
-    output dtype and layout, and the LSE with the row constant added back."""
+    result is the emulation of the same quantization: the caller's q (read in place, or
+    zero-padded to the kernel's head_dim) with its per-head mean only when Q is smoothed
+    ("head"/True, or "auto" with INT4 QK) and then Delta-S; INT8 or INT4 K codes, K's mean
+    (over api.smoothing_sample_stride's token sample, or all tokens with FP8 PV) only with
+    smooth_k; V in the input dtype (read in place) or FP8 with its scale and (smooth_v) mean,
+    the true kv length, the softmax scale of the true head_dim, the layout, and the LSE with the
+    row constant of K smoothing (added by the op)."""
     layout = case.get("layout", "HND")
     dtype = case.get("dtype", torch.float16)
     causal, gqa = case.get("causal", False), case.get("gqa", False)
@@ -925,19 +958,44 @@ def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, A
     assert not fallback_warnings(record)
     assert len(stand_in) == 2
     call = stand_in[0]
-    assert call["qk_dtype"] == qk and call["q_len"] == nq and call["kv_len"] == nk
-    assert call["out_dtype"] == dtype and call["is_causal"] is causal
+    assert call["qk_dtype"] == qk and call["kv_len"] == nk and call["is_causal"] is causal
     assert call["out_nhd"] is (layout == "NHD") and call["return_lse"] is True
     assert stand_in[1]["return_lse"] is False
-    assert (call["delta_s"] is not None) is (smooth_q != False)  # noqa: E712
-    assert call["q_scale"].shape[-1] == ops.MMA_WARPS * 8
-    assert call["q_codes"].shape[-1] == call["k_codes"].shape[-1] == (
-        d_kernel // 2 if qk == "int4" else d_kernel)
+    sm_scale = d ** -0.5 if case.get("scale") is None else case["scale"]
+    assert call["sm_scale"] == pytest.approx(sm_scale, rel=1e-12)
+    # The caller's q (q_len = nq, q's dtype), not quantized: the kernel quantizes it.
+    assert call["q"].dtype == dtype and call["q"].shape == (b or 1, hq, nq, d_kernel)
+    if d == d_kernel:
+        assert call["q"].data_ptr() == q4.data_ptr()  # read in place, never copied
+        assert torch.equal(call["q"], q4)
+    else:  # zero-padded
+        assert torch.equal(call["q"][..., :d], q4) and not call["q"][..., d:].any()
+    # Q is smoothed (per head, with Delta-S) as asked, and with "auto" for INT4 QK only.
+    smoothed_q = smooth_q in (True, "head") or (smooth_q == "auto" and qk == "int4")
+    assert (call["delta_s"] is not None) is smoothed_q
+    assert (call["q_mean"] is not None) is smoothed_q
+    q_kernel, k_kernel, v_kernel = (torch.nn.functional.pad(t, (0, d_kernel - d))
+                                    for t in (q4, k4, v4))
+    if smoothed_q:  # over all of Q's tokens
+        torch.testing.assert_close(call["q_mean"],
+                                   ref.smoothing_stats_reference(q_kernel, None, None, False)[0])
     k_pad = -(-nk // ops.MMA_BLOCK_K) * ops.MMA_BLOCK_K
+    assert call["k_codes"].dtype == torch.int8
+    assert call["k_codes"].shape == (b or 1, hkv, k_pad,
+                                     d_kernel // 2 if qk == "int4" else d_kernel)
+    assert call["k_scale"].shape == (b or 1, hkv, k_pad // ops.MMA_BLOCK_K, 4)
+    # K's mean over every api.smoothing_sample_stride(nk)-th token with PV in the input dtype,
+    # over all tokens with FP8 PV (whose V statistics read all of them in the same pass).
+    stride = api.smoothing_sample_stride(nk) if not fp8 else 1
+    assert api.smoothing_sample_stride(nk) == (5 if nk == 1100 else 1)
+    assert (call["k_mean"] is not None) is smooth_k
+    if smooth_k:
+        torch.testing.assert_close(
+            call["k_mean"],
+            ref.smoothing_stats_reference(None, k_kernel[:, :, ::stride], None, False)[1])
     if fp8:
         assert call["v"].dtype == torch.float8_e4m3fn
         assert call["v"].shape == (b or 1, hkv, d_kernel, k_pad)
-        v_kernel = torch.nn.functional.pad(v4, (0, d_kernel - d))
         stats = ref.smoothing_stats_reference(None, None, v_kernel, smooth_v)
         torch.testing.assert_close(call["v_scale"], stats[3], rtol=0, atol=0)
         if smooth_v:
@@ -960,19 +1018,23 @@ def test_quantized_path_wiring(stand_in: list[dict[str, Any]], case: dict[str, A
     lse4 = lse if b is not None else lse[None]
     assert lse4.dtype == torch.float32 and lse4.shape == want_lse.shape
     if smooth_k and qk == "int8":  # unsmoothed K with offsets of 4 quantizes coarsely: what
-        # smoothing is for; INT4 is coarser still (compared with its emulation below)
+        # smoothing is for; INT4 is coarser still (compared with its emulation below). Q's
+        # offsets of 2 unsmoothed (INT8 "auto") leave a coarser LSE (~0.05 here vs ~0.03).
         assert rel_l1(out4, want) < 0.03
-        torch.testing.assert_close(lse4.double(), want_lse, rtol=0, atol=0.05)
+        torch.testing.assert_close(lse4.double(), want_lse, rtol=0,
+                                   atol=0.04 if smoothed_q else 0.065)
     # Against the emulation of the same quantization with exact PV on V as the kernel sees it
     # (what the stand-in does): the same output up to its final rounding, and the same LSE,
-    # whose row constant sm_scale * q . k_mean (dropped by K smoothing) sageattn adds back (k's
-    # offsets of 4 make it large, so forgetting it fails by far). FP8 V is dequantized here from
-    # the natural key order, so a wrong V permutation, scale or mean fails too.
+    # whose row constant sm_scale * q . k_mean (dropped by K smoothing) the op adds back (k's
+    # offsets of 4 make it large, so forgetting it fails by far), with K's mean over the same
+    # token sample. FP8 V is dequantized here from the natural key order, so a wrong V
+    # permutation, scale or mean fails too.
     emu, emu_lse = ref.sage_attention_reference(
         q4, k4, dequantized_v(v4, smooth_v) if fp8 else v4, is_causal=causal,
         scale=case.get("scale"), qk_dtype=qk, granularity="thread",
         block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
-        smooth_k=smooth_k, smooth_q=None if smooth_q is False else "head", smooth_v=False,
+        smooth_k=smooth_k, smooth_q=None if not smoothed_q else "head", smooth_v=False,
+        mean_stride=api.smoothing_sample_stride(nk) if not fp8 else 1,
         pv_dtype="fp32", two_level=False, fp22=False, return_lse=True)
     assert rel_l1(out4, emu.double()) < 2e-3
     torch.testing.assert_close(lse4, emu_lse, rtol=0, atol=1e-4)
@@ -999,7 +1061,8 @@ def test_head_dim_padding(stand_in: list[dict[str, Any]], layout: str, d: int,
     args = [t if layout == "HND" else t.transpose(1, 2).contiguous() for t in (q4, k4, v4)]
     out, lse = sageattn(*args, tensor_layout=layout, return_lse=True, strict=True, **options)
     codes_dim = d_kernel // 2 if options.get("qk_quant") == "int4" else d_kernel
-    assert stand_in[0]["q_codes"].shape[-1] == codes_dim
+    assert stand_in[0]["q"].shape[-1] == d_kernel
+    assert stand_in[0]["k_codes"].shape[-1] == codes_dim
     assert out.shape == args[0].shape and out.dtype == torch.float16 and out.is_contiguous()
     padded = [torch.nn.functional.pad(t, (0, d_kernel - d)) for t in args]
     out_p, lse_p = sageattn(*padded, tensor_layout=layout, scale=d ** -0.5, return_lse=True,
@@ -1138,72 +1201,98 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
 
 
 def test_attention_mma_meta_shapes() -> None:
-    """attention_mma's Meta implementation (what torch.compile traces): shapes, dtypes and the
-    NHD memory of out_nhd for each variant (INT8 QK with fp16/bf16 V; INT8 and packed INT4 QK
-    with FP8 V and out_dtype); calls outside the built variants raise."""
+    """attention_mma's Meta implementation (what torch.compile traces): shapes, dtypes (q's) and
+    the NHD memory of out_nhd for each variant (INT8 QK with fp16/bf16 V; INT8 and packed INT4
+    QK with FP8 V; Q smoothed or not, K's mean or not), q read through any strides; calls
+    outside the built variants raise."""
     if not ops.has_op("attention_mma"):
         pytest.skip("this build has no attention_mma")
     b, hq, hkv, nq, nk, d = 2, 8, 2, 200, 70, 128
     k_pad = ops.MMA_BLOCK_K
     meta = dict(device="meta")
-    q_codes = torch.empty(b, hq, 256, d, dtype=torch.int8, **meta)
-    q_scale = torch.empty(b, hq, 2, ops.MMA_WARPS * 8, **meta)
+    q = torch.empty(b, hq, nq, d, dtype=torch.bfloat16, **meta)
+    q_nhd = torch.empty(b, nq, hq, d, dtype=torch.float16, **meta).transpose(1, 2)
+    q_mean = torch.empty(b, hq, d, **meta)
     k_codes = torch.empty(b, hkv, k_pad, d, dtype=torch.int8, **meta)
     k_scale = torch.empty(b, hkv, k_pad // ops.MMA_BLOCK_K, 4, **meta)
+    k_mean = torch.empty(b, hkv, d, **meta)
     delta_s = torch.empty(b, hq, k_pad, **meta)
     v = torch.empty(b, nk, hkv, d, dtype=torch.bfloat16, **meta).transpose(1, 2)
-    q4, k4 = q_codes[..., : d // 2], k_codes[..., : d // 2]  # packed INT4 codes
-    q4, k4 = q4.contiguous(), k4.contiguous()
+    k4 = k_codes[..., : d // 2].contiguous()  # packed INT4 codes
     v_fp8 = torch.empty(b, hkv, d, k_pad, dtype=torch.float8_e4m3fn, **meta)
     v_scale = torch.empty(b, hkv, d, **meta)
     v_mean = torch.empty(b, hkv, d, **meta)
     variants = [
-        ((q_codes, q_scale, k_codes, k_scale, delta_s, v, None, None, "int8"), torch.bfloat16),
-        ((q_codes, q_scale, k_codes, k_scale, delta_s, v_fp8, v_scale, v_mean, "int8"),
-         torch.float16),
-        ((q4, q_scale, k4, k_scale, None, v_fp8, v_scale, None, "int4"), torch.bfloat16),
+        (q, q_mean, k_codes, k_scale, delta_s, v, None, None, k_mean, "int8"),
+        (q, None, k_codes, k_scale, None, v, None, None, None, "int8"),
+        (q_nhd, q_mean, k_codes, k_scale, delta_s, v_fp8, v_scale, v_mean, k_mean, "int8"),
+        (q_nhd, None, k4, k_scale, None, v_fp8, v_scale, None, None, "int4"),
+        (q, q_mean, k4, k_scale, delta_s, v_fp8, v_scale, v_mean, k_mean, "int4"),
     ]
-    for args, out_dtype in variants:
+    for args in variants:
         for out_nhd in (False, True):
-            out, lse = ops.attention_mma(*args, nq, nk, out_dtype, True, out_nhd, True)
-            assert out.shape == (b, hq, nq, d) and out.dtype == out_dtype
+            out, lse = ops.attention_mma(*args, nk, 0.1, True, out_nhd, True)
+            assert out.shape == (b, hq, nq, d) and out.dtype == args[0].dtype
             assert out.device.type == "meta"
             memory = out.transpose(1, 2) if out_nhd else out
             assert memory.is_contiguous()
             assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
-        out, lse = ops.attention_mma(*args, nq, nk, out_dtype, False, False, False)
+        out, lse = ops.attention_mma(*args, nk, 0.1, False, False, False)
         assert out.shape == (b, hq, nq, d) and lse.shape == (0,)
-    # kv_len anywhere in the last padded tile of the FP8 V
-    out, _ = ops.attention_mma(q4, q_scale, k4, k_scale, None, v_fp8, v_scale, None, "int4", nq,
-                               1, torch.float16, False, False, False)
-    assert out.shape == (b, hq, nq, d)
+    # kv_len anywhere in the last padded tile of the FP8 V; any q_len (q is not padded)
+    for q_len in (1, 129):
+        out, _ = ops.attention_mma(q_nhd[:, :, :q_len], None, k4, k_scale, None, v_fp8, v_scale,
+                                   None, None, "int4", 1, 0.1, False, False, False)
+        assert out.shape == (b, hq, q_len, d) and out.dtype == torch.float16
 
     def call(**changes: Any) -> None:
-        args = dict(q_codes=q_codes, q_scale=q_scale, k_codes=k_codes, k_scale=k_scale,
-                    delta_s=delta_s, v=v_fp8, v_scale=v_scale, v_mean=None, qk_dtype="int8",
-                    q_len=nq, kv_len=nk, out_dtype=torch.float16, is_causal=False,
-                    out_nhd=False, return_lse=True)
+        args = dict(q=q_nhd, q_mean=q_mean, k_codes=k_codes, k_scale=k_scale, delta_s=delta_s,
+                    v=v_fp8, v_scale=v_scale, v_mean=None, k_mean=k_mean, qk_dtype="int8",
+                    kv_len=nk, sm_scale=0.1, is_causal=False, out_nhd=False, return_lse=True)
         args.update(changes)
         ops.attention_mma(**args)
 
     call()  # the baseline is valid: each change below alone makes it invalid
+    call(q=q.half())  # so is the HND q
     bad = {
         # INT4 QK is built with FP8 PV only.
-        "int4-fp16-v": dict(q_codes=q4, k_codes=k4, qk_dtype="int4", v=v, v_scale=None,
-                            out_dtype=torch.bfloat16),
+        "int4-fp16-v": dict(k_codes=k4, qk_dtype="int4", v=v, v_scale=None, q=q),
         # INT8 codes called INT4 (the last dimension is D, not D/2), and the reverse.
         "int4-unpacked": dict(qk_dtype="int4"),
-        "int8-packed": dict(q_codes=q4, k_codes=k4),
+        "int8-packed": dict(k_codes=k4),
         "bogus-qk-dtype": dict(qk_dtype="fp8"),
-        # FP8 V needs its scale; fp16 V takes neither scale nor mean, and gives v's dtype.
+        # q: fp16/bf16 [B, Hq, q_len, 64 or 128], last dimension contiguous, 16-byte rows.
+        "q-float32": dict(q=torch.empty(b, hq, nq, d, **meta)),
+        "q-int8-codes": dict(q=torch.empty(b, hq, 256, d, dtype=torch.int8, **meta)),
+        "q-3d": dict(q=q[0].half()),
+        "q-last-dim-strided": dict(q=torch.empty(b, hq, d, nq, dtype=torch.float16,
+                                                 **meta).transpose(2, 3)),
+        "q-row-stride": dict(q=torch.empty(b, hq, nq, d + 4, dtype=torch.float16,
+                                           **meta)[..., :d]),
+        "q-head-dim-96": dict(q=torch.empty(b, hq, nq, 96, dtype=torch.float16, **meta)),
+        "q-no-tokens": dict(q=q_nhd[:, :, :0]),
+        "q-batch": dict(q=torch.empty(b + 1, hq, nq, d, dtype=torch.float16, **meta),
+                        q_mean=None, delta_s=None),
+        "q-heads-not-gqa": dict(q=torch.empty(b, 3, nq, d, dtype=torch.float16, **meta),
+                                q_mean=None, delta_s=None),
+        # q_mean and its Delta-S go together, with their shapes.
+        "q-mean-without-delta-s": dict(delta_s=None),
+        "delta-s-without-q-mean": dict(q_mean=None),
+        "q-mean-shape": dict(q_mean=torch.empty(b, hkv, d, **meta)),
+        "q-mean-dtype": dict(q_mean=torch.empty(b, hq, d, dtype=torch.float16, **meta)),
+        "delta-s-shape": dict(delta_s=torch.empty(b, hq, 2 * k_pad, **meta)),
+        "k-mean-shape": dict(k_mean=torch.empty(b, hq, d, **meta)),
+        "k-mean-dtype": dict(k_mean=torch.empty(b, hkv, d, dtype=torch.float16, **meta)),
+        "k-scale-shape": dict(k_scale=torch.empty(b, hkv, 1, 8, **meta)),
+        # FP8 V needs its scale; fp16 V takes neither scale nor mean, and q's dtype.
         "fp8-v-no-scale": dict(v_scale=None),
-        "fp16-v-with-scale": dict(v=v, out_dtype=torch.bfloat16),
-        "fp16-v-with-mean": dict(v=v, v_scale=None, v_mean=v_mean, out_dtype=torch.bfloat16),
-        "fp16-v-out-dtype": dict(v=v, v_scale=None, out_dtype=torch.float16),
-        "fp8-v-float32-out": dict(out_dtype=torch.float32),
+        "fp16-v-with-scale": dict(v=v, q=q),
+        "fp16-v-with-mean": dict(v=v, v_scale=None, v_mean=v_mean, q=q),
+        "fp16-v-not-q-dtype": dict(v=v, v_scale=None),  # bf16 v, fp16 q
         # kv_len must be the true key count: v's length for fp16 V, within the padding for FP8.
-        "fp16-v-kv-len": dict(v=v, v_scale=None, out_dtype=torch.bfloat16, kv_len=nk + 1),
+        "fp16-v-kv-len": dict(v=v, v_scale=None, q=q, kv_len=nk + 1),
         "fp8-v-kv-len-past-pad": dict(kv_len=k_pad + 1),
+        "fp8-v-kv-len-zero": dict(kv_len=0),
         "fp8-v-length": dict(v=torch.empty(b, hkv, d, 2 * k_pad, dtype=torch.float8_e4m3fn,
                                            **meta)),  # not k_codes' padded length
         "fp8-v-not-transposed": dict(v=torch.empty(b, hkv, k_pad, 64, dtype=torch.float8_e4m3fn,
@@ -1215,6 +1304,12 @@ def test_attention_mma_meta_shapes() -> None:
         with pytest.raises(RuntimeError):
             call(**changes)
             pytest.fail(f"{name}: no error")
+    with pytest.raises(RuntimeError, match="q_mean and delta_s go together"):
+        call(delta_s=None)
+    with pytest.raises(RuntimeError, match="q must be contiguous in its last dimension"):
+        call(q=torch.empty(b, hq, d, nq, dtype=torch.float16, **meta).transpose(2, 3))
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        call(q=torch.empty(b, hq, nq, 96, dtype=torch.float16, **meta))
 
 
 def test_attention_wgmma_meta_shapes() -> None:

@@ -12,8 +12,9 @@ Three references:
   criterion), both outputs rounded to the kernel's output dtype (bf16 rounding alone is ~1.4e-3
   rel. L1), and the LSE to ~1e-3 (INT8; INT4's coarser codes move it further, see
   LSE_EMULATION_ATOL).
-  attention_mma: per-thread INT8/INT4 groups of quantize_q(block_q=128, warps=ops.MMA_WARPS) (Q
-  smoothed per head) and quantize_kv(block_k=ops.MMA_BLOCK_K); PV either with P and V rounded to
+  attention_mma: per-thread INT8/INT4 groups of quantize_q(block_q=128, warps=ops.MMA_WARPS)
+  (quantized in the kernel; Q smoothed per head or not) and quantize_kv(block_k=ops.MMA_BLOCK_K);
+  PV either with P and V rounded to
   the input dtype, FP32 accumulation, no two-level buffer, or (FP8 variants) P~ (x448) and V per
   channel (minus its mean with smooth_v) in E4M3, two-level FP32 accumulation per 128-key tile,
   no FP22 (the H100 has no native FP8 mma.sync; on Ada's native one the FP22 rounding of a
@@ -90,12 +91,13 @@ WGMMA_WARPS = 8
 # "default" passes no option (attention_wgmma on sm_90 with the wgmma build, else attention_mma
 # with FP8 PV on sm_89, FP16/BF16 PV elsewhere); "mma" smooths Q per head, which the Hopper kernel
 # does not, and asks for FP8 PV (attention_mma INT8 + FP8, emulated FP8 mma.sync on sm_90);
-# "mma-fp16" asks for PV in the input dtype (attention_mma INT8 + FP16/BF16 PV everywhere);
-# "int4" INT4 QK with FP8 PV (sm_89+).
+# "mma-fp16" asks for PV in the input dtype (attention_mma INT8 + FP16/BF16 PV everywhere, Q not
+# smoothed: the default of an sm_80 GPU); "int4" INT4 QK with FP8 PV (sm_89+, Q smoothed by
+# default).
 PATHS: dict[str, dict[str, Any]] = {
     "default": {},
     "mma": {"smooth_q": "head", "pv_quant": "fp8"},
-    "mma-fp16": {"smooth_q": "head", "pv_quant": "none"},
+    "mma-fp16": {"pv_quant": "none"},
     "int4": {"qk_quant": "int4"},
 }
 # INT4 mma.sync has no native instruction on Hopper (emulated at ~50 TOPS, ANCHORS.md) and its
@@ -228,39 +230,43 @@ def exact(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
 
 
 def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
-            smooth_q: bool | None = None, smooth_k: bool = True, scale: float | None = None, *,
-            smooth_v: bool = False, kernel: KernelChoice = MMA_INT8_INPUT,
+            smooth_q: bool | str | None = None, smooth_k: bool = True, scale: float | None = None,
+            *, smooth_v: bool = False, kernel: KernelChoice = MMA_INT8_INPUT,
             ) -> tuple[torch.Tensor, torch.Tensor]:
     """The algorithm of ``kernel`` in float64: (out float32, lse with the row constant).
 
-    attention_mma: Q smoothed per head (``smooth_q`` None or True) or not (False), QK in
-    ``kernel.qk``; PV in the input dtype (V is not quantized, so ``smooth_v`` changes nothing
-    there: ignored; softmax steps of MMA_INPUT_PV_TILE_K keys, the lazy running max of a warp's
-    rows) or in FP8 (P~ x448 and V per channel, minus its mean with ``smooth_v``, two-level
+    attention_mma: Q smoothed per head (``smooth_q`` True or "head"; None or "auto": as
+    sageattn's "auto", for INT4 QK only) or not (False), QK in ``kernel.qk``; PV in the input
+    dtype (K's mean over sageattn's token sample, api.smoothing_sample_stride; V is not
+    quantized, so ``smooth_v`` changes nothing there: ignored; softmax steps of
+    MMA_INPUT_PV_TILE_K keys, the lazy running max of a warp's rows) or in FP8 (K's mean over
+    all tokens; P~ x448 and V per channel, minus its mean with ``smooth_v``, two-level
     accumulation).
-    attention_wgmma: no Q smoothing (``smooth_q`` must be None or False), Q groups of
+    attention_wgmma: no Q smoothing (``smooth_q`` None, "auto" or False), Q groups of
     WGMMA_BLOCK_Q / WGMMA_WARPS, K of ops.WGMMA_BLOCK_K, FP8 PV with one V scale per tile (and V's
     mean when ``smooth_v``).
     """
     common = dict(is_causal=causal, scale=scale, qk_dtype=kernel.qk, granularity="thread",
                   smooth_k=smooth_k, fp22=False, return_lse=True)
     if kernel.kernel == "wgmma":
-        if smooth_q:
+        if smooth_q in (True, "head"):
             raise ValueError("attention_wgmma does not smooth Q")
         return ref.sage_attention_reference(
             q4, k4, v4, block_q=WGMMA_BLOCK_Q, warps=WGMMA_WARPS, block_k=ops.WGMMA_BLOCK_K,
             smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, row_sum="pv",
             v_granularity="tile", mean_stride=api.smoothing_sample_stride(k4.shape[2]), **common,
         )
+    smoothed = smooth_q in (True, "head") or (smooth_q in (None, "auto") and kernel.qk == "int4")
     mma = dict(block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
-               smooth_q=None if smooth_q is False else "head")
+               smooth_q="head" if smoothed else None)
     if kernel.pv == "fp8":
         return ref.sage_attention_reference(
             q4, k4, v4, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, **mma, **common)
     return ref.sage_attention_reference(
         q4, k4, v4, smooth_v=False, pv_dtype="bf16" if v4.dtype == torch.bfloat16 else "fp16",
         two_level=False, softmax_block=ops.MMA_INPUT_PV_TILE_K, lazy_rescale=ops.MMA_LAZY_RESCALE_LOG2,
-        rescale_rows=ops.MMA_BLOCK_Q // ops.MMA_INPUT_PV_WARPS, **mma, **common,
+        rescale_rows=ops.MMA_BLOCK_Q // ops.MMA_INPUT_PV_WARPS,
+        mean_stride=api.smoothing_sample_stride(k4.shape[2]), **mma, **common,
     )
 
 
@@ -313,42 +319,35 @@ def assert_first_query_sees_first_key(out4: torch.Tensor, v4: torch.Tensor,
     assert (err <= tol).all(), f"query 0 differs from v[0] by up to {(err / tol).max():.2f} x tol"
 
 
-def row_constant(q4: torch.Tensor, k_mean: torch.Tensor, sm_scale: float) -> torch.Tensor:
-    """sm_scale * q_i . k_mean (float64) [B, Hq, Nq]: what K smoothing drops from the LSE."""
-    km = k_mean.double().repeat_interleave(q4.shape[1] // k_mean.shape[1], dim=1)
-    return sm_scale * (q4.double() @ km[..., None]).squeeze(-1)
-
-
 def run_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, *,
            qk: str = "int8", pv: str = "input", smooth_q: bool = True, smooth_k: bool = True,
            smooth_v: bool = False, out_nhd: bool = False, return_lse: bool = True,
            scale: float | None = None,
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The preprocessing of DESIGN.md written out, then attention_mma on poisoned memory:
-    ``qk`` "int8"/"int4" codes; ``pv`` "input" (the caller's fp16/bf16 v) or "fp8" (V's scale
-    and, with ``smooth_v``, mean from smoothing_stats, FP8 V from quantize_kv).
-    Returns (out, lse, k_mean or None)."""
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """sageattn's preprocessing for the warp-level kernel (api._mma) written out, then
+    attention_mma on poisoned memory with ``q4`` as given (the kernel quantizes Q): ``qk``
+    "int8"/"int4" K codes; ``pv`` "input" (the caller's fp16/bf16 v; K's mean over the token
+    sample, api.smoothing_sample_stride) or "fp8" (K's mean over all tokens, V's scale and, with
+    ``smooth_v``, mean from smoothing_stats, FP8 V from quantize_kv). Returns (out, lse), the
+    LSE complete (the kernel adds the row constant of K smoothing)."""
     sm_scale = q4.shape[-1] ** -0.5 if scale is None else scale
     mult = sm_scale * LOG2E
     fp8 = pv == "fp8"
     q_mean = k_mean = v_scale = v_mean = None
     if smooth_q or smooth_k or fp8:
-        stats = ops.smoothing_stats(q4 if smooth_q else None, k4 if smooth_k else None,
+        k_rows = k4 if fp8 else k4[:, :, ::api.smoothing_sample_stride(k4.shape[2])]
+        stats = ops.smoothing_stats(q4 if smooth_q else None, k_rows if smooth_k else None,
                                     v4 if fp8 else None, fp8 and smooth_v)
         q_mean = stats.q_mean if smooth_q else None
         k_mean = stats.k_mean if smooth_k else None
         v_scale = stats.v_scale if fp8 else None
         v_mean = stats.v_mean if fp8 and smooth_v else None
-    q_codes, q_scale, _ = ops.quantize_q(q4, q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, qk, False,
-                                         mult)
     kv = ops.quantize_kv(k4, v4 if fp8 else None, k_mean, v_mean, v_scale, q_mean,
                          ops.MMA_BLOCK_K, qk, mult)
     poison_allocator()
-    out, lse = ops.attention_mma(q_codes, q_scale, kv.k_quant, kv.k_scale,
-                                 kv.delta_s if smooth_q else None, kv.v_fp8 if fp8 else v4,
-                                 v_scale, v_mean, qk, q4.shape[2], k4.shape[2], q4.dtype, causal,
-                                 out_nhd, return_lse)
-    return out, lse, k_mean
+    return ops.attention_mma(q4, q_mean, kv.k_quant, kv.k_scale, kv.delta_s if smooth_q else None,
+                             kv.v_fp8 if fp8 else v4, v_scale, v_mean, k_mean, qk, k4.shape[2],
+                             sm_scale, causal, out_nhd, return_lse)
 
 
 def run_wgmma_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, *,
@@ -452,8 +451,8 @@ def test_op_matches_emulation(shape: tuple[int, ...], smoothing: tuple[bool, boo
     q4, k4, v4 = make_qkv(b, hq, hkv, nq, nk, d, dtype, seed=nq + d,
                           bias=(1.0, 4.0, 4.0 if smooth_v else 1.0))
     out_nhd = (nq + causal) % 2 == 1
-    out, lse, k_mean = run_op(q4, k4, v4, causal, qk=kernel.qk, pv=kernel.pv, smooth_q=smooth_q,
-                              smooth_k=smooth_k, smooth_v=smooth_v, out_nhd=out_nhd)
+    out, lse = run_op(q4, k4, v4, causal, qk=kernel.qk, pv=kernel.pv, smooth_q=smooth_q,
+                      smooth_k=smooth_k, smooth_v=smooth_v, out_nhd=out_nhd)
     assert out.shape == (b, hq, nq, d) and out.dtype == dtype
     assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
     assert lse.shape == (b, hq, nq) and lse.dtype == torch.float32
@@ -462,12 +461,12 @@ def test_op_matches_emulation(shape: tuple[int, ...], smoothing: tuple[bool, boo
                              kernel=kernel)
     l1 = rel_l1(out, want.to(dtype))
     assert l1 <= EMULATION_L1, f"rel. L1 vs emulation {l1:.2e}"
-    # The op's LSE lacks the row constant sm_scale * q . k_mean (DESIGN.md).
-    full_lse = lse.double() + (row_constant(q4, k_mean, d ** -0.5) if smooth_k else 0.0)
+    # The op's LSE is complete: the kernel adds the row constant sm_scale * q . k_mean that K
+    # smoothing drops (k's offsets of 4 make it large, so leaving it out fails by far).
     # The emulation takes its own float64 means, so a few codes sit one step from the kernel's
     # (float32 means): a row's LSE moves by up to a few 1e-3 then with INT8 (relative to the
     # LSE itself, which is large without K smoothing), the output by far less.
-    torch.testing.assert_close(full_lse, want_lse.double(), rtol=1e-3, atol=OP_LSE_ATOL[kernel.qk])
+    torch.testing.assert_close(lse.double(), want_lse.double(), rtol=1e-3, atol=OP_LSE_ATOL[kernel.qk])
     # Unsmoothed K with offsets of 4 quantizes coarsely (what smoothing is for): a sanity bound.
     exact_out = exact(q4, k4, v4, causal)[0]
     bound = exact_l1_bound(kernel, want, exact_out, dtype)
@@ -479,13 +478,13 @@ def test_op_without_lse_and_scale(variant: str) -> None:
     kernel = OP_KERNELS[variant]
     require_kernel(kernel)
     q4, k4, v4 = make_qkv(2, 4, 4, 333, 333, 128, torch.float16, seed=3, bias=(0.0, 2.0, 0.0))
-    out, lse, _ = run_op(q4, k4, v4, True, qk=kernel.qk, pv=kernel.pv, return_lse=False,
+    out, lse = run_op(q4, k4, v4, True, qk=kernel.qk, pv=kernel.pv, return_lse=False,
                          scale=0.05)
     assert lse.shape == (0,)
     assert_finite(out)
-    want, _ = emulate(q4, k4, v4, True, scale=0.05, kernel=kernel)
+    want, _ = emulate(q4, k4, v4, True, True, scale=0.05, kernel=kernel)  # run_op smooths Q
     assert rel_l1(out, want.half()) <= EMULATION_L1
-    out_lse, _, _ = run_op(q4, k4, v4, True, qk=kernel.qk, pv=kernel.pv, return_lse=True,
+    out_lse, _ = run_op(q4, k4, v4, True, qk=kernel.qk, pv=kernel.pv, return_lse=True,
                            scale=0.05)
     assert torch.equal(out, out_lse)
 
@@ -700,7 +699,7 @@ def test_anchor_families(path: str, capsys: pytest.CaptureFixture[str]) -> None:
             poison_allocator()
             out = sageattn_no_fallback(q, k, v, **kwargs)
             assert_finite(out)
-            emu, _ = emulate(q, k, v, causal, kernel=kernel)
+            emu, _ = emulate(q, k, v, causal, PATHS[path].get("smooth_q"), kernel=kernel)
             cos, l1 = ref.cosine_similarity(out, want), rel_l1(out, want)
             emu_cos, emu_l1 = ref.cosine_similarity(emu.half(), want), rel_l1(emu.half(), want)
             vs_emu = rel_l1(out, emu.half())
@@ -879,7 +878,8 @@ def test_sageattn_shapes(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, ca
     out4 = to_bhnd(out, tensor_layout, three_d)
     want, _ = exact(*views, causal)
     # INT4's exact bound comes from its emulation, so INT4 always runs it.
-    emu_out = emulate(*views, causal, kernel=kernel)[0] if emu or kernel.qk == "int4" else None
+    emu_out = (emulate(*views, causal, PATHS[path].get("smooth_q"), kernel=kernel)[0]
+               if emu or kernel.qk == "int4" else None)
     assert rel_l1(out4, want) <= exact_l1_bound(kernel, emu_out, want, dtype)
     if emu_out is not None:
         assert rel_l1(out4, emu_out.to(dtype)) <= EMULATION_L1
@@ -899,7 +899,7 @@ def test_causal_unequal_lengths(nq: int, nk: int, dtype: torch.dtype, path: str)
     out = sageattn_no_fallback(q4, k4, v4, is_causal=True, **PATHS[path])
     assert_finite(out)
     want, _ = exact(q4, k4, v4, True)
-    emu_out, _ = emulate(q4, k4, v4, True, kernel=kernel)
+    emu_out, _ = emulate(q4, k4, v4, True, PATHS[path].get("smooth_q"), kernel=kernel)
     assert rel_l1(out, want) <= exact_l1_bound(kernel, emu_out, want, dtype)
     assert rel_l1(out, emu_out.to(dtype)) <= EMULATION_L1
 
@@ -922,7 +922,8 @@ def test_sageattn_smooth_v(path: str, layout: str) -> None:
         out = sageattn_no_fallback(*args, **kwargs)
         assert_finite(out)
         out4 = to_bhnd(out, tensor_layout, False)
-        emu_out, _ = emulate(*views, False, smooth_v=smooth_v, kernel=kernel)
+        emu_out, _ = emulate(*views, False, PATHS[path].get("smooth_q"), smooth_v=smooth_v,
+                             kernel=kernel)
         assert rel_l1(out4, emu_out.to(out.dtype)) <= EMULATION_L1
         errors[smooth_v] = rel_l1(out4, want)
         assert errors[smooth_v] <= exact_l1_bound(kernel, emu_out, want, out.dtype)
@@ -976,7 +977,8 @@ def test_return_lse(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, causal:
     assert lse.shape == ((hq, nq) if three_d else (b, hq, nq))
     lse4 = lse[None] if three_d else lse
     _, want = exact(*views, causal)
-    _, emu_lse = emulate(*views, causal, smooth_k=smooth_k, kernel=kernel)
+    _, emu_lse = emulate(*views, causal, PATHS[path].get("smooth_q"), smooth_k=smooth_k,
+                         kernel=kernel)
     atol = WGMMA_LSE_EMULATION_ATOL if kernel.kernel == "wgmma" else LSE_EMULATION_ATOL[kernel.qk]
     torch.testing.assert_close(lse4, emu_lse, rtol=0, atol=atol)
     err = (lse4.double() - want).abs()
@@ -1025,7 +1027,7 @@ def test_sageattn_runs_the_kernel_it_names(monkeypatch: pytest.MonkeyPatch, d: i
     ran: list[tuple[str, str, bool]] = []
 
     def recording_mma(*args: Any, _real: Any = ops.attention_mma) -> Any:
-        ran.append(("mma", args[8], args[5].dtype == torch.float8_e4m3fn))
+        ran.append(("mma", args[9], args[5].dtype == torch.float8_e4m3fn))
         return _real(*args)
 
     def recording_wgmma(*args: Any, _real: Any = ops.attention_wgmma) -> Any:
@@ -1107,23 +1109,22 @@ def test_kernel_plan_names_the_kernel() -> None:
         assert "INT8 QK + FP16/BF16 PV" in plan and "INT4 QK + FP8 PV" not in plan, plan
 
 
-def mma_op_args(kernel: KernelChoice, smooth_v: bool, q_len: int, with_delta_s: bool,
+def mma_op_args(kernel: KernelChoice, smooth_v: bool, q_len: int, smooth_q: bool,
                 causal: bool, out_nhd: bool, return_lse: bool) -> tuple[Any, ...]:
     """attention_mma's arguments for ``kernel``'s variant, from the real preprocessing ops
-    (GQA 2:1, 130 keys: two key tiles, the second mostly padding; delta_s left out unless
-    ``with_delta_s``, which opcheck does not mind: it checks the op's registration, not its
-    numbers)."""
+    (GQA 2:1, 130 keys: two key tiles, the second mostly padding; q as a strided NHD view; Q
+    smoothed when ``smooth_q``, K always, so the LSE takes K's row constant)."""
     q4, k4, v4 = make_qkv(1, 4, 2, q_len, 130, 64, torch.float16, seed=1, bias=(1.0, 2.0, 2.0))
-    mult = 0.125 * LOG2E
+    sm_scale = 0.125
     fp8 = kernel.pv == "fp8"
     stats = ops.smoothing_stats(q4, k4, v4 if fp8 else None, fp8 and smooth_v)
     v_mean = stats.v_mean if fp8 and smooth_v else None
     v_scale = stats.v_scale if fp8 else None
-    qq = ops.quantize_q(q4, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, kernel.qk, False, mult)
-    kv = ops.quantize_kv(k4, v4 if fp8 else None, stats.k_mean, v_mean, v_scale, stats.q_mean,
-                         ops.MMA_BLOCK_K, kernel.qk, mult)
-    return (qq.q_quant, qq.q_scale, kv.k_quant, kv.k_scale, kv.delta_s if with_delta_s else None,
-            kv.v_fp8 if fp8 else v4, v_scale, v_mean, kernel.qk, q_len, 130, torch.float16,
+    q_mean = stats.q_mean if smooth_q else None
+    kv = ops.quantize_kv(k4, v4 if fp8 else None, stats.k_mean, v_mean, v_scale, q_mean,
+                         ops.MMA_BLOCK_K, kernel.qk, sm_scale * LOG2E)
+    return (q_view(q4, "NHD"), q_mean, kv.k_quant, kv.k_scale, kv.delta_s if smooth_q else None,
+            kv.v_fp8 if fp8 else v4, v_scale, v_mean, stats.k_mean, kernel.qk, 130, sm_scale,
             causal, out_nhd, return_lse)
 
 
