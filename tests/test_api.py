@@ -423,6 +423,7 @@ def test_build_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
         assert ops.has_op("smoothing_stats") and not ops.has_op("no_such_op")
         with monkeypatch.context() as m:
             m.setattr(ops, "has_op", lambda name: False)
+            m.setattr(ops, "_OP_HANDLES", {})  # the handles ops resolved at import
             assert api._build_reason() == "the attention kernels are not built yet"
             q, k, v = qkv(d=64, dtype=torch.float16)
             with pytest.raises(RuntimeError, match="has no attention_mma op"):
