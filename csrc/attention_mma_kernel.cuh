@@ -140,10 +140,10 @@ struct AttentionMmaKernel {
   using KCopy = TileCopy<kQkChunks, kBlockK>;
   using VCopy = TileCopy<kVChunks, kVRows>;
 
-  // Per-(batch, head) base pointers of everything a KV tile reads (hk: the KV head), held
-  // through the KV loop, or derived again at every tile where their 8 registers would spill
-  // (kHeadPerTile: INT8 + FP16 PV at head_dim 128, whose loop runs at 255 registers; on the H100
-  // holding them measured 1-3 % faster at head_dim 128 and 10 % at 64, benchmarks/RESULTS.md).
+  // Per-(batch, head) base pointers of everything a KV tile reads, held through the KV loop, or
+  // derived from the block index again at every tile where their 8 registers would spill
+  // (kHeadPerTile: INT8 + FP16 PV at head_dim 128, whose loop runs at 255 registers; at head_dim
+  // 64 holding them measured 10 % faster on the H100, benchmarks/RESULTS.md session 10).
   struct KvHead {
     const int8_t* k;
     const float* k_scale;
