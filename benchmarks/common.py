@@ -17,15 +17,22 @@ def median_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 150) -> flo
         for _ in range(10):
             fn()
         torch.cuda.synchronize()
-        times = []
-        for _ in range(max(20, rep // 5)):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
+        times = event_times_ms(fn, max(20, rep // 5))
         return sorted(times)[len(times) // 2]
+
+
+def event_times_ms(fn: Callable[[], object], reps: int) -> list[float]:
+    """fn's time in milliseconds, ``reps`` times, each between two CUDA events and synchronized
+    (so a call's host time counts where the GPU waits for it)."""
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return times
 
 
 def copy_bandwidth_gbs(nbytes: int = 1 << 30) -> float:

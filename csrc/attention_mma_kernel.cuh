@@ -319,8 +319,7 @@ struct AttentionMmaKernel {
           }
         }
         if (k_mean != nullptr) {
-          dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-          dot += __shfl_xor_sync(0xffffffffu, dot, 2);
+          dot = quad_sum(dot);
           if (t == 0) s.row_constant()[warp_row0 + sl * 16 + g + 8 * r] = dot;
         }
       }
@@ -331,9 +330,7 @@ struct AttentionMmaKernel {
         for (int j = 0; j < kVecs; ++j)
 #pragma unroll
           for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[r][j][e]));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-      const float scale = quant_scale(amax, static_cast<float>(Codes::kQmax));
+      const float scale = quant_scale(quad_max(amax), static_cast<float>(Codes::kQmax));
       const float inv = quant_inverse(scale);
       // A runtime slab index must not index the register array (it would go to local memory).
 #pragma unroll

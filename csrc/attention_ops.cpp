@@ -46,6 +46,28 @@ AttentionOutputs allocate_outputs(const c10::SymInt& batch, const c10::SymInt& q
   return out;
 }
 
+// The parameters both attention kernels share: the caller's Q, the output and LSE, the shapes.
+template <typename Params>
+void set_shared_params(Params& p, const at::Tensor& q, const at::Tensor& k_codes, const AttentionOutputs& out,
+                       int64_t kv_len, bool return_lse) {
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.q_stride_n = q.stride(2);
+  p.out = out.out.data_ptr();
+  p.out_stride_b = out.out.stride(0);
+  p.out_stride_h = out.out.stride(1);
+  p.out_stride_n = out.out.stride(2);
+  p.lse = return_lse ? out.lse.data_ptr<float>() : nullptr;
+  p.batch = static_cast<int>(q.size(0));
+  p.q_heads = static_cast<int>(q.size(1));
+  p.kv_heads = static_cast<int>(k_codes.size(1));
+  p.head_dim = static_cast<int>(q.size(3));
+  p.q_len = q.size(2);
+  p.kv_len = kv_len;
+  p.k_padded = k_codes.size(2);
+}
+
 }  // namespace
 
 AttentionOutputs allocate_attention_mma(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
@@ -125,10 +147,7 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const
   const c10::cuda::CUDAGuard guard(q.device());
   const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
   AttentionMmaParams p;
-  p.q = q.data_ptr();
-  p.q_stride_b = q.stride(0);
-  p.q_stride_h = q.stride(1);
-  p.q_stride_n = q.stride(2);
+  set_shared_params(p, q, k_codes, out, kv_len, return_lse);
   p.q_mean = q_mean ? q_mean->data_ptr<float>() : nullptr;
   p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
   // The product in double, then rounded once: the scale_multiplier quantize_q and quantize_kv
@@ -147,18 +166,6 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const
   p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
   p.qk = qk_dtype == "int4" ? QkCodes::kInt4 : QkCodes::kInt8;
   p.pv = fp8_v ? PvOperands::kFp8 : PvOperands::kInput;
-  p.out = out.out.data_ptr();
-  p.out_stride_b = out.out.stride(0);
-  p.out_stride_h = out.out.stride(1);
-  p.out_stride_n = out.out.stride(2);
-  p.lse = return_lse ? out.lse.data_ptr<float>() : nullptr;
-  p.batch = static_cast<int>(q.size(0));
-  p.q_heads = static_cast<int>(q.size(1));
-  p.kv_heads = static_cast<int>(k_codes.size(1));
-  p.head_dim = static_cast<int>(q.size(3));
-  p.q_len = q.size(2);
-  p.kv_len = kv_len;
-  p.k_padded = k_codes.size(2);
   p.causal = is_causal;
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream());
@@ -212,28 +219,13 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
   check_launchable(q, "q");
   const c10::cuda::CUDAGuard guard(q.device());
   AttentionWgmmaParams p;
-  p.q = q.data_ptr();
-  p.q_stride_b = q.stride(0);
-  p.q_stride_h = q.stride(1);
-  p.q_stride_n = q.stride(2);
+  set_shared_params(p, q, k_codes, out, kv_len, return_lse);
   p.k_codes = k_codes.data_ptr<int8_t>();
   p.k_scale = k_scale.data_ptr<float>();
   p.v_codes = static_cast<const uint8_t*>(v_fp8.data_ptr());
   p.v_tile_scale = v_tile_scale.data_ptr<float>();
   p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
   p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
-  p.out = out.out.data_ptr();
-  p.out_stride_b = out.out.stride(0);
-  p.out_stride_h = out.out.stride(1);
-  p.out_stride_n = out.out.stride(2);
-  p.lse = return_lse ? out.lse.data_ptr<float>() : nullptr;
-  p.batch = static_cast<int>(q.size(0));
-  p.q_heads = static_cast<int>(q.size(1));
-  p.kv_heads = static_cast<int>(k_codes.size(1));
-  p.head_dim = static_cast<int>(q.size(3));
-  p.q_len = q.size(2);
-  p.kv_len = kv_len;
-  p.k_padded = k_codes.size(2);
   p.sm_scale = static_cast<float>(sm_scale);
   p.causal = is_causal;
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;

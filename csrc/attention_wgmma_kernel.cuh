@@ -216,9 +216,7 @@ struct AttentionWgmmaKernel {
         for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(x[r][s][half][i]));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    const float scale = quant_scale(amax, kInt8Max);
+    const float scale = quant_scale(quad_max(amax), kInt8Max);
     const float inv = quant_inverse(scale);
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -246,9 +244,7 @@ struct AttentionWgmmaKernel {
           for (int half = 0; half < 2; ++half)
 #pragma unroll
             for (int i = 0; i < 4; ++i) dot = fmaf(x[r][s][half][i], __ldg(km + 32 * s + 16 * half + i), dot);
-        dot += __shfl_xor_sync(0xffffffffu, dot, 1);
-        dot += __shfl_xor_sync(0xffffffffu, dot, 2);
-        info.k_mean_dot[r] = dot;
+        info.k_mean_dot[r] = quad_sum(dot);
       }
     }
     return info;

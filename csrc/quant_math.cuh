@@ -63,6 +63,18 @@ SAGE_HOST_DEVICE int unpack_int4_low(uint8_t byte) { return static_cast<int8_t>(
 SAGE_HOST_DEVICE int unpack_int4_high(uint8_t byte) { return static_cast<int8_t>(byte) >> 4; }
 
 #if defined(__CUDACC__)
+// A per-thread Q group (paper Eq. 8: rows {g, g+8} of a 16-row slab) is held by the quad of lanes
+// 4g .. 4g+3, each with a quarter of its channels: the group's max |x| (and a row's q . k_mean
+// for the LSE) is the quad's reduction. Both attention kernels quantize Q this way.
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
 // Per-thread quantization of a 16-byte vector of 8 channels (the arithmetic above), stored as
 // 8 INT8 bytes or 4 bytes of packed INT4: quantize_q, quantize_kv and the warp-level attention
 // kernel's own Q quantizer all write their codes through this.

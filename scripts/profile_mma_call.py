@@ -13,20 +13,9 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from bench_mma_variants import kernel_call  # noqa: E402
+from common import event_times_ms  # noqa: E402
 
 from sageattention2 import sageattn  # noqa: E402
-
-
-def event_ms(fn, reps: int) -> list[float]:
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return times
 
 
 for n in map(int, sys.argv[1:]):
@@ -44,8 +33,8 @@ for n in map(int, sys.argv[1:]):
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=6, max_name_column_width=50))
     full, alone = [], []
     for _ in range(5):
-        full += event_ms(call, 4)
-        alone += event_ms(kernel, 4)
+        full += event_times_ms(call, 4)
+        alone += event_times_ms(kernel, 4)
     tops = lambda ms: 4 * 4 * 32 * n * n * 128 / ms / 1e9  # noqa: E731
     f, a = statistics.median(full), statistics.median(alone)
     print(f"N={n}: call {f:.3f} ms ({tops(f):.0f} TOPS), kernel alone {a:.3f} ms ({tops(a):.0f} TOPS), "
