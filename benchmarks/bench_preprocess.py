@@ -17,7 +17,7 @@ from sageattention2 import ops
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def main() -> None:
@@ -46,6 +46,10 @@ def main() -> None:
             "quantize_kv int8 (per-tile fp8 V)": (
                 lambda: ops.quantize_kv(k, v, k_mean, None, None, None, 128, "int8", 1.0),
                 nbytes(k, v, *ops.quantize_kv(k, v, k_mean, None, None, None, 128, "int8", 1.0))),
+            # The warp-level INT8 + FP16 PV path: K only.
+            "quantize_kv int8 (K only)": (
+                lambda: ops.quantize_kv(k, None, k_mean, None, None, None, 128, "int8", 1.0),
+                nbytes(k, *ops.quantize_kv(k, None, k_mean, None, None, None, 128, "int8", 1.0))),
         }
         for qk in ("int8", "int4"):
             qo = ops.quantize_q(q, q_mean, 128, 4, qk, False, mult)

@@ -1,5 +1,7 @@
 // Kernel launches of the preprocessing (no ATen here: see preprocess_params.h). The one
 // dtype x QK-type switch of the preprocessing lives in this file.
+#include <type_traits>
+
 #include "preprocess_kernels.cuh"
 
 namespace sageattention2 {
@@ -43,11 +45,21 @@ cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool i
 
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.block_k * (p.has_v ? 2 : 1)), p.k.heads, p.k.batch);
-  const size_t smem = static_cast<size_t>(p.block_k) * kv_tile_pitch(p.k.head_dim) * 2;
+  // K from registers needs no staging tile: only V (if any) does then.
+  const size_t smem =
+      k_block_in_registers(p) && !p.has_v ? 0 : static_cast<size_t>(p.block_k) * kv_tile_pitch(p.k.head_dim) * 2;
   cudaError_t status = cudaSuccess;
   dispatch_input_dtype(dtype, [&](auto tag) {
     using T = decltype(tag);
-    auto kernel = int4 ? quantize_kv_kernel<T, true> : quantize_kv_kernel<T, false>;
+    const auto pick = [&](auto int4_tag) {
+      constexpr bool kInt4 = decltype(int4_tag)::value;
+      switch (p.k.head_dim) {
+        case 64: return quantize_kv_kernel<T, kInt4, 64>;
+        case 128: return quantize_kv_kernel<T, kInt4, 128>;
+        default: return quantize_kv_kernel<T, kInt4, 0>;
+      }
+    };
+    auto kernel = int4 ? pick(std::true_type{}) : pick(std::false_type{});
     status = allow_dynamic_smem(kernel, smem);
     if (status == cudaSuccess) kernel<<<grid, kPreprocessThreads, smem, stream>>>(p);
   });

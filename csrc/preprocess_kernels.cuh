@@ -111,7 +111,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   __syncthreads();
 
   const int64_t out_base = (static_cast<int64_t>(job) * p.chunks + blockIdx.x) * kMaxHeadDim;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+  for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads) {
     float s = 0.0f, hi = -INFINITY, lo = INFINITY;
     for (int lane = 0; lane < tiling.rows_per_pass; ++lane) {  // fixed order: deterministic
       s += red_sum[lane * head_dim + d];
@@ -138,7 +138,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const int64_t in_base = static_cast<int64_t>(job) * p.chunks * kMaxHeadDim;
   const int used_chunks = static_cast<int>(ceil_div(src.view.tokens, p.rows_per_chunk));
 
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+  for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads) {
     float s = 0.0f, hi = -INFINITY, lo = INFINITY;
     for (int c = 0; c < used_chunks; ++c) {
       s += p.partial_sum[in_base + c * kMaxHeadDim + d];
@@ -181,7 +181,7 @@ __device__ __forceinline__ float warp_max(float a) {
 template <typename T, typename GroupOf>
 __device__ __forceinline__ void tile_group_absmax(const T* tile, int pitch, int valid, int vecs,
                                                   const float* mean, GroupOf group_of, unsigned* group_amax) {
-  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x)
+  for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads)
     atomic_max_abs(&group_amax[group_of(i / vecs)], vector_absmax(tile, pitch, i / vecs, i % vecs, mean));
 }
 
@@ -192,7 +192,7 @@ __device__ __forceinline__ void store_tile_codes(const T* tile, int pitch, int r
                                                  const float* mean, GroupOf group_of, const float* group_inv,
                                                  int8_t* dst, int code_dim) {
   using Codes = IntCodes<kInt4>;
-  for (int i = threadIdx.x; i < rows * vecs; i += blockDim.x) {
+  for (int i = threadIdx.x; i < rows * vecs; i += kPreprocessThreads) {
     const int r = i / vecs, c = i % vecs;
     int8_t* out = dst + static_cast<int64_t>(r) * code_dim + c * Codes::kBytesPer8;
     if (r >= valid) {
@@ -233,15 +233,15 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const int64_t bh = static_cast<int64_t>(b) * p.q.heads + h;
   const int64_t blocks = p.padded_tokens / block_q;
 
-  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+  for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads) {
     const int r = i / vecs, c = i % vecs;
     *reinterpret_cast<uint4*>(tile + r * head_dim + c * kElemsPerVector) =
         ptx::ld_global_nc_v4(row_ptr<T>(p.q, b, h, row0 + r) + c * kElemsPerVector);
   }
-  for (int g = threadIdx.x; g < groups; g += blockDim.x) group_amax[g] = 0u;
+  for (int g = threadIdx.x; g < groups; g += kPreprocessThreads) group_amax[g] = 0u;
   __syncthreads();
 
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+  for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads) {
     float m = 0.0f;
     if (p.head_mean != nullptr) {
       m = p.head_mean[bh * head_dim + d];
@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   tile_group_absmax<T>(tile, head_dim, valid, vecs, mean, q_group, group_amax);
   __syncthreads();
 
-  for (int g = threadIdx.x; g < groups; g += blockDim.x) {
+  for (int g = threadIdx.x; g < groups; g += kPreprocessThreads) {
     const float scale = quant_scale(__uint_as_float(group_amax[g]), static_cast<float>(Codes::kQmax));
     group_inv[g] = quant_inverse(scale);
     p.scales[(bh * blocks + qb) * groups + g] = scale * p.scale_multiplier;
@@ -281,14 +281,21 @@ __global__ void __launch_bounds__(kPreprocessThreads)
 // transposed in the key order of the PV MMA (DESIGN.md).
 // ---------------------------------------------------------------------------------------------
 
+// The head_dim of a view: kHeadDim where the launch compiled it in (64, 128: the loops below then
+// index with shifts, not divisions), else the view's.
+template <int kHeadDim>
+__device__ __forceinline__ int head_dim_of(const BhndView& view) {
+  return kHeadDim != 0 ? kHeadDim : view.head_dim;
+}
+
 // The valid rows of a K or V tile go to shared memory by cp.async, all in flight from the CTA's
 // first instructions on (loaded one 16-byte vector at a time, then processed, the launch reached
 // 40-50 % of DRAM bandwidth: ncu, B4 H32 N1024-4096).
-template <typename T>
+template <typename T, int kHeadDim>
 __device__ __forceinline__ void start_kv_tile_copy(T* tile, const BhndView& view, int b, int h, int64_t row0,
                                                    int valid) {
-  const int head_dim = view.head_dim, vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
-  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+  const int head_dim = head_dim_of<kHeadDim>(view), vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
+  for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads) {
     const int r = i / vecs, c = i % vecs;
     ptx::cp_async_16(tile + r * pitch + c * kElemsPerVector, row_ptr<T>(view, b, h, row0 + r) + c * kElemsPerVector,
                      true);
@@ -300,26 +307,26 @@ __device__ __forceinline__ void start_kv_tile_copy(T* tile, const BhndView& view
 // that six CTAs fit an SM at head_dim 128.
 struct KVTileSmem {
   float mean[kMaxHeadDim];
-  float aux[kMaxHeadDim];  // K: the group maxima (as bits) and inverses; V: the channel inverses
+  float aux[kMaxHeadDim];  // K: the group maxima (per warp, or as bits) and inverses; V: the channel inverses
   unsigned tile_amax;      // V with one scale per tile: max |V - mean| (as bits)
 };
 
-template <typename T, bool kInt4>
+template <typename T, bool kInt4, int kHeadDim>
 __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* tile, KVTileSmem& sm, int kb, int h,
                                                 int b) {
   using Codes = IntCodes<kInt4>;
   float* mean = sm.mean;
   unsigned* group_amax = reinterpret_cast<unsigned*>(sm.aux);
   float* group_inv = sm.aux + kKGroupsPerBlock;
-  const int head_dim = p.k.head_dim, vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
+  const int head_dim = head_dim_of<kHeadDim>(p.k), vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
   const int block_k = p.block_k;
   const int64_t row0 = static_cast<int64_t>(kb) * block_k;
   const int valid = static_cast<int>(p.k.tokens - row0 < block_k ? p.k.tokens - row0 : block_k);
   const int64_t bh = static_cast<int64_t>(b) * p.k.heads + h;
   const int64_t blocks = p.padded_tokens / block_k;
 
-  start_kv_tile_copy<T>(tile, p.k, b, h, row0, valid);
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x)
+  start_kv_tile_copy<T, kHeadDim>(tile, p.k, b, h, row0, valid);
+  for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads)
     mean[d] = p.k_mean != nullptr ? p.k_mean[bh * head_dim + d] : 0.0f;
   if (threadIdx.x < kKGroupsPerBlock) group_amax[threadIdx.x] = 0u;
   ptx::cp_async_wait<0>();
@@ -328,7 +335,7 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   // The group maxima: a thread keeps its 4 in registers and each warp reduces them before one
   // shared atomic per group (an atomic per 16-byte vector put 16-32 lanes on one address).
   float amax[kKGroupsPerBlock] = {};
-  for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x) {
+  for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads) {
     const float a = vector_absmax(tile, pitch, i / vecs, i % vecs, mean);
     const int group = k_group_of_key(i / vecs);
 #pragma unroll
@@ -356,7 +363,7 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   if (p.q_mean != nullptr) {
     // Delta-S_j = q_mean . gamma(K_j) from the unquantized smoothed key: exact in float32.
     const int group_size = p.q_heads / p.k.heads;
-    for (int i = threadIdx.x; i < group_size * block_k; i += blockDim.x) {
+    for (int i = threadIdx.x; i < group_size * block_k; i += kPreprocessThreads) {
       const int hq = h * group_size + i / block_k, r = i % block_k;
       float s = 0.0f;
       if (r < valid) {
@@ -374,20 +381,100 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   }
 }
 
-template <typename T>
+// K of one 128-key block from registers, for a head_dim known at compile time and no Delta-S
+// (sageattn's INT8 paths). Warp w holds rows 16w .. 16w + 15; lane l the 16-byte vector l % kVecs
+// of rows 16w + j * kRowsPerPass + l / kVecs. Its values are loaded once and stay in registers,
+// each group max is reduced by shuffles and one shared slot per warp, and the codes are written
+// from the same registers. Same groups and arithmetic as quantize_k_tile, so the same codes and
+// scales bit for bit; a third of its instructions (the staged version issued at 68 % of the
+// SM's slots at B4 H32 N4096 and reached 62 % of DRAM bandwidth, ncu).
+template <typename T, bool kInt4, int kHeadDim>
+__device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVParams& p, KVTileSmem& sm, int kb, int h,
+                                                              int b) {
+  using Codes = IntCodes<kInt4>;
+  constexpr int kBlockK = 128, kWarps = kPreprocessThreads / 32, kWarpRows = kBlockK / kWarps;
+  constexpr int kVecs = kHeadDim / kElemsPerVector, kRowsPerPass = 32 / kVecs, kPasses = kWarpRows / kRowsPerPass;
+  static_assert(32 % kVecs == 0 && kWarpRows % kRowsPerPass == 0 && kWarpRows % 8 == 0, "lane geometry");
+  constexpr int kCodeDim = kInt4 ? kHeadDim / 2 : kHeadDim;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c = lane % kVecs, sub = lane / kVecs;
+  const int64_t row0 = static_cast<int64_t>(kb) * kBlockK;
+  const int valid = static_cast<int>(p.k.tokens - row0 < kBlockK ? p.k.tokens - row0 : kBlockK);
+  const int64_t bh = static_cast<int64_t>(b) * p.k.heads + h;
+  const int first_row = warp * kWarpRows + sub;  // the lane's row of pass 0; pass j adds j * kRowsPerPass
+
+  uint4 raw[kPasses];
+  const T* src = row_ptr<T>(p.k, b, h, row0 + first_row) + c * kElemsPerVector;
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j)
+    raw[j] = first_row + j * kRowsPerPass < valid ? ptx::ld_global_nc_v4(src + j * kRowsPerPass * p.k.stride_n)
+                                                  : make_uint4(0u, 0u, 0u, 0u);
+  float mean[kElemsPerVector];
+#pragma unroll
+  for (int e = 0; e < kElemsPerVector; ++e)
+    mean[e] = p.k_mean != nullptr ? __ldg(p.k_mean + bh * kHeadDim + c * kElemsPerVector + e) : 0.0f;
+
+  // Rows of a warp's pass j are keys with (j * kRowsPerPass + sub) % 8 fixed: their K group.
+  const auto group_of_pass = [&](int j) { return k_group_of_key(j * kRowsPerPass + sub); };
+  float amax[kKGroupsPerBlock] = {};
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j) {
+    if (first_row + j * kRowsPerPass >= valid) continue;
+    float x[kElemsPerVector];
+    widen8<T>(raw[j], x);
+    float a = 0.0f;
+#pragma unroll
+    for (int e = 0; e < kElemsPerVector; ++e) a = fmaxf(a, fabsf(x[e] - mean[e]));
+    const int group = group_of_pass(j);
+#pragma unroll
+    for (int g = 0; g < kKGroupsPerBlock; ++g) amax[g] = g == group ? fmaxf(amax[g], a) : amax[g];
+  }
+  float* warp_amax = sm.aux;  // [kWarps][kKGroupsPerBlock]
+#pragma unroll
+  for (int g = 0; g < kKGroupsPerBlock; ++g) {
+    const float group_max = warp_max(amax[g]);
+    if (lane == 0) warp_amax[warp * kKGroupsPerBlock + g] = group_max;
+  }
+  __syncthreads();
+  float* group_inv = sm.aux + kWarps * kKGroupsPerBlock;
+  if (threadIdx.x < kKGroupsPerBlock) {
+    float group_max = 0.0f;
+    for (int w = 0; w < kWarps; ++w) group_max = fmaxf(group_max, warp_amax[w * kKGroupsPerBlock + threadIdx.x]);
+    const float scale = quant_scale(group_max, static_cast<float>(Codes::kQmax));
+    group_inv[threadIdx.x] = quant_inverse(scale);
+    p.k_scales[(bh * (p.padded_tokens / kBlockK) + kb) * kKGroupsPerBlock + threadIdx.x] = scale;
+  }
+  __syncthreads();
+
+  int8_t* dst = p.k_codes + (bh * p.padded_tokens + row0 + first_row) * kCodeDim + c * Codes::kBytesPer8;
+#pragma unroll
+  for (int j = 0; j < kPasses; ++j) {
+    int8_t* out = dst + j * kRowsPerPass * kCodeDim;
+    if (first_row + j * kRowsPerPass >= valid) {
+      Codes::store_zero(out);  // the block's padding rows
+      continue;
+    }
+    float x[kElemsPerVector];
+    widen8<T>(raw[j], x);
+#pragma unroll
+    for (int e = 0; e < kElemsPerVector; ++e) x[e] -= mean[e];
+    Codes::store(out, x, group_inv[group_of_pass(j)]);
+  }
+}
+
+template <typename T, int kHeadDim>
 __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_tile, KVTileSmem& sm, int kb, int h,
                                                 int b) {
   float* mean = sm.mean;
   float* channel_inv = sm.aux;
-  const int head_dim = p.v.head_dim, pitch = kv_tile_pitch(head_dim);
+  const int head_dim = head_dim_of<kHeadDim>(p.v), pitch = kv_tile_pitch(head_dim);
   const int block_k = p.block_k;
   const int64_t row0 = static_cast<int64_t>(kb) * block_k;
   const int valid = static_cast<int>(p.v.tokens - row0 < block_k ? p.v.tokens - row0 : block_k);
   const int64_t bh = static_cast<int64_t>(b) * p.v.heads + h;
 
-  start_kv_tile_copy<T>(v_tile, p.v, b, h, row0, valid);
+  start_kv_tile_copy<T, kHeadDim>(v_tile, p.v, b, h, row0, valid);
   const bool per_tile = p.v_scale == nullptr;
-  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+  for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads) {
     mean[d] = p.v_mean != nullptr ? p.v_mean[bh * head_dim + d] : 0.0f;
     channel_inv[d] = per_tile ? 0.0f : quant_inverse(p.v_scale[bh * head_dim + d]);
   }
@@ -401,7 +488,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   if (per_tile) {
     const int vecs = head_dim / kElemsPerVector;
     float a = 0.0f;
-    for (int i = threadIdx.x; i < valid * vecs; i += blockDim.x)
+    for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads)
       a = fmaxf(a, vector_absmax(v_tile, pitch, i / vecs, i % vecs, mean));
     a = warp_max(a);
     if (threadIdx.x % 32 == 0) atomic_max_abs(&sm.tile_amax, a);
@@ -418,7 +505,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   // thread's stores whole 32-byte sectors of its two output rows.
   constexpr int kSlabKeys = 32;
   const int words = head_dim / 2, slabs = block_k / kSlabKeys;
-  for (int i = threadIdx.x; i < words * slabs; i += blockDim.x) {
+  for (int i = threadIdx.x; i < words * slabs; i += kPreprocessThreads) {
     const int d = 2 * (i % words), slab = i / words;
     const float mean0 = mean[d], mean1 = mean[d + 1];
     const float inv0 = per_tile ? tile_inv : channel_inv[d], inv1 = per_tile ? tile_inv : channel_inv[d + 1];
@@ -451,7 +538,8 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
 }
 
 // Grid: x = KV blocks (times 2 with V: K and V CTAs of a block adjacent), y = kv heads, z = batch.
-template <typename T, bool kInt4>
+// kHeadDim: the head_dim at compile time (64, 128) or 0 (any other, read from the views).
+template <typename T, bool kInt4, int kHeadDim>
 __global__ void __launch_bounds__(kPreprocessThreads)
     quantize_kv_kernel(const __grid_constant__ QuantizeKVParams p) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -462,8 +550,14 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const int per_block = p.has_v ? 2 : 1;
   const int x = gridDim.x - 1 - blockIdx.x;
   const int kb = x / per_block, h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
-  if (x % per_block == 0) quantize_k_tile<T, kInt4>(p, tile, sm, kb, h, b);
-  else quantize_v_tile<T>(p, tile, sm, kb, h, b);
+  if (x % per_block != 0) {
+    quantize_v_tile<T, kHeadDim>(p, tile, sm, kb, h, b);
+  } else if constexpr (kHeadDim != 0) {
+    if (k_block_in_registers(p)) quantize_k_block_in_registers<T, kInt4, kHeadDim>(p, sm, kb, h, b);
+    else quantize_k_tile<T, kInt4, kHeadDim>(p, tile, sm, kb, h, b);
+  } else {
+    quantize_k_tile<T, kInt4, 0>(p, tile, sm, kb, h, b);
+  }
 }
 
 }  // namespace sageattention2

@@ -76,6 +76,13 @@ struct QuantizeKVParams {
   float* v_tile_scale = nullptr;   // [B, Hkv, blocks]: written when V comes without v_scale
 };
 
+// quantize_kv quantizes K from registers (quantize_k_block_in_registers) for the head_dims it has
+// compiled in and the attention kernels' 128-key blocks, when no Delta-S is asked for; otherwise
+// from a tile staged in shared memory.
+constexpr bool k_block_in_registers(const QuantizeKVParams& p) {
+  return p.block_k == 128 && p.q_mean == nullptr && (p.k.head_dim == 64 || p.k.head_dim == 128);
+}
+
 // Shared-memory rows are padded by one 16-byte vector so that threads reading 16 bytes of
 // consecutive rows (the Delta-S dot products) fall in different banks.
 constexpr int kv_tile_pitch(int head_dim) { return head_dim + kElemsPerVector; }

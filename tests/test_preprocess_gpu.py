@@ -182,6 +182,13 @@ def test_quantize_kv_bit_exact(shape, layout, dtype, qk_dtype, block_k):
             assert_bits_equal(out[4], want[4], f"v tile scales ({tag})")
         else:
             assert out[4].numel() == 0
+        # K alone (the warp-level INT8 + FP16 PV path): the same codes and scales, written by
+        # K's CTAs with no V tile staged (no shared-memory tile at all for K from registers).
+        poison_allocator()
+        k_only = ops.quantize_kv(k, None, k_mean_arg, None, None, q_mean_arg, block_k, qk_dtype, multiplier)
+        assert_bits_equal(k_only[0], want[0], f"k codes, K only ({tag})")
+        assert_bits_equal(k_only[1], want[1], f"k scales, K only ({tag})")
+        assert k_only[2] is None or k_only[2].numel() == 0
         if with_delta_s:
             # float32 dot products of length D against the float64 reference.
             bound = 1e-5 * (q_mean.abs().amax().item() * (k.float() - k_mean[:, :, None]).abs().amax().item()
