@@ -386,13 +386,14 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
 // of rows 16w + j * kRowsPerPass + l / kVecs. Its values are loaded once and stay in registers,
 // each group max is reduced by shuffles and one shared slot per warp, and the codes are written
 // from the same registers. Same groups and arithmetic as quantize_k_tile, so the same codes and
-// scales bit for bit; a third of its instructions (the staged version issued at 68 % of the
-// SM's slots at B4 H32 N4096 and reached 62 % of DRAM bandwidth, ncu).
+// scales bit for bit, without its divisions, second pass over shared memory and shared atomics:
+// at B4 H32 N4096 hd128 the K + V launch went from 68 % of the issue slots and 62 % of DRAM
+// bandwidth to 57 % and 83 % (ncu; benchmarks/RESULTS.md, session 12).
 template <typename T, bool kInt4, int kHeadDim>
 __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVParams& p, KVTileSmem& sm, int kb, int h,
                                                               int b) {
   using Codes = IntCodes<kInt4>;
-  constexpr int kBlockK = 128, kWarps = kPreprocessThreads / 32, kWarpRows = kBlockK / kWarps;
+  constexpr int kBlockK = kRegisterKBlock, kWarps = kPreprocessThreads / 32, kWarpRows = kBlockK / kWarps;
   constexpr int kVecs = kHeadDim / kElemsPerVector, kRowsPerPass = 32 / kVecs, kPasses = kWarpRows / kRowsPerPass;
   static_assert(32 % kVecs == 0 && kWarpRows % kRowsPerPass == 0 && kWarpRows % 8 == 0, "lane geometry");
   constexpr int kCodeDim = kInt4 ? kHeadDim / 2 : kHeadDim;

@@ -79,8 +79,9 @@ struct QuantizeKVParams {
 // quantize_kv quantizes K from registers (quantize_k_block_in_registers) for the head_dims it has
 // compiled in and the attention kernels' 128-key blocks, when no Delta-S is asked for; otherwise
 // from a tile staged in shared memory.
+inline constexpr int kRegisterKBlock = 128;
 constexpr bool k_block_in_registers(const QuantizeKVParams& p) {
-  return p.block_k == 128 && p.q_mean == nullptr && (p.k.head_dim == 64 || p.k.head_dim == 128);
+  return p.block_k == kRegisterKBlock && p.q_mean == nullptr && (p.k.head_dim == 64 || p.k.head_dim == 128);
 }
 
 // Shared-memory rows are padded by one 16-byte vector so that threads reading 16 bytes of
