@@ -13,7 +13,7 @@ if [ "${PROFILE_PRE:-0}" = 1 ]; then
   for n in 1024 4096; do
     timeout 120 ncu --clock-control none -k 'regex:quantize_kv|smoothing_stats' --launch-skip 3 --launch-count 3 \
       --section SpeedOfLight --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-      python3 "$R/scripts/profile_preprocess.py" $n > "$OUT/ncu_pre_$n.txt" 2>&1
+      python3 "$R/scripts/profile_calls.py" $n > "$OUT/ncu_pre_$n.txt" 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Theoretical Occupancy|Registers Per|Block Limit" "$OUT/ncu_pre_$n.txt" | head -40
   done
 fi

@@ -1,4 +1,5 @@
-"""A few sageattn calls for Nsight Compute to pick launches from (B4 H32 fp16 randn, HND):
+"""A few sageattn calls for Nsight Compute to pick launches from (B4 H32 fp16 randn, HND; used by
+scripts/device_ncu.sh and device_full_check.sh PROFILE_PRE=1):
 the Hopper path by default, the warp-level INT8 + FP16 PV path with ``--mma``.
 
     ncu -k regex:quantize_kv --launch-skip 2 --launch-count 1 python3 scripts/profile_calls.py [--mma] N [D]
