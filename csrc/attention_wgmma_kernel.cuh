@@ -25,9 +25,10 @@
 // the current ones, so a new item starts with its Q and first K/V tiles on chip. With few units
 // (short sequences) the grid is persistent, one CTA per SM (attention_wgmma.cu says when).
 //
-// The consumer warpgroups run unsynchronised: FA3's pingpong (taking turns to issue the GEMMs)
-// measured 9-12 % slower here, since with two warps per scheduler each softmax then hides its
-// own latencies alone (benchmarks/RESULTS.md, 2026-11-22 session 3).
+// The consumer warpgroups run the KV loop unsynchronised: FA3's pingpong (taking turns to issue
+// the GEMMs) measured 9-12 % slower here, since with two warps per scheduler each softmax then
+// hides its own latencies alone (benchmarks/RESULTS.md, sessions 3 and 14). Only their start of
+// an item is ordered, so that they run it a fraction of a tile apart (attend()).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap
@@ -464,6 +465,11 @@ struct AttentionWgmmaKernel {
     const TileMask unmasked{false, kBlockK, 0};
     const int stage0 = seq % kStages;
     ptx::mbarrier_wait(&s.full_k[stage0], (seq / kStages) & 1);
+    // Warpgroup 1 starts an item once warpgroup 0 has its tile 0's P (barrier 3, below): the two
+    // then run the KV loop a fraction of a tile apart instead of in step. Left to itself, their
+    // offset depended on the per-item code by accident, and the loop tile took 1,644 cycles at
+    // 0.3 tiles apart, 1,960 in step (head_dim 64, N 1K; benchmarks/RESULTS.md, session 14).
+    if (consumer == 1) ptx::named_barrier_sync<3, 256>();
     issue_qk(sacc, q_desc, s.k[stage0]);
     ptx::wgmma_wait<0>();
 #pragma unroll
@@ -472,6 +478,7 @@ struct AttentionWgmmaKernel {
     if (mask0.masked) scores_to_p<true>(s, stage0, q, mask0, lane, t, sacc, x, m, alpha_prev);
     else scores_to_p<false>(s, stage0, q, mask0, lane, t, sacc, x, m, alpha_prev);
     pack_p(x, pa);
+    if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; the softmax of tile it runs
     // while PV(it - 1) computes; then R(it - 1) is folded into O (paper 3.4) and P(it) packed.

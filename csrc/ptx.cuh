@@ -213,6 +213,12 @@ template <int kId, int kThreads>
 __device__ __forceinline__ void named_barrier_sync() {
   asm volatile("bar.sync %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
+// PTX ISA, "bar.arrive": count this warp in at barrier kId (of kThreads) without waiting; the
+// threads that bar.sync on it wait for these arrivals. A one-way signal between warpgroups.
+template <int kId, int kThreads>
+__device__ __forceinline__ void named_barrier_arrive() {
+  asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
+}
 // PTX ISA, "prefetch.tensormap": bring a tensor map (a kernel parameter) into the cache.
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(tensor_map) : "memory");

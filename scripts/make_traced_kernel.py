@@ -46,11 +46,9 @@ rep('''const QInfo& q, uint32_t seq,
 rep('''    issue_qk(sacc, q_desc, s.k[stage0]);''','''    if (tr) tr[3] = trace_clock();
     uint32_t wait_k = 0, wait_v = 0, wait_s = 0;
     issue_qk(sacc, q_desc, s.k[stage0]);''')
-rep('''    pack_p(x, pa);
-
-''','''    pack_p(x, pa);
+rep('''    if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
+''','''    if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
     if (tr) tr[4] = trace_clock();
-
 ''')
 rep('''      ptx::mbarrier_wait(&s.full_k[stage], phase);
       issue_qk(sacc, q_desc, s.k[stage]);
@@ -66,9 +64,9 @@ rep('''      ptx::mbarrier_wait(&s.full_k[stage], phase);
       wait_k += c1 - c0; wait_v += c3 - c2;''')
 rep('''    if (last > 0) {''','''    if (tr) { tr[5] = trace_clock(); tr[9] = wait_k; tr[10] = wait_v; tr[11] = wait_s; }
     if (last > 0) {''')
-rep('''      release_and_fold(stage);
+rep('''      release_and_fold(stage, last_scale);
     }
-''','''      release_and_fold(stage);
+''','''      release_and_fold(stage, last_scale);
     }
     if (tr) tr[6] = trace_clock();
 ''')

@@ -56,6 +56,13 @@ def run(n, d, causal):
     over = total - tiles * ptile
     print(f"  item total mean {total.mean():.0f} cycles = {total.mean() / ptile:.2f} loop tiles for {tiles.mean():.1f} tiles"
           f" -> overhead {over.mean() / ptile:.2f} tiles ({over.sum() / tot:.1%})")
+    # How far warpgroup 1 runs behind warpgroup 0 on the same item (same SM clock), at the item's
+    # start (slot 8) and at the start of its KV loop (slot 4), in loop tiles.
+    both = valid[:, 0, :] & valid[:, 1, :]
+    for slot, what in ((8, "item start"), (4, "loop start")):
+        lag = ((rec[:, 1, :, slot] - rec[:, 0, :, slot] + (1 << 31)) % (1 << 32) - (1 << 31))[both]
+        print(f"  warpgroup 1 behind warpgroup 0 at {what}: p10/p50/p90 "
+              f"{np.percentile(lag, [10, 50, 90]) / np.median(per_tile)} tiles")
     g0 = r[:, 12]
     base = g0.min()
     starts = (g0 - base) % (1 << 32)
