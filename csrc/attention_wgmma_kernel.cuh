@@ -468,7 +468,7 @@ struct AttentionWgmmaKernel {
     // Warpgroup 1 starts an item once warpgroup 0 has its tile 0's P (barrier 3, below): the two
     // then run the KV loop a fraction of a tile apart instead of in step. Left to itself, their
     // offset depended on the per-item code by accident, and the loop tile took 1,644 cycles at
-    // 0.3 tiles apart, 1,960 in step (head_dim 64, N 1K; benchmarks/RESULTS.md, session 14).
+    // 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; benchmarks/RESULTS.md, session 14).
     if (consumer == 1) ptx::named_barrier_sync<3, 256>();
     issue_qk(sacc, q_desc, s.k[stage0]);
     ptx::wgmma_wait<0>();
