@@ -66,23 +66,27 @@ class Kernel:
 _TENSOR_OPS = ("IMMA", "HMMA", "QMMA", "HGMMA", "QGMMA", "IGMMA")
 
 
-def main_loop_spills(code: list[tuple[int, str]]) -> int:
-    """LDL/STL in the innermost loop (a backward branch's range) that holds tensor-core
-    instructions of two kinds (the QK and the PV product), or of one kind if no loop holds two."""
-    best: tuple[int, int, int] | None = None  # (kinds, -span, spills)
+def main_loop(code: list[tuple[int, str]]) -> list[tuple[int, str]]:
+    """The innermost loop (a backward branch's range) that holds tensor-core instructions of two
+    kinds (the QK and the PV product), or of one kind if no loop holds two; [] if none does."""
+    best: tuple[int, int, list[tuple[int, str]]] | None = None  # (kinds, -span, body)
     for addr, text in code:
         m = re.search(r"BRA (?:\S+, )?(0x[0-9a-f]+)", text)
         if not m or int(m.group(1), 16) >= addr:
             continue
-        body = [t for a, t in code if int(m.group(1), 16) <= a <= addr]
-        kinds = len({t.split()[0].split(".")[0] for t in body if t.startswith(_TENSOR_OPS)})
+        body = [(a, t) for a, t in code if int(m.group(1), 16) <= a <= addr]
+        kinds = len({t.split()[0].split(".")[0] for _, t in body if t.startswith(_TENSOR_OPS)})
         if kinds == 0:
             continue
-        spills = sum(1 for t in body if re.match(r"(@!?P\w+\s+)?(LDL|STL)", t))
-        key = (kinds, -(addr - int(m.group(1), 16)), spills)
+        key = (kinds, -(addr - int(m.group(1), 16)), body)
         if best is None or key[:2] > best[:2]:
             best = key
-    return best[2] if best else 0
+    return best[2] if best else []
+
+
+def main_loop_spills(code: list[tuple[int, str]]) -> int:
+    """LDL/STL in main_loop (where a spill costs every tile)."""
+    return sum(1 for _, t in main_loop(code) if re.match(r"(@!?P\w+\s+)?(LDL|STL)", t))
 
 
 def find_cuobjdump() -> str | None:

@@ -1,0 +1,99 @@
+"""The Hopper kernel's KV loop as ptxas scheduled it, from one instantiation compiled here (no GPU):
+instructions per trip, local-memory spills, and the order of the loop's wgmma commits, waits and
+softmax exponentials. This is how the session-16 finding was read: ptxas places a
+`WARPGROUP.DEPBAR` (wgmma.wait_group) before the first instruction that touches a register the
+in-flight wgmma uses, even one the program never reads again, so where the wait for PV(it - 1)
+lands says which registers ptxas reused (benchmarks/RESULTS.md, session 16).
+
+    python3 scripts/wgmma_loop_sass.py [--head-dim 128] [--causal] [--csrc DIR] [--show]
+
+Prints e.g. "commit x2 | wait<=1 | EX2 x64 | wait<=0": here the softmax's 64 MUFU.EX2 run between
+the wait for S(it) and the wait for PV(it - 1), i.e. overlapped with the PV.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import check_sass  # noqa: E402
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def compile_loop(csrc: Path, head_dim: int, causal: bool) -> tuple[str, list[tuple[int, str]]]:
+    """ptxas's resource line and the main loop's (address, instruction) list."""
+    torch_include = Path(importlib.import_module("torch").__file__).parent / "include"
+    with tempfile.TemporaryDirectory() as tmp:
+        unit = Path(tmp) / "one.cu"
+        unit.write_text(
+            "#include <cuda_fp16.h>\n#include \"attention_wgmma_kernel.cuh\"\nnamespace sageattention2 {\n"
+            f"template __global__ void attention_wgmma_kernel<__half, {head_dim}, {str(causal).lower()}>("
+            "const __grid_constant__ AttentionWgmmaParams, const __grid_constant__ CUtensorMap, "
+            "const __grid_constant__ CUtensorMap);\n}\n")
+        obj = Path(tmp) / "one.o"
+        build = subprocess.run(
+            ["nvcc", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90a", "-Xptxas", "-v",
+             "-I", str(csrc), "-I", str(torch_include), "-c", str(unit), "-o", str(obj)],
+            capture_output=True, text=True)
+        if build.returncode != 0:
+            sys.exit(build.stderr[-4000:])
+        usage = " ".join(line.split("ptxas info    : ")[-1] for line in build.stderr.splitlines()
+                         if "registers" in line or "spill" in line)
+        cuobjdump = check_sass.find_cuobjdump()
+        if cuobjdump is None:
+            sys.exit("cuobjdump not found (set CUOBJDUMP)")
+        sass = subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True,
+                              check=True).stdout
+    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;", sass)]
+    return usage, check_sass.main_loop(code)
+
+
+def events(loop: list[tuple[int, str]]) -> str:
+    """The loop's wgmma commits, waits, MUFU.EX2, shared stores and spills, runs merged."""
+    out: list[list] = []
+    for _, text in loop:
+        op = text.split()[1] if text.startswith("@") else text.split()[0]
+        if op.split(".")[0] in ("IGMMA", "QGMMA", "HGMMA"):
+            name = "commit" if "gsb0" in text else None
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            name = "wait<=" + str(int(text.split(",")[-1].strip(), 16))
+        elif op.startswith("MUFU.EX2"):
+            name = "EX2"
+        elif op.split(".")[0] in ("LDL", "STL", "STS"):
+            name = op.split(".")[0]
+        else:
+            name = None
+        if name is None:
+            continue
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return " | ".join(n if c == 1 else f"{n} x{c}" for n, c in out)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--csrc", type=Path, default=REPO / "csrc", help="the headers to compile")
+    parser.add_argument("--show", action="store_true", help="print the loop's instructions too")
+    args = parser.parse_args(argv)
+    usage, loop = compile_loop(args.csrc, args.head_dim, args.causal)
+    spills = sum(1 for _, t in loop if re.match(r"(@!?P\w+\s+)?(LDL|STL)", t))
+    print(f"head_dim {args.head_dim} causal {args.causal}: {usage}")
+    print(f"KV loop: {len(loop)} instructions per trip, {spills} spill instructions")
+    print(events(loop))
+    if args.show:
+        print("\n".join(f"{a:#07x}  {t}" for a, t in loop))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
