@@ -86,3 +86,34 @@ def test_hopper_kernel_uses_wgmma_and_does_not_spill() -> None:
         # until the masked last tile left the loop, benchmarks/RESULTS.md session 7).
         assert k.loop_spills == 0, (k.name, k.loop_spills)
         assert k.stack == 0, (k.name, k.stack)
+
+
+def test_loop_finder_and_wgmma_loop_events() -> None:
+    """check_sass.main_loop picks the innermost loop holding both products (not the outer loop,
+    not a loop of one kind), and scripts/wgmma_loop_sass.py's event line says where the waits
+    fall between the softmax's exponentials (merged runs, commits only for the gsb0 MMAs)."""
+    checker = load_checker()
+    code = [
+        (0x000, "MOV R0, RZ"),
+        (0x010, "IGMMA.64x128x32.S8.S8 R92, gdesc[UR16], RZ, !UPT"),
+        (0x020, "IGMMA.64x128x32.S8.S8 R92, gdesc[UR20], R92, gsb0"),
+        (0x030, "QGMMA.64x136x32.F32.E4M3.E4M3 R24, R156, gdesc[UR16], R24, gsb0"),
+        (0x040, "WARPGROUP.DEPBAR.LE gsb0, 0x1"),
+        (0x050, "MUFU.EX2 R1, R2"),
+        (0x060, "LDL R3, [R1+0x8]"),
+        (0x070, "MUFU.EX2 R4, R5"),
+        (0x080, "MUFU.EX2 R6, R7"),
+        (0x090, "WARPGROUP.DEPBAR.LE gsb0, 0x0"),
+        (0x0a0, "@P1 STS.128 [UR10+0x4000], R164"),
+        (0x0b0, "@!P0 BRA 0x10"),   # the KV loop
+        (0x0c0, "IGMMA.64x128x32.S8.S8 R92, gdesc[UR16], RZ, gsb0"),
+        (0x0d0, "@!P0 BRA 0xc0"),   # a loop of one product only
+        (0x0e0, "@!P2 BRA 0x0"),    # the outer loop, longer
+    ]
+    loop = checker.main_loop(code)
+    assert [a for a, _ in loop] == list(range(0x10, 0xc0, 0x10))
+    assert checker.main_loop_spills(code) == 1
+    spec = importlib.util.spec_from_file_location("wgmma_loop_sass", SCRIPT.parent / "wgmma_loop_sass.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.events(loop) == "commit x2 | wait<=1 | EX2 | LDL | EX2 x2 | wait<=0 | STS"
