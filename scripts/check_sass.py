@@ -84,9 +84,14 @@ def main_loop(code: list[tuple[int, str]]) -> list[tuple[int, str]]:
     return best[2] if best else []
 
 
+def spill_instructions(code: list[tuple[int, str]]) -> int:
+    """LDL/STL (predicated or not) in a stretch of code."""
+    return sum(1 for _, t in code if re.match(r"(@!?P\w+\s+)?(LDL|STL)", t))
+
+
 def main_loop_spills(code: list[tuple[int, str]]) -> int:
     """LDL/STL in main_loop (where a spill costs every tile)."""
-    return sum(1 for _, t in main_loop(code) if re.match(r"(@!?P\w+\s+)?(LDL|STL)", t))
+    return spill_instructions(main_loop(code))
 
 
 def find_cuobjdump() -> str | None:

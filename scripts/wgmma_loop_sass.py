@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--show", action="store_true", help="print the loop's instructions too")
     args = parser.parse_args(argv)
     usage, loop = compile_loop(args.csrc, args.head_dim, args.causal)
-    spills = sum(1 for _, t in loop if re.match(r"(@!?P\w+\s+)?(LDL|STL)", t))
+    spills = check_sass.spill_instructions(loop)
     print(f"head_dim {args.head_dim} causal {args.causal}: {usage}")
     print(f"KV loop: {len(loop)} instructions per trip, {spills} spill instructions")
     print(events(loop))
