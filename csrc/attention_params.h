@@ -74,9 +74,10 @@ cudaError_t launch_attention_mma(const AttentionMmaParams& p, InputDtype dtype, 
 
 // Tile geometry of the Hopper kernel (attention_wgmma): a CTA of two consumer warpgroups owns
 // 128 queries (64 per warpgroup, 16 per warp: the m64 wgmma slab), and streams 128-key tiles.
-// Its per-thread groups are those of the warp-level kernel: Q groups of 2 rows {g, g+8} of a
-// 16-row warp slab (quantized inside the kernel), K groups of 32 keys of a 128-key tile
-// (quantize_kv(block_k=128)), so one Q and one K scale per thread (paper Eq. 8, Fig. 4).
+// K has the per-thread groups of the warp-level kernel: 32 keys of a 128-key tile
+// (quantize_kv(block_k=128)), so one K scale per thread (paper Eq. 8, Fig. 4). Q, quantized
+// inside the kernel, has one scale per row: a thread's two rows {g, g+8} each have their own,
+// finer than Eq. 8's group of both at no cost in the loop (attention_wgmma_kernel.cuh).
 inline constexpr int kWgmmaBlockQ = 128;
 inline constexpr int kWgmmaBlockK = 128;
 

@@ -5,10 +5,10 @@
 // the quantized K (INT8, from quantize_kv) and V (E4M3, transposed) into a kStages-deep
 // shared-memory ring with the copy engine, on full/empty mbarriers. Two consumer warpgroups own
 // 64 queries each: they read their fp16/bf16 Q rows once, quantize them to INT8 in registers
-// (per-thread groups, paper Eq. 8: the rows {g, g+8} of a warp's 16-row slab, so no Q pass runs
-// before the kernel) into the warpgroup's shared-memory Q tile, then per tile: S = Q K^T (wgmma
-// s8, both operands from shared memory), dequantize with one
-// Q scale and one K scale per thread (Fig. 4), online softmax in base 2 (sm_scale * log2 e folded
+// (one scale per query row, computed by the quad that holds it, so no Q pass runs before the
+// kernel) into the warpgroup's shared-memory Q tile, then per tile: S = Q K^T (wgmma s8, both
+// operands from shared memory), dequantize with one K scale per thread (Fig. 4) and the Q scale
+// of each of its two rows, online softmax in base 2 (sm_scale * log2 e folded
 // into the Q scale, the x448 of P's FP8 scale folded into the exponent), P~ to E4M3 in registers,
 // R = P~ V (wgmma e4m3, A from registers, a fresh accumulator per tile; 8 extra columns of ones
 // give the row sums of P~) and O = alpha O + R, l = alpha l + rowsum in FP32 (the two-level
@@ -62,6 +62,17 @@ struct AttentionWgmmaKernel {
   static constexpr int kRaccRegs = kPvN / 2;                // PV accumulators per thread
   static constexpr int kVStageBytes = kVBytes + 8 * kBlockK;  // the V^T tile, then 8 rows of ones
   static constexpr int kQChunks = 4 * kQkSteps;             // 8-byte pieces of a thread's 2 Q rows
+  // How ptxas is led to schedule the KV loop: the same arithmetic, three choices per
+  // instantiation, each measured (benchmarks/RESULTS.md, session 17). With the per-row Q scales
+  // the loop as it was ran 7 % slower at head_dim 128 (ptxas put the 64 fold FFMAs after all the
+  // exponentials, which then queued on the MUFU pipe alone) and 3.5 % at 64; with these the
+  // kernel is as fast as before or faster on every ANCHORS shape.
+  // - fold R(it - 1) into O before tile it's softmax (else after it);
+  static constexpr bool kFoldBeforeSoftmax = kHeadDim == 64 || !kCausal;
+  // - read the tile's K scale while QK(it) runs (else just before the softmax);
+  static constexpr bool kEarlyKScale = kHeadDim == 64 || kCausal;
+  // - s_O / s_tile by the exponents of the two powers of two (else by a MUFU reciprocal).
+  static constexpr bool kInverseByExponent = kHeadDim == 128 && !kCausal;
   static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
 
@@ -158,7 +169,7 @@ struct AttentionWgmmaKernel {
 
   // ---- consumer: Q codes in shared memory, then the pipelined KV loop, then the epilogue ----
   struct QInfo {
-    float scale;          // dequantization scale of the thread's Q group, times sm_scale * log2 e
+    float scale[2];       // dequantization scales of the rows g and g+8, times sm_scale * log2 e
     float k_mean_dot[2];  // q_row . k_mean for the rows g and g+8 (LSE only)
   };
 
@@ -191,9 +202,13 @@ struct AttentionWgmmaKernel {
     ptx::cp_async_commit();
   }
 
-  // Takes the staged rows, the group max |x| over the quad that shares the rows (paper Eq. 8: one
-  // scale for rows {g, g+8} of the warp's 16), quantizes with DESIGN.md's arithmetic and stores
-  // the codes into the warpgroup's Q tile.
+  // Takes the staged rows, each row's max |x| over the quad that shares it, quantizes with
+  // DESIGN.md's arithmetic and stores the codes into the warpgroup's Q tile. One scale per query
+  // row, finer than the paper's per-thread group of rows {g, g+8} (Eq. 8) at no cost in the loop:
+  // the softmax treats a thread's two rows apart anyway (row max, bias), so it dequantizes with
+  // one scale per row as cheaply as with one per thread. It is what brings the outliers family
+  // (large channels that vary per token) within the official kernel's accuracy (benchmarks/
+  // RESULTS.md, session 17).
   __device__ static QInfo quantize_staged_q(const AttentionWgmmaParams& p, const Tile& w, int slab_row, int t,
                                             const uint2 (&stage)[kQChunks][32], int lane, uint8_t* q_tile) {
     float x[2][kQkSteps][2][4];
@@ -208,19 +223,18 @@ struct AttentionWgmmaKernel {
 #pragma unroll
           for (int i = 0; i < 4; ++i) x[r][s][half][i] = widen1<T>(e[i]);
         }
-    float amax = 0.0f;
+    QInfo info;
 #pragma unroll
-    for (int r = 0; r < 2; ++r)
+    for (int r = 0; r < 2; ++r) {
+      float amax = 0.0f;
 #pragma unroll
       for (int s = 0; s < kQkSteps; ++s)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
           for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(x[r][s][half][i]));
-    const float scale = quant_scale(quad_max(amax), kInt8Max);
-    const float inv = quant_inverse(scale);
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
+      const float scale = quant_scale(quad_max(amax), kInt8Max);
+      const float inv = quant_inverse(scale);
 #pragma unroll
       for (int s = 0; s < kQkSteps; ++s)
 #pragma unroll
@@ -231,8 +245,8 @@ struct AttentionWgmmaKernel {
             word |= static_cast<uint32_t>(quantize_to_int(x[r][s][half][i], inv, 127) & 0xFF) << (8 * i);
           *reinterpret_cast<uint32_t*>(q_tile + swizzled(slab_row + 8 * r, 32 * s + 16 * half + 4 * t)) = word;
         }
-    QInfo info;
-    info.scale = scale * (p.sm_scale * 1.4426950408889634f);
+      info.scale[r] = scale * (p.sm_scale * 1.4426950408889634f);
+    }
     info.k_mean_dot[0] = info.k_mean_dot[1] = 0.0f;
     if (p.lse != nullptr && p.k_mean != nullptr) {
       const float* km = p.k_mean + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * kHeadDim + 4 * t;
@@ -254,11 +268,12 @@ struct AttentionWgmmaKernel {
   // Online softmax over one tile's S (int32, rows g and g+8, columns 8i + 2t + {0, 1}), in place:
   // leaves P~ * 448 (base 2, the x448 of P's FP8 scale folded into the exponent) as floats in x
   // and returns each row's rescale factor. The quad's 4 threads share a row, each with its own
-  // K scale (`scale` > 0), so the thread's row max is taken on the integers and dequantized once.
+  // K scale (`scale[r]` > 0: row r's Q scale times the thread's K scale), so the thread's row max
+  // is taken on the integers and dequantized once.
   // kMasked: `key_limit` keys of the tile exist; (causal) the thread's row r sees column c iff
   // c <= rows_ahead + 8 r, rows_ahead = its first row minus the tile's first key.
   template <bool kMasked>
-  __device__ static void softmax(float (&x)[kSRegs], const int32_t (&sacc)[kSRegs], float scale, int key_limit,
+  __device__ static void softmax(float (&x)[kSRegs], const int32_t (&sacc)[kSRegs], const float (&scale)[2], int key_limit,
                                  int rows_ahead, int t, float (&m)[2], float (&alpha)[2]) {
     float bias[2];
     if constexpr (kMasked) {
@@ -267,7 +282,7 @@ struct AttentionWgmmaKernel {
       const int diagonal = rows_ahead < -9 ? -9 : (rows_ahead > kBlockK ? kBlockK : rows_ahead);
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) {
-        x[i] = static_cast<float>(sacc[i]) * scale;
+        x[i] = static_cast<float>(sacc[i]) * scale[(i / 2) & 1];
         const int col = 8 * (i / 4) + 2 * t + (i & 1);
         if (col >= key_limit || (kCausal && col > diagonal + 8 * ((i / 2) & 1))) x[i] = -INFINITY;
       }
@@ -294,7 +309,7 @@ struct AttentionWgmmaKernel {
         for (int r = 0; r < 2; ++r) imax[r] = max(imax[r], max(sacc[4 * i + 2 * r], sacc[4 * i + 2 * r + 1]));
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float mx = fmaxf(m[r], static_cast<float>(imax[r]) * scale);
+        float mx = fmaxf(m[r], static_cast<float>(imax[r]) * scale[r]);
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         alpha[r] = ptx::exp2_approx(m[r] - mx);
@@ -303,7 +318,7 @@ struct AttentionWgmmaKernel {
       }
       // One FFMA per score: s * scale - bias.
 #pragma unroll
-      for (int i = 0; i < kSRegs; ++i) x[i] = fmaf(static_cast<float>(sacc[i]), scale, -bias[(i / 2) & 1]);
+      for (int i = 0; i < kSRegs; ++i) x[i] = fmaf(static_cast<float>(sacc[i]), scale[(i / 2) & 1], -bias[(i / 2) & 1]);
     }
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) x[i] = ptx::exp2_approx(x[i]);  // P~ * 448, in [0, 448]
@@ -373,9 +388,9 @@ struct AttentionWgmmaKernel {
   // Everything of one KV tile between its QK product and its PV product: free the K stage, then
   // the softmax (masked as `mask` says when kMasked).
   template <bool kMasked>
-  __device__ static void scores_to_p(Smem& s, int stage, const QInfo& q, const TileMask& mask, int lane, int t,
+  __device__ static void scores_to_p(Smem& s, int stage, float k_scale, const QInfo& q, const TileMask& mask, int lane, int t,
                                      int32_t (&sacc)[kSRegs], float (&x)[kSRegs], float (&m)[2], float (&alpha)[2]) {
-    const float scale = q.scale * s.k_scale[stage][t];  // keys 8i + 2t + {0,1} are K group t
+    const float scale[2] = {q.scale[0] * k_scale, q.scale[1] * k_scale};
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&s.empty_k[stage]);
     softmax<kMasked>(x, sacc, scale, mask.key_limit, mask.rows_ahead, t, m, alpha);
@@ -446,7 +461,8 @@ struct AttentionWgmmaKernel {
     auto release_and_fold = [&](int v_stage, float tile_scale) {
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[v_stage]);
-      const float units = __fdividef(o_scale, tile_scale);
+      const float units =  // s_O / s_tile, exact either way
+          kInverseByExponent ? o_scale * inverse_of_power_of_two(tile_scale) : __fdividef(o_scale, tile_scale);
       const float factor[2] = {alpha_prev[0] * units, alpha_prev[1] * units};
       o_scale = tile_scale;
 #pragma unroll
@@ -475,42 +491,50 @@ struct AttentionWgmmaKernel {
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
     const TileMask mask0 = last == 0 ? tile_mask(p, w, 0, row_in_item) : unmasked;
-    if (mask0.masked) scores_to_p<true>(s, stage0, q, mask0, lane, t, sacc, x, m, alpha_prev);
-    else scores_to_p<false>(s, stage0, q, mask0, lane, t, sacc, x, m, alpha_prev);
+    if (mask0.masked) scores_to_p<true>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
+    else scores_to_p<false>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
     pack_p(x, pa);
     if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
 
-    // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; the softmax of tile it runs
-    // while PV(it - 1) computes; then R(it - 1) is folded into O (paper 3.4) and P(it) packed.
-    // A masked tile (the last) first waits for PV(it - 1) and folds it: the masked softmax then
-    // has the PV accumulators' registers to itself and spills nothing.
+    // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; S(it)'s row maxima are
+    // taken while PV(it - 1) computes (ptxas waits for the PV before the exponentials: session 16
+    // of benchmarks/RESULTS.md); R(it - 1) is folded into O (paper 3.4) before or after the
+    // softmax (kFoldBeforeSoftmax), and P(it) packed. A masked tile (the last) first waits for
+    // PV(it - 1) and folds it: the masked softmax then has the PV accumulators' registers to
+    // itself and spills nothing.
     auto step = [&](int it, const TileMask& mask, auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
       const uint32_t pos = seq + it;
       const int stage = pos % kStages, prev = (pos - 1) % kStages;
       const uint32_t phase = (pos / kStages) & 1, prev_phase = ((pos - 1) / kStages) & 1;
       ptx::mbarrier_wait(&s.full_k[stage], phase);
+      // The tile's K group scale (keys 8i + 2t + {0, 1} are group t): read while QK(it) runs.
+      const float early_k_scale = kEarlyKScale ? s.k_scale[stage][t] : 0.0f;
+      auto k_scale = [&] { return kEarlyKScale ? early_k_scale : s.k_scale[stage][t]; };
       issue_qk(sacc, q_desc, s.k[stage]);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
       issue_pv(racc, pa, s.v[prev]);
       const float prev_scale = __ldg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
-      auto fold_pv = [&] {
+      auto pv_done = [&] {
+        ptx::wgmma_wait<0>();
 #pragma unroll
         for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
 #pragma unroll
         for (int c = 0; c < kPvSteps; ++c)
 #pragma unroll
           for (int reg = 0; reg < 4; ++reg) ptx::register_fence(pa[c][reg]);  // read by PV until now
-        release_and_fold(prev, prev_scale);
       };
       ptx::wgmma_wait<kMasked ? 0 : 1>();  // S(it) is ready; unmasked, PV(it - 1) may still run
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-      if constexpr (kMasked) fold_pv();
-      scores_to_p<kMasked>(s, stage, q, mask, lane, t, sacc, x, m, alpha);
-      if constexpr (!kMasked) {
-        ptx::wgmma_wait<0>();
-        fold_pv();
+      if constexpr (kMasked || kFoldBeforeSoftmax) {
+        pv_done();  // (ptxas waits for PV(it - 1) before the exponentials anyway: session 16)
+        release_and_fold(prev, prev_scale);
+        scores_to_p<kMasked>(s, stage, k_scale(), q, mask, lane, t, sacc, x, m, alpha);
+      } else {
+        scores_to_p<false>(s, stage, k_scale(), q, mask, lane, t, sacc, x, m, alpha);
+        pv_done();
+        release_and_fold(prev, prev_scale);
       }
       pack_p(x, pa);
       alpha_prev[0] = alpha[0];

@@ -44,6 +44,18 @@ SAGE_HOST_DEVICE float v_tile_scale(float amax) {
   return scale;
 }
 
+// 1 / s of a v_tile_scale s (a power of two in [2^-30, 2^126)), exactly, by the exponent alone:
+// 2^k has the bits (127 + k) << 23 and 2^-k the bits (127 - k) << 23. An integer subtraction
+// instead of a reciprocal keeps the Hopper kernel's fold off the MUFU pipe, which the softmax's
+// exponentials fill (benchmarks/RESULTS.md, session 17).
+SAGE_HOST_DEVICE float inverse_of_power_of_two(float s) {
+  uint32_t bits;
+  __builtin_memcpy(&bits, &s, sizeof bits);
+  bits = 0x7F000000u - bits;
+  __builtin_memcpy(&s, &bits, sizeof bits);
+  return s;
+}
+
 // rint (round half to even, the default rounding mode) of x * inv, clamped to [-qmax, qmax].
 SAGE_HOST_DEVICE int quantize_to_int(float x, float inv, int qmax) {
 #if defined(__CUDA_ARCH__)

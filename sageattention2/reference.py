@@ -771,6 +771,7 @@ def sage_attention_reference(
     scale: Optional[float] = None,
     qk_dtype: str = "int8",
     granularity: str = "thread",
+    q_granularity: Optional[str] = None,
     block_q: int = 128,
     warps: int = 4,
     block_k: int = 64,
@@ -797,6 +798,8 @@ def sage_attention_reference(
     * qk_dtype "int8" / "int4": Q, K quantized at ``granularity`` ("thread": paper Eq. 8 with
       block_q, warps, block_k; "token"; "block": one scale per block_q / block_k tokens;
       "tensor"); "fp16": no quantization of Q, K (the smoothed float32 values are used).
+      ``q_granularity``, when given, is Q's instead (the Hopper kernel: "token", one scale per
+      query row, with K per thread).
     * smooth_k, smooth_q (None / "block" / "head"), smooth_v: paper 3.1 and A.3.
     * pv_dtype: "e4m3" (paper 3.3), "e5m2" (Table 7), "fp16" / "bf16" (P~ and V rounded to that
       type, FP32 accumulation: the PV of the warp-level kernels, DESIGN.md), "fp32" (P~ and V
@@ -831,6 +834,8 @@ def sage_attention_reference(
         raise ValueError(f"qk_dtype must be 'int8', 'int4' or 'fp16', got {qk_dtype!r}")
     if granularity not in _GRANULARITIES:
         raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
+    if q_granularity is not None and q_granularity not in _GRANULARITIES:
+        raise ValueError(f"q_granularity must be None or one of {_GRANULARITIES}, got {q_granularity!r}")
     if pv_dtype not in (*FP8_FORMATS, "fp16", "bf16", "fp32"):
         raise ValueError(
             f"pv_dtype must be 'e4m3', 'e5m2', 'fp16', 'bf16' or 'fp32', got {pv_dtype!r}"
@@ -868,7 +873,7 @@ def sage_attention_reference(
         q_codes, q_rows = sm.gamma_q.double(), torch.ones(1, 1, Nq, **ones)
         k_codes, k_rows = sm.gamma_k.double(), torch.ones(1, 1, Nk, **ones)
     else:
-        q_codes, q_rows = quantize_rows(sm.gamma_q, qk_dtype, granularity, "q", block_q, warps)
+        q_codes, q_rows = quantize_rows(sm.gamma_q, qk_dtype, q_granularity or granularity, "q", block_q, warps)
         k_codes, k_rows = quantize_rows(sm.gamma_k, qk_dtype, granularity, "k", block_k, warps)
     # Fold each key's scale into its codes: code * scale is exact in float64 (8 + 24 bits) and so
     # is every partial sum of a row (|integer dot| < 2^22 times a 24-bit scale), so

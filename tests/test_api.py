@@ -620,7 +620,8 @@ def test_mma_geometry_matches_csrc() -> None:
 
 def test_wgmma_geometry_matches_csrc() -> None:
     """ops.WGMMA_BLOCK_K (quantize_kv's block for attention_wgmma) is the kernel's, and so is the
-    128-query CTA whose Q groups tests/test_attention_gpu.py emulates (block_q=128, warps=8)."""
+    128-query CTA of the kernel (its Q scales are per row, which tests/test_attention_gpu.py
+    emulates with q_granularity="token")."""
     path = REPO / "csrc" / "attention_params.h"
     if not path.exists():
         pytest.skip("csrc/attention_params.h not in this checkout")
