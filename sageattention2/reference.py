@@ -58,6 +58,7 @@ __all__ = [
     "quantize_kv_reference",
     "fp22_truncate",
     "sage_attention_reference",
+    "hopper_kernel_reference",
     "cosine_similarity",
     "relative_l1",
     "rmse",
@@ -993,6 +994,31 @@ def sage_attention_reference(
 # --------------------------------------------------------------------------------------------
 # Accuracy metrics (paper A.7), O = reference, O' = output, both flattened, float64
 # --------------------------------------------------------------------------------------------
+
+
+def hopper_kernel_reference(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    block_k: int,
+    mean_stride: int,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    smooth_k: bool = True,
+    smooth_v: bool = False,
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """The algorithm of the Hopper kernel (attention_wgmma, docs/DESIGN.md): INT8 Q with one scale
+    per query row and no Q smoothing, INT8 K per thread in ``block_k``-key blocks (K's mean over
+    every ``mean_stride``-th token with ``smooth_k``), P~ x448 and V with one power-of-two FP8
+    scale per tile (V's mean with ``smooth_v``), FP32 two-level accumulation, l summed by the PV
+    product. The tests and scripts/smoke_wgmma.py emulate the kernel with this one definition."""
+    return sage_attention_reference(
+        q, k, v, is_causal=is_causal, scale=scale, qk_dtype="int8", granularity="thread",
+        q_granularity="token", block_k=block_k, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,
+        pv_dtype="e4m3", two_level=True, fp22=False, row_sum="pv", v_granularity="tile",
+        mean_stride=mean_stride, return_lse=return_lse)
 
 
 def cosine_similarity(output: Tensor, reference: Tensor) -> float:

@@ -22,11 +22,9 @@ print(torch.cuda.get_device_name(), "| kernel plan:", api.kernel_plan())
 
 
 def emulate(q, k, v, causal, smooth_k=True, smooth_v=False):
-    return ref.sage_attention_reference(
-        q, k, v, is_causal=causal, qk_dtype="int8", granularity="thread", block_q=128, warps=8,
-        block_k=ops.WGMMA_BLOCK_K, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,
-        pv_dtype="e4m3", two_level=True, fp22=False, row_sum="pv", v_granularity="tile",
-        mean_stride=api.smoothing_sample_stride(k.shape[2]), return_lse=True)
+    return ref.hopper_kernel_reference(
+        q, k, v, block_k=ops.WGMMA_BLOCK_K, mean_stride=api.smoothing_sample_stride(k.shape[2]),
+        is_causal=causal, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=True)
 
 
 worst = 0.0

@@ -246,10 +246,9 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
     if kernel.kernel == "wgmma":
         if smooth_q in (True, "head"):
             raise ValueError("attention_wgmma does not smooth Q")
-        return ref.sage_attention_reference(
-            q4, k4, v4, q_granularity="token", block_k=ops.WGMMA_BLOCK_K, smooth_q=None, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, row_sum="pv",
-            v_granularity="tile", mean_stride=api.smoothing_sample_stride(k4.shape[2]), **common,
-        )
+        return ref.hopper_kernel_reference(
+            q4, k4, v4, block_k=ops.WGMMA_BLOCK_K, mean_stride=api.smoothing_sample_stride(k4.shape[2]),
+            is_causal=causal, scale=scale, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=True)
     smoothed = smooth_q in (True, "head") or (smooth_q in (None, "auto") and kernel.qk == "int4")
     mma = dict(block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
                smooth_q="head" if smoothed else None)

@@ -78,6 +78,27 @@ def test_group_geometry_other_shapes_and_validation():
         ref.k_group_index(20)
 
 
+def test_hopper_reference_quantizes_q_per_row():
+    """The Hopper kernel's emulation gives every query row its own Q scale: a row next to a row of
+    1000x larger values (its partner g + 8 in the per-thread group of Eq. 8) keeps its precision,
+    which the 2-row groups of block_q=128, warps=8 lose. Bad q_granularity values are refused."""
+    g = _gen(7)
+    q, k, v = (torch.randn(1, 1, 128, 64, generator=g) for _ in range(3))
+    q[:, :, 8:16] *= 1000.0  # rows 8..15 share a group with rows 0..7 under Eq. 8
+    q, k, v = q.half(), k.half(), v.half()
+    want = ref.exact_attention(q, k, v)
+    common = dict(block_k=128, smooth_k=True, smooth_q=None, pv_dtype="e4m3", two_level=True, fp22=False,
+                  row_sum="pv", v_granularity="tile")
+    per_row = ref.hopper_kernel_reference(q, k, v, block_k=128, mean_stride=1)
+    assert torch.equal(per_row, ref.sage_attention_reference(q, k, v, q_granularity="token", **common))
+    grouped = ref.sage_attention_reference(q, k, v, block_q=128, warps=8, **common)
+    err_row = ref.relative_l1(per_row[:, :, :8], want[:, :, :8])
+    err_group = ref.relative_l1(grouped[:, :, :8], want[:, :, :8])
+    assert err_row < 0.06 and err_group > 3 * err_row, (err_row, err_group)
+    with pytest.raises(ValueError, match="q_granularity"):
+        ref.sage_attention_reference(q, k, v, q_granularity="row")
+
+
 # ------------------------------------------------------------------------------------------
 # Bit-level quantizers
 # ------------------------------------------------------------------------------------------
