@@ -121,6 +121,12 @@ TEST(Quantizer, VTileScaleIsAFlooredPowerOfTwo) {
   EXPECT_EQ(kVTileScaleMin, std::ldexp(1.0f, -30));
 }
 
+TEST(Quantizer, InverseOfAPowerOfTwoIsExact) {
+  // Every scale v_tile_scale can give (2^-30 .. 2^119 for bf16 inputs) and beyond.
+  for (int k = -126; k <= 126; ++k) EXPECT_EQ(inverse_of_power_of_two(std::ldexp(1.0f, k)), std::ldexp(1.0f, -k)) << k;
+  EXPECT_EQ(inverse_of_power_of_two(v_tile_scale(3.0f)), 128.0f);
+}
+
 TEST(Int4Packing, RoundTripsAllPairs) {
   for (int lo = -7; lo <= 7; ++lo)
     for (int hi = -7; hi <= 7; ++hi) {

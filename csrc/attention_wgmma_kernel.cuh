@@ -66,7 +66,7 @@ struct AttentionWgmmaKernel {
   // instantiation, each measured (benchmarks/RESULTS.md, session 17). With the per-row Q scales
   // the loop as it was ran 7 % slower at head_dim 128 (ptxas put the 64 fold FFMAs after all the
   // exponentials, which then queued on the MUFU pipe alone) and 3.5 % at 64; with these the
-  // kernel is as fast as before or faster on every ANCHORS shape.
+  // kernel is as fast as before (within 0.5 %) or faster on every ANCHORS shape.
   // - fold R(it - 1) into O before tile it's softmax (else after it);
   static constexpr bool kFoldBeforeSoftmax = kHeadDim == 64 || !kCausal;
   // - read the tile's K scale while QK(it) runs (else just before the softmax);

@@ -46,8 +46,9 @@ SAGE_HOST_DEVICE float v_tile_scale(float amax) {
 
 // 1 / s of a v_tile_scale s (a power of two in [2^-30, 2^126)), exactly, by the exponent alone:
 // 2^k has the bits (127 + k) << 23 and 2^-k the bits (127 - k) << 23. An integer subtraction
-// instead of a reciprocal keeps the Hopper kernel's fold off the MUFU pipe, which the softmax's
-// exponentials fill (benchmarks/RESULTS.md, session 17).
+// instead of a MUFU reciprocal in the Hopper kernel's fold: one of the choices that lead ptxas
+// to a faster schedule of its KV loop (at head_dim 128 non-causal; benchmarks/RESULTS.md,
+// session 17).
 SAGE_HOST_DEVICE float inverse_of_power_of_two(float s) {
   uint32_t bits;
   __builtin_memcpy(&bits, &s, sizeof bits);

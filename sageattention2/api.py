@@ -722,16 +722,18 @@ def sageattn(
     ``-inf``. Neither falls back, warns nor raises with ``strict=True``; the empty output does not
     track autograd.
 
-    NaN/Inf: the fallback behaves exactly like SDPA (a NaN in q row i poisons output row i; a NaN
-    or Inf in k or v poisons every output row that attends to that key). The quantized path
-    shares one scale per quantization group, computed from the group's max |x|, so a NaN or Inf
-    poisons its whole group: in q, every row of its Q group (docs/DESIGN.md; one row on the Hopper
-    kernel), and with smooth_q every row of its Q block ("block") or head ("head"); in k, every key of its K group, and with
-    smooth_k (the default) every key of the head, hence every output row of the head; in v with
-    FP8 PV (one scale per channel over all keys), that channel of every output row of the head;
-    in v with PV in the input dtype, the output rows that attend to that key, and possibly the
-    other rows of the same query tile (a masked key is multiplied by 0, and 0 * NaN is NaN).
-    Inputs are not checked for non-finite values.
+    NaN/Inf: the fallback behaves exactly like SDPA (a NaN in q row i poisons output row i; a NaN or
+    Inf in k or v poisons every output row that attends to that key). The quantized path shares one
+    scale per quantization group, computed from the group's max |x|, so a NaN or Inf poisons its
+    whole group: in q, every row of its Q group (docs/DESIGN.md; one row on the Hopper kernel), and
+    with smooth_q every row of its Q block ("block") or head ("head"); in k, every key of its K
+    group, and with smooth_k (the default) every key of the head, hence every output row of the
+    head; in v with the warp-level kernels' FP8 PV (one scale per channel over all keys), that
+    channel of every output row of the head, and on the Hopper kernel (one scale per 128-key tile)
+    every channel of the output rows that attend to that tile; in v with PV in the input dtype, the
+    output rows that attend to that key, and possibly the other rows of the same query tile (a
+    masked key is multiplied by 0, and 0 * NaN is NaN). Inputs are not checked for non-finite
+    values.
     """
     call = _validate(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
