@@ -5,7 +5,7 @@ softmax exponentials. This is how the session-16 finding was read: ptxas places 
 in-flight wgmma uses, even one the program never reads again, so where the wait for PV(it - 1)
 lands says which registers ptxas reused (benchmarks/RESULTS.md, session 16).
 
-    python3 scripts/wgmma_loop_sass.py [--head-dim 128] [--causal] [--csrc DIR] [--show]
+    python3 scripts/wgmma_loop_sass.py [--head-dim 128] [--causal] [--dtype fp16|bf16] [--csrc DIR] [--show]
 
 Prints e.g. "commit x2 | wait<=1 | EX2 x64 | wait<=0": here the softmax's 64 MUFU.EX2 run between
 the wait for S(it) and the wait for PV(it - 1), i.e. overlapped with the PV.
@@ -26,14 +26,18 @@ import check_sass  # noqa: E402
 REPO = Path(__file__).resolve().parent.parent
 
 
-def compile_loop(csrc: Path, head_dim: int, causal: bool) -> tuple[str, list[tuple[int, str]]]:
+DTYPES = {"fp16": ("cuda_fp16.h", "__half"), "bf16": ("cuda_bf16.h", "__nv_bfloat16")}
+
+
+def compile_loop(csrc: Path, head_dim: int, causal: bool, dtype: str = "fp16") -> tuple[str, list[tuple[int, str]]]:
     """ptxas's resource line and the main loop's (address, instruction) list."""
     torch_include = Path(importlib.import_module("torch").__file__).parent / "include"
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / "one.cu"
+        header, ctype = DTYPES[dtype]
         unit.write_text(
-            "#include <cuda_fp16.h>\n#include \"attention_wgmma_kernel.cuh\"\nnamespace sageattention2 {\n"
-            f"template __global__ void attention_wgmma_kernel<__half, {head_dim}, {str(causal).lower()}>("
+            f"#include <{header}>\n#include \"attention_wgmma_kernel.cuh\"\nnamespace sageattention2 {{\n"
+            f"template __global__ void attention_wgmma_kernel<{ctype}, {head_dim}, {str(causal).lower()}>("
             "const __grid_constant__ AttentionWgmmaParams, const __grid_constant__ CUtensorMap, "
             "const __grid_constant__ CUtensorMap);\n}\n")
         obj = Path(tmp) / "one.o"
@@ -78,17 +82,32 @@ def events(loop: list[tuple[int, str]]) -> str:
     return " | ".join(n if c == 1 else f"{n} x{c}" for n, c in out)
 
 
+def longest_mufu_run(loop: list[tuple[int, str]]) -> int:
+    """The most MUFU instructions the loop issues back to back. A long run (x30 or more) was the
+    sign of a slow schedule: ptxas had put the fold's FFMAs after the exponentials, which then
+    queue on the MUFU pipe with nothing independent beside them (benchmarks/RESULTS.md, session
+    17: 7 % slower at head_dim 128). The kept kernel's loops have runs of 2-3."""
+    best = run = 0
+    for _, text in loop:
+        op = text.split()[1] if text.startswith("@") else text.split()[0]
+        run = run + 1 if op.startswith("MUFU") else 0
+        best = max(best, run)
+    return best
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--dtype", default="fp16", choices=tuple(DTYPES), help="the input dtype T")
     parser.add_argument("--csrc", type=Path, default=REPO / "csrc", help="the headers to compile")
     parser.add_argument("--show", action="store_true", help="print the loop's instructions too")
     args = parser.parse_args(argv)
-    usage, loop = compile_loop(args.csrc, args.head_dim, args.causal)
+    usage, loop = compile_loop(args.csrc, args.head_dim, args.causal, args.dtype)
     spills = check_sass.spill_instructions(loop)
-    print(f"head_dim {args.head_dim} causal {args.causal}: {usage}")
-    print(f"KV loop: {len(loop)} instructions per trip, {spills} spill instructions")
+    print(f"head_dim {args.head_dim} causal {args.causal} {args.dtype}: {usage}")
+    print(f"KV loop: {len(loop)} instructions per trip, {spills} spill instructions, "
+          f"longest MUFU run {longest_mufu_run(loop)}")
     print(events(loop))
     if args.show:
         print("\n".join(f"{a:#07x}  {t}" for a, t in loop))

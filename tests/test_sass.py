@@ -91,7 +91,8 @@ def test_hopper_kernel_uses_wgmma_and_does_not_spill() -> None:
 def test_loop_finder_and_wgmma_loop_events() -> None:
     """check_sass.main_loop picks the innermost loop holding both products (not the outer loop,
     not a loop of one kind), and scripts/wgmma_loop_sass.py's event line says where the waits
-    fall between the softmax's exponentials (merged runs, commits only for the gsb0 MMAs)."""
+    fall between the softmax's exponentials (merged runs, commits only for the gsb0 MMAs), and
+    the longest run of back-to-back MUFUs it reports."""
     checker = load_checker()
     code = [
         (0x000, "MOV R0, RZ"),
@@ -117,3 +118,4 @@ def test_loop_finder_and_wgmma_loop_events() -> None:
     script = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(script)
     assert script.events(loop) == "commit x2 | wait<=1 | EX2 | LDL | EX2 x2 | wait<=0 | STS"
+    assert script.longest_mufu_run(loop) == 2  # the LDL breaks the first run
