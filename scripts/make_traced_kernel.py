@@ -2,7 +2,8 @@
 quantization, Q staging + barrier, first K wait, tile 0, the KV loop with its barrier waits, the
 last tile + PV, the epilogue) into the LSE buffer, which the traced build no longer fills.
 Experiment tooling, not a build option: the anchors below are lines of
-csrc/attention_wgmma_kernel.cuh and the script stops (AssertionError) when one has changed.
+csrc/attention_wgmma_kernel.cuh and the script stops (AssertionError) when one has changed;
+tests/test_sass.py applies it to the header in CI so that a kernel change updates it too.
 
     python3 scripts/make_traced_kernel.py csrc/attention_wgmma_kernel.cuh   (in place, on the device)
 
@@ -51,11 +52,16 @@ rep('''    if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arriv
     if (tr) tr[4] = trace_clock();
 ''')
 rep('''      ptx::mbarrier_wait(&s.full_k[stage], phase);
+      // The tile's K group scale (keys 8i + 2t + {0, 1} are group t): read while QK(it) runs.
+      const float early_k_scale = kEarlyKScale ? s.k_scale[stage][t] : 0.0f;
+      auto k_scale = [&] { return kEarlyKScale ? early_k_scale : s.k_scale[stage][t]; };
       issue_qk(sacc, q_desc, s.k[stage]);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
       issue_pv(racc, pa, s.v[prev]);''','''      uint32_t c0 = trace_clock();
       ptx::mbarrier_wait(&s.full_k[stage], phase);
       uint32_t c1 = trace_clock();
+      const float early_k_scale = kEarlyKScale ? s.k_scale[stage][t] : 0.0f;
+      auto k_scale = [&] { return kEarlyKScale ? early_k_scale : s.k_scale[stage][t]; };
       issue_qk(sacc, q_desc, s.k[stage]);
       uint32_t c2 = trace_clock();
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);

@@ -119,3 +119,24 @@ def test_loop_finder_and_wgmma_loop_events() -> None:
     spec.loader.exec_module(script)
     assert script.events(loop) == "commit x2 | wait<=1 | EX2 | LDL | EX2 x2 | wait<=0 | STS"
     assert script.longest_mufu_run(loop) == 2  # the LDL breaks the first run
+
+
+def test_traced_kernel_script_applies_to_the_header(tmp_path: Path) -> None:
+    """scripts/make_traced_kernel.py (the per-item phase trace of scripts/device_trace_wgmma.sh)
+    patches csrc/attention_wgmma_kernel.cuh at anchor lines; a kernel change that moves one must
+    update the script, which stops with an AssertionError otherwise (session 17's early K scale
+    did, unnoticed until review)."""
+    import subprocess
+
+    header = SCRIPT.parents[1] / "csrc" / "attention_wgmma_kernel.cuh"
+    if not header.exists():
+        pytest.skip("csrc/attention_wgmma_kernel.cuh not in this checkout")
+    copy = tmp_path / header.name
+    copy.write_text(header.read_text())
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "make_traced_kernel.py"), str(copy)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    traced = copy.read_text()
+    # Every stamp the trace reader expects: slots 0-15 of an item's record are written somewhere.
+    for slot in range(16):
+        assert f"tr[{slot}]" in traced, slot
