@@ -61,6 +61,7 @@ class Kernel:
     stack: int
     instructions: dict[str, int]
     loop_spills: int = 0  # local loads/stores in the main loop (where a spill costs every tile)
+    loop_mufu_run: int = 0  # the main loop's longest run of back-to-back MUFU instructions
 
 
 _TENSOR_OPS = ("IMMA", "HMMA", "QMMA", "HGMMA", "QGMMA", "IGMMA")
@@ -87,6 +88,20 @@ def main_loop(code: list[tuple[int, str]]) -> list[tuple[int, str]]:
 def spill_instructions(code: list[tuple[int, str]]) -> int:
     """LDL/STL (predicated or not) in a stretch of code."""
     return sum(1 for _, t in code if re.match(r"(@!?P\w+\s+)?(LDL|STL)", t))
+
+
+def longest_mufu_run(code: list[tuple[int, str]]) -> int:
+    """The most MUFU instructions a stretch of code issues back to back. In the Hopper kernel's
+    KV loop a long run (x20 and more) was the sign of a slow schedule: ptxas had put the fold's
+    FFMAs after the softmax's exponentials, which then queue on the MUFU pipe with nothing
+    independent beside them (benchmarks/RESULTS.md, session 17: 7 % slower at head_dim 128). The
+    kept kernel's loops have runs of 2-3."""
+    best = run = 0
+    for _, text in code:
+        op = text.split()[1] if text.startswith("@") else text.split()[0]
+        run = run + 1 if op.startswith("MUFU") else 0
+        best = max(best, run)
+    return best
 
 
 def main_loop_spills(code: list[tuple[int, str]]) -> int:
@@ -148,7 +163,9 @@ def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
 
     def close() -> None:
         if current is not None:
-            current.loop_spills = main_loop_spills(code)
+            loop = main_loop(code)
+            current.loop_spills = spill_instructions(loop)
+            current.loop_mufu_run = longest_mufu_run(loop)
 
     for line in sass.splitlines():
         if m := re.search(r"arch = (sm_\d+a?)", line):

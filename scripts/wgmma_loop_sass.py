@@ -82,19 +82,6 @@ def events(loop: list[tuple[int, str]]) -> str:
     return " | ".join(n if c == 1 else f"{n} x{c}" for n, c in out)
 
 
-def longest_mufu_run(loop: list[tuple[int, str]]) -> int:
-    """The most MUFU instructions the loop issues back to back. A long run (x30 or more) was the
-    sign of a slow schedule: ptxas had put the fold's FFMAs after the exponentials, which then
-    queue on the MUFU pipe with nothing independent beside them (benchmarks/RESULTS.md, session
-    17: 7 % slower at head_dim 128). The kept kernel's loops have runs of 2-3."""
-    best = run = 0
-    for _, text in loop:
-        op = text.split()[1] if text.startswith("@") else text.split()[0]
-        run = run + 1 if op.startswith("MUFU") else 0
-        best = max(best, run)
-    return best
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
@@ -107,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     spills = check_sass.spill_instructions(loop)
     print(f"head_dim {args.head_dim} causal {args.causal} {args.dtype}: {usage}")
     print(f"KV loop: {len(loop)} instructions per trip, {spills} spill instructions, "
-          f"longest MUFU run {longest_mufu_run(loop)}")
+          f"longest MUFU run {check_sass.longest_mufu_run(loop)}")
     print(events(loop))
     if args.show:
         print("\n".join(f"{a:#07x}  {t}" for a, t in loop))
