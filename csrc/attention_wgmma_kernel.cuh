@@ -73,6 +73,9 @@ struct AttentionWgmmaKernel {
   static constexpr bool kEarlyKScale = kHeadDim == 64 || kCausal;
   // - s_O / s_tile by the exponents of the two powers of two (else by a MUFU reciprocal).
   static constexpr bool kInverseByExponent = kHeadDim == 128 && !kCausal;
+  // - compute the next tile's ring slot (stage, phases, wgmma descriptors) while this tile runs
+  //   (else at the tile's start).
+  static constexpr bool kSlotAhead = !kCausal;
   static constexpr float kLog2Fp8Max = 8.807354922057604f;  // log2(448): P~ * 448 in the exponent
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
 
@@ -337,8 +340,7 @@ struct AttentionWgmmaKernel {
       }
   }
 
-  __device__ static void issue_qk(int32_t (&sacc)[kSRegs], uint64_t q_desc, const uint8_t* k_tile) {
-    const uint64_t k_desc = ptx::kmajor_descriptor<kHeadDim>(k_tile);
+  __device__ static void issue_qk(int32_t (&sacc)[kSRegs], uint64_t q_desc, uint64_t k_desc) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int step = 0; step < kQkSteps; ++step) {  // +32 bytes along K per step
@@ -348,8 +350,7 @@ struct AttentionWgmmaKernel {
     ptx::wgmma_commit();
   }
 
-  __device__ static void issue_pv(float (&racc)[kRaccRegs], uint32_t (&pa)[kPvSteps][4], const uint8_t* v_tile) {
-    const uint64_t v_desc = ptx::kmajor_descriptor<128>(v_tile);
+  __device__ static void issue_pv(float (&racc)[kRaccRegs], uint32_t (&pa)[kPvSteps][4], uint64_t v_desc) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int step = 0; step < kPvSteps; ++step) {
@@ -486,7 +487,7 @@ struct AttentionWgmmaKernel {
     // offset depended on the per-item code by accident, and the loop tile took 1,644 cycles at
     // 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; benchmarks/RESULTS.md, session 14).
     if (consumer == 1) ptx::named_barrier_sync<3, 256>();
-    issue_qk(sacc, q_desc, s.k[stage0]);
+    issue_qk(sacc, q_desc, ptx::kmajor_descriptor<kHeadDim>(s.k[stage0]));
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
@@ -502,18 +503,40 @@ struct AttentionWgmmaKernel {
     // softmax (kFoldBeforeSoftmax), and P(it) packed. A masked tile (the last) first waits for
     // PV(it - 1) and folds it: the masked softmax then has the PV accumulators' registers to
     // itself and spills nothing.
-    auto step = [&](int it, const TileMask& mask, auto masked) {
-      constexpr bool kMasked = decltype(masked)::value;
+    // Where tile it's K and tile it - 1's V sit in the ring. With kSlotAhead the loop takes the
+    // next tile's index (the warp-uniform shuffle) and slot while this tile runs: the per-tile
+    // trace (benchmarks/RESULTS.md, session 18) puts ~330 cycles between a tile's start and its
+    // last GEMM issued, a chain of shuffle, uniform-datapath arithmetic and descriptors. ptxas
+    // still recomputes part of the slot at the top, but the shuffle leaves the chain: the hd128
+    // loop's encoded stall cycles fall from 910 to 867 per tile and the kernel gains 1-2 %
+    // non-causal. The causal loops came out 4-19 instructions longer and 1-3 % slower with it.
+    struct Slot {
+      int stage, prev;
+      uint32_t phase, prev_phase;
+      uint64_t k_desc, v_desc;
+    };
+    auto slot = [&](int it) {
       const uint32_t pos = seq + it;
-      const int stage = pos % kStages, prev = (pos - 1) % kStages;
-      const uint32_t phase = (pos / kStages) & 1, prev_phase = ((pos - 1) / kStages) & 1;
+      Slot r;
+      r.stage = pos % kStages;
+      r.prev = (pos - 1) % kStages;
+      r.phase = (pos / kStages) & 1;
+      r.prev_phase = ((pos - 1) / kStages) & 1;
+      r.k_desc = ptx::kmajor_descriptor<kHeadDim>(s.k[r.stage]);
+      r.v_desc = ptx::kmajor_descriptor<128>(s.v[r.prev]);
+      return r;
+    };
+    auto step = [&](int it, const Slot& r, const TileMask& mask, auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+      const int stage = r.stage, prev = r.prev;
+      const uint32_t phase = r.phase, prev_phase = r.prev_phase;
       ptx::mbarrier_wait(&s.full_k[stage], phase);
       // The tile's K group scale (keys 8i + 2t + {0, 1} are group t): read while QK(it) runs.
       const float early_k_scale = kEarlyKScale ? s.k_scale[stage][t] : 0.0f;
       auto k_scale = [&] { return kEarlyKScale ? early_k_scale : s.k_scale[stage][t]; };
-      issue_qk(sacc, q_desc, s.k[stage]);
+      issue_qk(sacc, q_desc, r.k_desc);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
-      issue_pv(racc, pa, s.v[prev]);
+      issue_pv(racc, pa, r.v_desc);
       const float prev_scale = __ldg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
       auto pv_done = [&] {
         ptx::wgmma_wait<0>();
@@ -540,12 +563,28 @@ struct AttentionWgmmaKernel {
       alpha_prev[0] = alpha[0];
       alpha_prev[1] = alpha[1];
     };
+    {
+      int it = 1;
+      Slot cur = slot(1);
 #pragma unroll 1
-    for (int it = 1; it < last; ++it) step(__shfl_sync(0xffffffffu, it, 0), unmasked, std::false_type{});
+      while (it < last) {
+        if constexpr (kSlotAhead) {
+          const int next = __shfl_sync(0xffffffffu, it + 1, 0);
+          const Slot upcoming = slot(next);
+          step(it, cur, unmasked, std::false_type{});
+          it = next;
+          cur = upcoming;
+        } else {
+          const int now = __shfl_sync(0xffffffffu, it, 0);
+          step(now, slot(now), unmasked, std::false_type{});
+          ++it;
+        }
+      }
+    }
     if (last > 0) {
       const TileMask mask = tile_mask(p, w, last, row_in_item);
-      if (mask.masked) step(last, mask, std::true_type{});
-      else step(last, unmasked, std::false_type{});
+      if (mask.masked) step(last, slot(last), mask, std::true_type{});
+      else step(last, slot(last), unmasked, std::false_type{});
     }
     // V's channel means for the epilogue (smooth V only; none are loaded without), all loads in
     // flight together. At head_dim 64 they load while the last PV computes; at 128 their 32
@@ -562,7 +601,7 @@ struct AttentionWgmmaKernel {
       const uint32_t last_pos = seq + last;
       const int stage = last_pos % kStages;
       ptx::mbarrier_wait(&s.full_v[stage], (last_pos / kStages) & 1);
-      issue_pv(racc, pa, s.v[stage]);
+      issue_pv(racc, pa, ptx::kmajor_descriptor<128>(s.v[stage]));
       const float last_scale = __ldg(v_tile_scale + last);
       ptx::wgmma_wait<0>();
 #pragma unroll

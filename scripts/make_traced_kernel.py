@@ -44,9 +44,9 @@ rep('''      attend(p, s, w, q, seq, consumer);''','''      if (tr) tr[2] = trac
 rep('''const QInfo& q, uint32_t seq,
                                 int consumer) {''','''const QInfo& q, uint32_t seq,
                                 int consumer, uint32_t* tr) {''')
-rep('''    issue_qk(sacc, q_desc, s.k[stage0]);''','''    if (tr) tr[3] = trace_clock();
+rep('''    issue_qk(sacc, q_desc, ptx::kmajor_descriptor<kHeadDim>(s.k[stage0]));''','''    if (tr) tr[3] = trace_clock();
     uint32_t wait_k = 0, wait_v = 0, wait_s = 0;
-    issue_qk(sacc, q_desc, s.k[stage0]);''')
+    issue_qk(sacc, q_desc, ptx::kmajor_descriptor<kHeadDim>(s.k[stage0]));''')
 rep('''    if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
 ''','''    if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
     if (tr) tr[4] = trace_clock();
@@ -55,18 +55,18 @@ rep('''      ptx::mbarrier_wait(&s.full_k[stage], phase);
       // The tile's K group scale (keys 8i + 2t + {0, 1} are group t): read while QK(it) runs.
       const float early_k_scale = kEarlyKScale ? s.k_scale[stage][t] : 0.0f;
       auto k_scale = [&] { return kEarlyKScale ? early_k_scale : s.k_scale[stage][t]; };
-      issue_qk(sacc, q_desc, s.k[stage]);
+      issue_qk(sacc, q_desc, r.k_desc);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
-      issue_pv(racc, pa, s.v[prev]);''','''      uint32_t c0 = trace_clock();
+      issue_pv(racc, pa, r.v_desc);''','''      uint32_t c0 = trace_clock();
       ptx::mbarrier_wait(&s.full_k[stage], phase);
       uint32_t c1 = trace_clock();
       const float early_k_scale = kEarlyKScale ? s.k_scale[stage][t] : 0.0f;
       auto k_scale = [&] { return kEarlyKScale ? early_k_scale : s.k_scale[stage][t]; };
-      issue_qk(sacc, q_desc, s.k[stage]);
+      issue_qk(sacc, q_desc, r.k_desc);
       uint32_t c2 = trace_clock();
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
       uint32_t c3 = trace_clock();
-      issue_pv(racc, pa, s.v[prev]);
+      issue_pv(racc, pa, r.v_desc);
       wait_k += c1 - c0; wait_v += c3 - c2;''')
 rep('''    if (last > 0) {''','''    if (tr) { tr[5] = trace_clock(); tr[9] = wait_k; tr[10] = wait_v; tr[11] = wait_s; }
     if (last > 0) {''')

@@ -7,8 +7,9 @@ lands says which registers ptxas reused (benchmarks/RESULTS.md, session 16).
 
     python3 scripts/wgmma_loop_sass.py [--head-dim 128] [--causal] [--dtype fp16|bf16] [--csrc DIR] [--show]
 
-Prints e.g. "commit x2 | wait<=1 | EX2 x64 | wait<=0": here the softmax's 64 MUFU.EX2 run between
-the wait for S(it) and the wait for PV(it - 1), i.e. overlapped with the PV.
+Prints e.g. "commit x2 | wait<=1 | EX2 x64 | wait<=0": here the softmax's 64 MUFU.EX2 run
+between the wait for S(it) and the wait for PV(it - 1), i.e. overlapped with the PV. Also the
+loop's encoded stall cycles per trip (stall_cycles), and with --show each instruction's.
 """
 from __future__ import annotations
 
@@ -29,8 +30,10 @@ REPO = Path(__file__).resolve().parent.parent
 DTYPES = {"fp16": ("cuda_fp16.h", "__half"), "bf16": ("cuda_bf16.h", "__nv_bfloat16")}
 
 
-def compile_loop(csrc: Path, head_dim: int, causal: bool, dtype: str = "fp16") -> tuple[str, list[tuple[int, str]]]:
-    """ptxas's resource line and the main loop's (address, instruction) list."""
+def compile_loop(csrc: Path, head_dim: int, causal: bool, dtype: str = "fp16",
+                 stalls: dict[int, int] | None = None) -> tuple[str, list[tuple[int, str]]]:
+    """ptxas's resource line and the main loop's (address, instruction) list; `stalls`, if
+    given, receives each instruction's encoded stall cycles by address (stall_cycles)."""
     torch_include = Path(importlib.import_module("torch").__file__).parent / "include"
     with tempfile.TemporaryDirectory() as tmp:
         unit = Path(tmp) / "one.cu"
@@ -55,7 +58,19 @@ def compile_loop(csrc: Path, head_dim: int, causal: bool, dtype: str = "fp16") -
         sass = subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True,
                               check=True).stdout
     code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;", sass)]
+    if stalls is not None:
+        stalls.update(stall_cycles(sass))
     return usage, check_sass.main_loop(code)
+
+
+def stall_cycles(sass: str) -> dict[int, int]:
+    """Each instruction's stall count by address: the cycles ptxas makes the warp wait before its
+    next instruction, bits 105-108 of the 128-bit Volta-and-later encoding (the control bits of
+    the second 64-bit word cuobjdump prints). Their sum over the KV loop is the loop's fixed
+    latency per trip for one warp, before any scoreboard wait (MUFU, shuffles, barriers, wgmma):
+    the \"wait\" stall reason that dominates the kernel (benchmarks/RESULTS.md, sessions 15, 18)."""
+    return {int(m.group(1), 16): (int(m.group(2), 16) >> 41) & 0xF
+            for m in re.finditer(r"/\*([0-9a-f]+)\*/[^\n]*;\s*/\* 0x[0-9a-f]+ \*/\s*\n\s*/\* (0x[0-9a-f]+) \*/", sass)}
 
 
 def events(loop: list[tuple[int, str]]) -> str:
@@ -90,14 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--csrc", type=Path, default=REPO / "csrc", help="the headers to compile")
     parser.add_argument("--show", action="store_true", help="print the loop's instructions too")
     args = parser.parse_args(argv)
-    usage, loop = compile_loop(args.csrc, args.head_dim, args.causal, args.dtype)
+    stalls: dict[int, int] = {}
+    usage, loop = compile_loop(args.csrc, args.head_dim, args.causal, args.dtype, stalls)
     spills = check_sass.spill_instructions(loop)
     print(f"head_dim {args.head_dim} causal {args.causal} {args.dtype}: {usage}")
     print(f"KV loop: {len(loop)} instructions per trip, {spills} spill instructions, "
-          f"longest MUFU run {check_sass.longest_mufu_run(loop)}")
+          f"longest MUFU run {check_sass.longest_mufu_run(loop)}, "
+          f"{sum(stalls.get(a, 0) for a, _ in loop)} encoded stall cycles")
     print(events(loop))
     if args.show:
-        print("\n".join(f"{a:#07x}  {t}" for a, t in loop))
+        print("\n".join(f"{a:#07x}  s{stalls.get(a, 0):<2d} {t}" for a, t in loop))
     return 0
 
 

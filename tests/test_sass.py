@@ -144,3 +144,38 @@ def test_traced_kernel_script_applies_to_the_header(tmp_path: Path) -> None:
     # Every stamp the trace reader expects: slots 0-15 of an item's record are written somewhere.
     for slot in range(16):
         assert f"tr[{slot}]" in traced, slot
+
+
+def test_tile_traced_kernel_script_applies_to_the_header(tmp_path: Path) -> None:
+    """The same for scripts/make_tile_traced_kernel.py (the per-tile trace of
+    scripts/device_trace_tiles.sh): it applies, and it writes the four stamps per tile that
+    scripts/trace_wgmma_tiles.py reads."""
+    import subprocess
+
+    header = SCRIPT.parents[1] / "csrc" / "attention_wgmma_kernel.cuh"
+    if not header.exists():
+        pytest.skip("csrc/attention_wgmma_kernel.cuh not in this checkout")
+    copy = tmp_path / header.name
+    copy.write_text(header.read_text())
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / "make_tile_traced_kernel.py"), str(copy)],
+                         capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    traced = copy.read_text()
+    for slot in range(4):
+        assert f"tr[{slot}] = tile_trace_clock()" in traced, slot
+    assert "if (false) {" in traced  # the LSE stores are gone: the buffer holds the stamps
+
+
+def test_stall_cycles_reads_the_control_bits() -> None:
+    """scripts/wgmma_loop_sass.py's stall_cycles on two instructions as cuobjdump prints them
+    (from an sm_90a build): MUFU.EX2 with 8 stall cycles encoded, EXIT with 5."""
+    spec = importlib.util.spec_from_file_location("wgmma_loop_sass", SCRIPT.parent / "wgmma_loop_sass.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    sass = (
+        "        /*00d0*/                   MUFU.EX2.F16 R6, R0 ;                                  /* 0x0000000000067308 */\n"
+        "                                                                                          /* 0x000ff00000000900 */\n"
+        "        /*0140*/                   EXIT ;                                                 /* 0x000000000000794d */\n"
+        "                                                                                          /* 0x000fea0003800000 */\n"
+    )
+    assert script.stall_cycles(sass) == {0xD0: 8, 0x140: 5}
