@@ -39,7 +39,7 @@ def run(n: int, d: int, causal: bool) -> None:
     torch.cuda.synchronize()
     raw = lse.view(torch.int32).flatten()[: CTAS * 2 * TILES * 4].cpu().numpy().view(np.uint32).astype(np.int64)
     rec = raw.reshape(CTAS, 2, TILES, 4)
-    periods, gemm, soft, over, lag, loopover = [], [], [], [], [], []
+    periods, start, gemm, soft, over, lag, loopover = [], [], [], [], [], [], []
     for c in range(CTAS):
         # tiles 1 .. last-1 of the first item are stamped (the loop); 0 where none
         valid = (rec[c, 0, :, 3] != 0) & (rec[c, 1, :, 3] != 0)
@@ -52,6 +52,7 @@ def run(n: int, d: int, causal: bool) -> None:
         for g in range(2):
             per = np.diff(t[g, :, 0])
             periods += list(per[idx_inner])
+            start += list((t[g, :, 1] - t[g, :, 0])[idx_inner])
             gemm += list((t[g, :, 2] - t[g, :, 1])[idx_inner])
             soft += list((t[g, :, 3] - t[g, :, 2])[idx_inner])
             loopover += list((t[g, 1:, 0] - t[g, :-1, 3])[idx_inner - 1])
@@ -67,7 +68,7 @@ def run(n: int, d: int, causal: bool) -> None:
                 print(f"    tile {idx[j]:3d}: wg0 {t[0, j].tolist()}  wg1 {t[1, j].tolist()}")
     med = lambda a: float(np.median(a))
     print(f"== N={n} D={d} causal={causal}: loop tile (one warpgroup's period) median {med(periods):.0f} cycles")
-    print(f"  issue -> S ready (GEMM wait) {med(gemm):.0f}, S ready -> P packed (fold + softmax) {med(soft):.0f}, "
+    print(f"  start -> GEMMs issued (K/V waits, slot, issue) {med(start):.0f}, issued -> S ready (GEMM wait) {med(gemm):.0f}, S ready -> P packed (fold + softmax) {med(soft):.0f}, "
           f"P packed -> next tile {med(loopover):.0f}")
     print(f"  warpgroup 1 behind warpgroup 0 at GEMM issue, in periods: p10/p50/p90 {np.percentile(lag, [10, 50, 90])}")
     print(f"  share of a warpgroup's softmax overlapped by the other's: p10/p50/p90 {np.percentile(over, [10, 50, 90])}")
