@@ -7,7 +7,8 @@ csrc/attention_wgmma_kernel.cuh and the script stops (AssertionError) when one h
 
     python3 scripts/make_tile_traced_kernel.py csrc/attention_wgmma_kernel.cuh   (in place, on the device)
 
-scripts/device_trace_wgmma.sh TILES=1 runs it, builds, and prints scripts/trace_wgmma_tiles.py.
+SIDES="A B" bash scripts/device_trace_tiles.sh 4096,128,0 builds each side traced and runs
+scripts/trace_wgmma_tiles.py on it.
 """
 import sys
 

@@ -1,7 +1,7 @@
 """Per-tile phase timings of the Hopper kernel's KV loop, both consumer warpgroups, from a build
-traced by scripts/make_tile_traced_kernel.py (scripts/device_trace_wgmma.sh with TILES=1 runs
-both). Per shape: the median loop tile, how it splits into the wait for the GEMMs and the
-softmax (fold, exponentials, packing), how far warpgroup 1 runs behind warpgroup 0, and how much
+traced by scripts/make_tile_traced_kernel.py (scripts/device_trace_tiles.sh builds and runs
+both). Per shape: the median loop tile, how it splits into the start (K/V waits, GEMM issue), the
+wait for the GEMMs and the softmax (fold, exponentials, packing), how far warpgroup 1 runs behind warpgroup 0, and how much
 of one warpgroup's softmax overlaps the other's. Experiment tooling, not a test.
 
     python3 scripts/trace_wgmma_tiles.py 4096,128,0 4096,64,0   (N,D,causal; B=4 H=32 fp16)
