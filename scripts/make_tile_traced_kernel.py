@@ -3,7 +3,8 @@ work item: per consumer warpgroup (its first thread) and tile, the clock before 
 after both GEMMs are issued, when S is ready, and when P is packed, into the LSE buffer (which
 this build no longer fills). Shows how the two warpgroups' GEMM and softmax phases lie against
 each other. Experiment tooling, not a build option; the anchors are lines of
-csrc/attention_wgmma_kernel.cuh and the script stops (AssertionError) when one has changed.
+csrc/attention_wgmma_kernel.cuh and the script stops (AssertionError) when one has changed;
+tests/test_sass.py applies it to the header in CI so that a kernel change updates it too.
 
     python3 scripts/make_tile_traced_kernel.py csrc/attention_wgmma_kernel.cuh   (in place, on the device)
 
