@@ -26,6 +26,29 @@ def load_checker():
     return module
 
 
+def load_loop_script():
+    """scripts/wgmma_loop_sass.py as a module."""
+    spec = importlib.util.spec_from_file_location("wgmma_loop_sass", SCRIPT.parent / "wgmma_loop_sass.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def traced_header(tmp_path: Path, script: str) -> str:
+    """csrc/attention_wgmma_kernel.cuh as scripts/<script> patches it (a copy under tmp_path);
+    fails with the script's AssertionError when an anchor line has moved."""
+    import subprocess
+
+    header = SCRIPT.parents[1] / "csrc" / "attention_wgmma_kernel.cuh"
+    if not header.exists():
+        pytest.skip("csrc/attention_wgmma_kernel.cuh not in this checkout")
+    copy = tmp_path / header.name
+    copy.write_text(header.read_text())
+    run = subprocess.run([sys.executable, str(SCRIPT.parent / script), str(copy)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return copy.read_text()
+
+
 def known_stack(name: str, arch: str, head_dim: int, causal: bool, smooth_q: bool) -> int:
     """The largest stack frame (bytes) a variant may have. On sm_90 the FP8 and INT4 mma.sync are
     emulated (not the fast path there; the Hopper kernel is): their extra registers spill. INT8 +
@@ -118,9 +141,7 @@ def test_loop_finder_and_wgmma_loop_events() -> None:
     loop = checker.main_loop(code)
     assert [a for a, _ in loop] == list(range(0x10, 0xc0, 0x10))
     assert checker.main_loop_spills(code) == 1
-    spec = importlib.util.spec_from_file_location("wgmma_loop_sass", SCRIPT.parent / "wgmma_loop_sass.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_loop_script()
     assert script.events(loop) == "commit x2 | wait<=1 | EX2 | LDL | EX2 x2 | wait<=0 | STS"
     assert checker.longest_mufu_run(loop) == 2  # the LDL breaks the first run
 
@@ -130,17 +151,7 @@ def test_traced_kernel_script_applies_to_the_header(tmp_path: Path) -> None:
     patches csrc/attention_wgmma_kernel.cuh at anchor lines; a kernel change that moves one must
     update the script, which stops with an AssertionError otherwise (session 17's early K scale
     did, unnoticed until review)."""
-    import subprocess
-
-    header = SCRIPT.parents[1] / "csrc" / "attention_wgmma_kernel.cuh"
-    if not header.exists():
-        pytest.skip("csrc/attention_wgmma_kernel.cuh not in this checkout")
-    copy = tmp_path / header.name
-    copy.write_text(header.read_text())
-    run = subprocess.run([sys.executable, str(SCRIPT.parent / "make_traced_kernel.py"), str(copy)],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    traced = copy.read_text()
+    traced = traced_header(tmp_path, "make_traced_kernel.py")
     # Every stamp the trace reader expects: slots 0-15 of an item's record are written somewhere.
     for slot in range(16):
         assert f"tr[{slot}]" in traced, slot
@@ -150,17 +161,7 @@ def test_tile_traced_kernel_script_applies_to_the_header(tmp_path: Path) -> None
     """The same for scripts/make_tile_traced_kernel.py (the per-tile trace of
     scripts/device_trace_tiles.sh): it applies, and it writes the four stamps per tile that
     scripts/trace_wgmma_tiles.py reads."""
-    import subprocess
-
-    header = SCRIPT.parents[1] / "csrc" / "attention_wgmma_kernel.cuh"
-    if not header.exists():
-        pytest.skip("csrc/attention_wgmma_kernel.cuh not in this checkout")
-    copy = tmp_path / header.name
-    copy.write_text(header.read_text())
-    run = subprocess.run([sys.executable, str(SCRIPT.parent / "make_tile_traced_kernel.py"), str(copy)],
-                         capture_output=True, text=True)
-    assert run.returncode == 0, run.stderr[-2000:]
-    traced = copy.read_text()
+    traced = traced_header(tmp_path, "make_tile_traced_kernel.py")
     for slot in range(4):
         assert f"tr[{slot}] = tile_trace_clock()" in traced, slot
     assert "if (false) {" in traced  # the LSE stores are gone: the buffer holds the stamps
@@ -169,9 +170,7 @@ def test_tile_traced_kernel_script_applies_to_the_header(tmp_path: Path) -> None
 def test_stall_cycles_reads_the_control_bits() -> None:
     """scripts/wgmma_loop_sass.py's stall_cycles on two instructions as cuobjdump prints them
     (from an sm_90a build): MUFU.EX2 with 8 stall cycles encoded, EXIT with 5."""
-    spec = importlib.util.spec_from_file_location("wgmma_loop_sass", SCRIPT.parent / "wgmma_loop_sass.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_loop_script()
     sass = (
         "        /*00d0*/                   MUFU.EX2.F16 R6, R0 ;                                  /* 0x0000000000067308 */\n"
         "                                                                                          /* 0x000ff00000000900 */\n"
