@@ -539,7 +539,7 @@ struct AttentionWgmmaKernel {
       issue_pv(racc, pa, r.v_desc);
       const float prev_scale = __ldg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
       auto pv_done = [&] {
-        ptx::wgmma_wait<0>();
+        if constexpr (!kMasked) ptx::wgmma_wait<0>();  // (masked: waited for both just below)
 #pragma unroll
         for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
 #pragma unroll
@@ -563,22 +563,22 @@ struct AttentionWgmmaKernel {
       alpha_prev[0] = alpha[0];
       alpha_prev[1] = alpha[1];
     };
-    {
+    if constexpr (kSlotAhead) {
       int it = 1;
       Slot cur = slot(1);
 #pragma unroll 1
       while (it < last) {
-        if constexpr (kSlotAhead) {
-          const int next = __shfl_sync(0xffffffffu, it + 1, 0);
-          const Slot upcoming = slot(next);
-          step(it, cur, unmasked, std::false_type{});
-          it = next;
-          cur = upcoming;
-        } else {
-          const int now = __shfl_sync(0xffffffffu, it, 0);
-          step(now, slot(now), unmasked, std::false_type{});
-          ++it;
-        }
+        const int next = __shfl_sync(0xffffffffu, it + 1, 0);
+        const Slot upcoming = slot(next);
+        step(it, cur, unmasked, std::false_type{});
+        it = next;
+        cur = upcoming;
+      }
+    } else {
+#pragma unroll 1
+      for (int it = 1; it < last; ++it) {
+        const int now = __shfl_sync(0xffffffffu, it, 0);
+        step(now, slot(now), unmasked, std::false_type{});
       }
     }
     if (last > 0) {
