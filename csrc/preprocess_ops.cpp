@@ -75,15 +75,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
   const StatsGrid grid = stats_grid(max_rows, jobs, sms);
   p.chunks = grid.chunks;
   p.rows_per_chunk = grid.rows_per_chunk;
-  auto f32 = any.options().dtype(at::kFloat);
-  // One chunk per job: its CTA writes the results, no partials (and no second launch).
-  const int64_t partial_chunks = grid.chunks > 1 ? grid.chunks : 0;
-  at::Tensor partial_sum = at::empty({jobs, partial_chunks, kMaxHeadDim}, f32);
-  at::Tensor partial_max = v ? at::empty({jobs, partial_chunks, kMaxHeadDim}, f32) : partial_sum;
-  at::Tensor partial_min = v ? at::empty({jobs, partial_chunks, kMaxHeadDim}, f32) : partial_sum;
-  p.partial_sum = partial_chunks > 0 ? partial_sum.data_ptr<float>() : nullptr;
-  p.partial_max = partial_chunks > 0 ? partial_max.data_ptr<float>() : nullptr;
-  p.partial_min = partial_chunks > 0 ? partial_min.data_ptr<float>() : nullptr;
+  // One chunk per job (sageattn's sampled means): its CTA writes the results, no partials, no
+  // second launch, and no allocation either (at a few us of host time each, a call at short
+  // sequences is host-bound: benchmarks/RESULTS.md, session 20).
+  at::Tensor partial_sum, partial_max, partial_min;
+  p.partial_sum = p.partial_max = p.partial_min = nullptr;
+  if (grid.chunks > 1) {
+    auto f32 = any.options().dtype(at::kFloat);
+    partial_sum = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
+    p.partial_sum = p.partial_max = p.partial_min = partial_sum.data_ptr<float>();
+    if (v) {
+      partial_max = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
+      partial_min = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
+      p.partial_max = partial_max.data_ptr<float>();
+      p.partial_min = partial_min.data_ptr<float>();
+    }
+  }
   C10_CUDA_CHECK(launch_smoothing_stats(p, jobs, input_dtype(any), at::cuda::getCurrentCUDAStream()));
   return {out.q_mean, out.k_mean, out.v_mean, out.v_scale};
 }

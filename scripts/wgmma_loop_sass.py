@@ -7,6 +7,8 @@ lands says which registers ptxas reused (benchmarks/RESULTS.md, session 16).
 
     python3 scripts/wgmma_loop_sass.py [--head-dim 128] [--causal] [--dtype fp16|bf16] [--csrc DIR] [--show]
 
+NVCC_EXTRA="-DNAME ..." adds nvcc flags (e.g. a macro that switches an experimental variant).
+
 Prints e.g. "commit x2 | wait<=1 | EX2 x64 | wait<=0": here the softmax's 64 MUFU.EX2 run
 between the wait for S(it) and the wait for PV(it - 1), i.e. overlapped with the PV. Also the
 loop's encoded stall cycles per trip (stall_cycles), and with --show each instruction's.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import subprocess
 import sys
@@ -46,7 +49,7 @@ def compile_loop(csrc: Path, head_dim: int, causal: bool, dtype: str = "fp16",
         obj = Path(tmp) / "one.o"
         build = subprocess.run(
             ["nvcc", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90a", "-Xptxas", "-v",
-             "-I", str(csrc), "-I", str(torch_include), "-c", str(unit), "-o", str(obj)],
+             "-I", str(csrc), "-I", str(torch_include), *os.environ.get("NVCC_EXTRA", "").split(), "-c", str(unit), "-o", str(obj)],
             capture_output=True, text=True)
         if build.returncode != 0:
             sys.exit(build.stderr[-4000:])
