@@ -49,7 +49,8 @@ def compile_loop(csrc: Path, head_dim: int, causal: bool, dtype: str = "fp16",
         obj = Path(tmp) / "one.o"
         build = subprocess.run(
             ["nvcc", "-std=c++17", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90a", "-Xptxas", "-v",
-             "-I", str(csrc), "-I", str(torch_include), *os.environ.get("NVCC_EXTRA", "").split(), "-c", str(unit), "-o", str(obj)],
+             "-I", str(csrc), "-I", str(torch_include), *os.environ.get("NVCC_EXTRA", "").split(),
+             "-c", str(unit), "-o", str(obj)],
             capture_output=True, text=True)
         if build.returncode != 0:
             sys.exit(build.stderr[-4000:])
