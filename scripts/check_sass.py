@@ -143,6 +143,13 @@ def demangled_short(name: str) -> str:
     return short + (codes[codes.index("<") + 1:-1].join([", ", ">"]) if "<" in codes else ">")
 
 
+def parse_instruction(line: str) -> tuple[int, str] | None:
+    """(address, instruction text without the ';') of one line of cuobjdump --dump-sass, or None
+    where the line holds no instruction."""
+    m = re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line)
+    return (int(m.group(1), 16), m.group(2)) if m else None
+
+
 def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", library], capture_output=True, text=True,
                            check=True).stdout
@@ -174,8 +181,8 @@ def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
             close()
             current, code = kernels.get((arch, m.group(1))), []
             continue
-        if current is not None and (m := re.match(r"\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;", line)):
-            code.append((int(m.group(1), 16), m.group(2)))
+        if current is not None and (instruction := parse_instruction(line)):
+            code.append(instruction)
         if current is not None and (m := re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)):
             op = m.group(1)
             if op.startswith(_TENSOR_OPS):

@@ -61,7 +61,7 @@ def compile_loop(csrc: Path, head_dim: int, causal: bool, dtype: str = "fp16",
             sys.exit("cuobjdump not found (set CUOBJDUMP)")
         sass = subprocess.run([cuobjdump, "--dump-sass", str(obj)], capture_output=True, text=True,
                               check=True).stdout
-    code = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]+)\*/\s+(.*?)\s*;", sass)]
+    code = [i for line in sass.splitlines() if (i := check_sass.parse_instruction(line))]
     if stalls is not None:
         stalls.update(stall_cycles(sass))
     return usage, check_sass.main_loop(code)
