@@ -43,4 +43,15 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
 
+// The Hopper path of a sageattn call in one op (docs/DESIGN.md "Ops"): smoothing_stats over
+// every sample_stride-th token (K's mean with smooth_k, V's with smooth_v), quantize_kv for
+// block_k 128 with one V scale per tile, then attention_wgmma. The intermediates are never
+// returned: at short sequences a call is host-bound, and each op dispatched from Python costs
+// 16-20 us of host time (benchmarks/RESULTS.md, session 20).
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
+                                                       double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
+AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
+                                         bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse);
+
 }  // namespace sageattention2

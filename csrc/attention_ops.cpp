@@ -34,6 +34,22 @@ void check_q(const at::Tensor& q) {
     TORCH_CHECK(q.sym_stride(i) % 8 == 0, "q.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
 }
 
+// The composite op's own arguments, before its three steps validate theirs (so that a bad k
+// or v is named as such, not as a preprocessing output).
+void check_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sample_stride) {
+  TORCH_CHECK(sample_stride >= 1, "sample_stride must be >= 1, got ", sample_stride);
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k and v must be 4-D [batch, kv_heads, kv_len, head_dim] tensors, got ",
+              k.dim(), "-D and ", v.dim(), "-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q (", q.scalar_type(), ") and k (", k.scalar_type(),
+              ") must have the same dtype");
+}
+
+// The tokens whose mean is a smoothing vector: every sample_stride-th one (a view), or none.
+std::optional<at::Tensor> token_sample(const at::Tensor& t, bool wanted, int64_t sample_stride) {
+  if (!wanted) return std::nullopt;
+  return t.slice(2, std::nullopt, std::nullopt, sample_stride);
+}
+
 // The output of both attention ops: [B, Hq, q_len, Dv] in `opts`' dtype, HND memory or the
 // [B, Hq, q_len, Dv] view of NHD memory; the LSE [B, Hq, q_len] float32 or an empty [0].
 AttentionOutputs allocate_outputs(const c10::SymInt& batch, const c10::SymInt& q_heads, const c10::SymInt& q_len,
@@ -234,6 +250,37 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
               "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
   C10_CUDA_CHECK(status);
   return {out.out, out.lse};
+}
+
+AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
+                                         bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse) {
+  check_sageattn_wgmma(q, k, v, sample_stride);
+  std::optional<at::Tensor> k_mean, v_mean;
+  if (smooth_k || smooth_v) {
+    SmoothingStatsOutputs stats = allocate_smoothing_stats(
+        std::nullopt, token_sample(k, smooth_k, sample_stride), token_sample(v, smooth_v, sample_stride), smooth_v);
+    if (smooth_k) k_mean = stats.k_mean;
+    if (smooth_v) v_mean = stats.v_mean;
+  }
+  QuantizeKVOutputs kv = allocate_quantize_kv(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8");
+  return allocate_attention_wgmma(q, kv.k_codes, kv.k_scales, kv.v_codes, kv.v_tile_scale, v_mean, k_mean,
+                                  k.sym_size(2).guard_int(__FILE__, __LINE__), out_nhd, return_lse);
+}
+
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
+                                                       double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
+  check_sageattn_wgmma(q, k, v, sample_stride);
+  std::optional<at::Tensor> k_mean, v_mean;
+  if (smooth_k || smooth_v) {
+    auto stats = smoothing_stats_cuda(std::nullopt, token_sample(k, smooth_k, sample_stride),
+                                      token_sample(v, smooth_v, sample_stride), smooth_v);
+    if (smooth_k) k_mean = std::get<1>(stats);
+    if (smooth_v) v_mean = std::get<2>(stats);
+  }
+  auto kv = quantize_kv_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0);
+  return attention_wgmma_cuda(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean,
+                              k.size(2), sm_scale, is_causal, out_nhd, return_lse);
 }
 
 }  // namespace sageattention2

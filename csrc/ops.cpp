@@ -55,6 +55,14 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_meta(const at::Tensor& q, con
   return {o.out, o.lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
+                                                       double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
+                                                       bool return_lse) {
+  auto o = allocate_sageattn_wgmma(q, k, v, smooth_k, smooth_v, sample_stride, out_nhd, return_lse);
+  return {o.out, o.lse};
+}
+
 }  // namespace
 }  // namespace sageattention2
 
@@ -79,6 +87,9 @@ TORCH_LIBRARY(sageattention2, m) {
       "attention_wgmma(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? v_mean, "
       "Tensor? k_mean, int kv_len, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "
       "-> (Tensor out, Tensor lse)");
+  m.def(
+      "sageattn_wgmma(Tensor q, Tensor k, Tensor v, bool smooth_k, bool smooth_v, int sample_stride, float sm_scale, "
+      "bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
@@ -87,6 +98,7 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
   m.impl("attention_mma", &sageattention2::attention_mma_cuda);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
+  m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_cuda);
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
@@ -95,4 +107,5 @@ TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
   m.impl("attention_mma", &sageattention2::attention_mma_meta);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);
+  m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_meta);
 }

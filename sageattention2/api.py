@@ -356,7 +356,7 @@ def _build_reason(device: torch.device | None = None) -> str | None:
 
 @functools.lru_cache(maxsize=None)
 def _wgmma_runs_on(capability: tuple[int, int]) -> bool:
-    return ops.has_op("attention_wgmma") and ops.family_runs_on(ops.WGMMA_FAMILY, capability)
+    return ops.has_op("sageattn_wgmma") and ops.family_runs_on(ops.WGMMA_FAMILY, capability)
 
 
 def _native_fp8_mma(capability: tuple[int, int]) -> bool:
@@ -542,21 +542,12 @@ def smoothing_sample_stride(tokens: int) -> int:
 
 def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
            sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The Hopper kernel's call: one smoothing_stats pass over a strided sample of the tokens
-    (K's mean; V's mean with smooth_v), one quantize_kv pass (per-thread INT8 K, FP8 V with one
-    scale per tile, transposed in the PV-MMA order), then the kernel, which quantizes Q itself
-    and returns the complete LSE (it adds the row constant of K smoothing)."""
-    k_mean = v_mean = None
-    if call.smooth_k or call.smooth_v:
-        sample = slice(None, None, smoothing_sample_stride(k.shape[2]))
-        stats = ops.smoothing_stats(None, k[:, :, sample] if call.smooth_k else None,
-                                    v[:, :, sample] if call.smooth_v else None, call.smooth_v)
-        k_mean = stats.k_mean if call.smooth_k else None
-        v_mean = stats.v_mean if call.smooth_v else None
-    kv = ops.quantize_kv(k, v, k_mean, v_mean, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
-    return ops.attention_wgmma(
-        q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, v_mean, k_mean, k.shape[2],
-        sm_scale, call.is_causal, call.tensor_layout == "NHD", call.return_lse,
+    """The Hopper kernel's call, one op (``ops.sageattn_wgmma_chain`` says what it runs): the
+    smoothing means over the token sample of :func:`smoothing_sample_stride`, K and V
+    quantized, then the kernel, which quantizes Q itself."""
+    return ops.sageattn_wgmma(
+        q, k, v, call.smooth_k, call.smooth_v, smoothing_sample_stride(k.shape[2]), sm_scale,
+        call.is_causal, call.tensor_layout == "NHD", call.return_lse,
     )
 
 

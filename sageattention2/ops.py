@@ -1,4 +1,5 @@
-"""The compiled extension: its three preprocessing ops and the two attention ops.
+"""The compiled extension: its three preprocessing ops, the two attention ops, and the Hopper
+path of sageattn as one op (``sageattn_wgmma``: statistics, quantize_kv and attention_wgmma).
 
 ``sageattention2._C`` registers the ops of ``docs/DESIGN.md`` (namespace ``sageattention2``) with
 their CUDA implementations. This module
@@ -8,7 +9,8 @@ their CUDA implementations. This module
 * registers, for each preprocessing op, a CPU implementation calling the pure-PyTorch reference
   (``sageattention2.reference``), so ``torch.library.opcheck`` runs on machines without a GPU
   (the attention ops have CUDA and Meta implementations only; ``has_op`` says whether the loaded
-  build registers one).
+  build registers one; ``sageattn_wgmma``'s CPU implementation is its chain of ops,
+  :func:`sageattn_wgmma_chain`).
   Output shapes for FakeTensor / ``torch.compile`` come from the extension's own Meta kernels
   (``csrc/preprocess_shapes.cpp``, SymInt-aware, so dynamic sequence lengths trace once): the
   one place that knows the shapes,
@@ -64,6 +66,7 @@ __all__ = [
     "kernels_for_capability",
     "quantize_kv",
     "quantize_q",
+    "sageattn_wgmma",
     "smoothing_stats",
 ]
 
@@ -142,7 +145,7 @@ _OP_HANDLES: dict[str, Any] = {}
 # Every op the extension has is looked up now, at import: the dict then never changes, so a
 # torch.compile'd caller (dynamo guards on it) is not recompiled when an op is first used.
 if HAS_EXTENSION:
-    for _name in (*OP_NAMES, "attention_mma", "attention_wgmma"):
+    for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma"):
         if hasattr(getattr(torch.ops, NAMESPACE), _name):
             _OP_HANDLES[_name] = getattr(getattr(torch.ops, NAMESPACE), _name).default
 
@@ -284,6 +287,60 @@ def attention_wgmma(
     return out, lse
 
 
+def sageattn_wgmma(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    smooth_k: bool,
+    smooth_v: bool,
+    sample_stride: int,
+    sm_scale: float,
+    is_causal: bool,
+    out_nhd: bool,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor]:
+    """The Hopper path of sageattn in one op (DESIGN.md): :func:`sageattn_wgmma_chain`, run by
+    the extension in C++, so that its intermediates are never returned to Python. ``q``, ``k``,
+    ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last dimension contiguous, other
+    strides multiples of 8). Returns attention_wgmma's ``(out, lse)``."""
+    out, lse = _op("sageattn_wgmma")(
+        q, k, v, smooth_k, smooth_v, sample_stride, sm_scale, is_causal, out_nhd, return_lse
+    )
+    return out, lse
+
+
+def sageattn_wgmma_chain(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    smooth_k: bool,
+    smooth_v: bool,
+    sample_stride: int,
+    sm_scale: float,
+    is_causal: bool,
+    out_nhd: bool,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor]:
+    """What sageattn_wgmma computes, op by op (its CPU implementation, and what the GPU tests
+    compare its C++ chain with bit for bit): one smoothing_stats pass over every
+    ``sample_stride``-th token (K's mean with ``smooth_k``, V's with ``smooth_v``), one
+    quantize_kv pass (per-thread INT8 K, FP8 V with one scale per tile, transposed in the
+    PV-MMA order), then attention_wgmma, which quantizes Q itself and returns the complete LSE
+    (it adds the row constant of K smoothing)."""
+    k_mean = v_mean = None
+    if smooth_k or smooth_v:
+        sample = slice(None, None, sample_stride)
+        stats = smoothing_stats(None, k[:, :, sample] if smooth_k else None,
+                                v[:, :, sample] if smooth_v else None, smooth_v)
+        k_mean = stats.k_mean if smooth_k else None
+        v_mean = stats.v_mean if smooth_v else None
+    kv = quantize_kv(k, v, k_mean, v_mean, None, None, WGMMA_BLOCK_K, "int8", 1.0)
+    return attention_wgmma(
+        q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, v_mean, k_mean, k.shape[2],
+        sm_scale, is_causal, out_nhd, return_lse,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # CPU implementations: the pure-PyTorch reference (for opcheck / CI without a GPU)
 # --------------------------------------------------------------------------------------------
@@ -300,6 +357,11 @@ def _register_python_impls() -> None:
             continue
         impl = getattr(reference, f"{name}_reference")
         torch.library.register_kernel(qualname, "cpu", lambda *args, _impl=impl: tuple(_impl(*args)))
+    # The composite runs its chain of ops, each looked up in this module at call time (a test
+    # stands in for attention_wgmma, which has no CPU implementation).
+    qualname = f"{NAMESPACE}::sageattn_wgmma"
+    if has_op("sageattn_wgmma") and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
+        torch.library.register_kernel(qualname, "cpu", lambda *args: sageattn_wgmma_chain(*args))
 
 
 if HAS_EXTENSION:

@@ -36,8 +36,9 @@ def cpu_us(fn, calls: int = 50) -> float:
 
 
 def table() -> None:
-    print("| D | N | causal | sageattn CPU us/call | GPU us/call (do_bench) | ops only CPU us/call |")
-    print("|---|---|---|---|---|---|")
+    print("| D | N | causal | sageattn CPU us/call | GPU us/call (do_bench) | sageattn, ops from Python: CPU | GPU "
+          "| ops only CPU us/call |")
+    print("|---|---|---|---|---|---|---|---|")
     for d in (64, 128):
         for n in (1024, 2048):
             q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -49,8 +50,16 @@ def table() -> None:
                                         d ** -0.5, causal, False, False)
                 full = lambda: sageattn(q, k, v, is_causal=causal)  # noqa: E731
                 gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
-                print(f"| {d} | {n} | {causal} | {cpu_us(full):.0f} | {gpu:.0f} | {cpu_us(ops_only):.0f} |",
-                      flush=True)
+                cpu = cpu_us(full)
+                # The Hopper path as its chain of ops called from Python (before session 21).
+                one_op, ops.sageattn_wgmma = ops.sageattn_wgmma, ops.sageattn_wgmma_chain
+                try:
+                    chain_gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
+                    chain_cpu = cpu_us(full)
+                finally:
+                    ops.sageattn_wgmma = one_op
+                print(f"| {d} | {n} | {causal} | {cpu:.0f} | {gpu:.0f} | {chain_cpu:.0f} | {chain_gpu:.0f} "
+                      f"| {cpu_us(ops_only):.0f} |", flush=True)
 
 
 def profile() -> None:
@@ -68,6 +77,10 @@ def profile() -> None:
         "attention_wgmma (ops wrapper)": lambda: ops.attention_wgmma(
             q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, st.k_mean, n, d ** -0.5, False, False,
             False),
+        "sageattn_wgmma (ops wrapper)": lambda: ops.sageattn_wgmma(q, k, v, True, False, 5, d ** -0.5, False,
+                                                                  False, False),
+        "sageattn_wgmma_chain (3 ops from Python)": lambda: ops.sageattn_wgmma_chain(
+            q, k, v, True, False, 5, d ** -0.5, False, False, False),
         "sageattn": lambda: sageattn(q, k, v),
     }
     for name, fn in parts.items():

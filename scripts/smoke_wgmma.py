@@ -68,8 +68,22 @@ def sdpa(backend, q, k, v, causal):
         return ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
 
 
-print("| D | N | causal | SDPA flash | SDPA cuDNN | sageattn full | kernel only | full / cuDNN |")
-print("|---|---|---|---|---|---|---|---|")
+
+
+def ops_one_by_one(fn):
+    """fn with sageattn's Hopper path run as its chain of ops from Python (sageattn_wgmma_chain,
+    the path before session 21) instead of the one C++ op: the host cost of the op calls."""
+    one_op = ops.sageattn_wgmma
+    ops.sageattn_wgmma = ops.sageattn_wgmma_chain
+    try:
+        return fn()
+    finally:
+        ops.sageattn_wgmma = one_op
+
+
+print("| D | N | causal | SDPA flash | SDPA cuDNN | sageattn full | full, ops from Python | kernel only "
+      "| full / cuDNN |")
+print("|---|---|---|---|---|---|---|---|---|")
 for d in (128, 64):
     for n in ((1024, 4096) if args.quick else (1024, 4096, 16384)):
         q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -81,9 +95,11 @@ for d in (128, 64):
             fa = tops(sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal))
             cudnn = tops(sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal))
             full = tops(ms(lambda: sageattn(q, k, v, is_causal=causal)))
+            chain = tops(ops_one_by_one(lambda: ms(lambda: sageattn(q, k, v, is_causal=causal))))
             kern = tops(ms(lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, None,
                                                        n, d ** -0.5, causal, False, False)))
-            print(f"| {d} | {n} | {causal} | {fa:.0f} | {cudnn:.0f} | {full:.0f} | {kern:.0f} | {full / cudnn:.2f}x |")
+            print(f"| {d} | {n} | {causal} | {fa:.0f} | {cudnn:.0f} | {full:.0f} | {chain:.0f} | {kern:.0f} "
+                  f"| {full / cudnn:.2f}x |")
             sys.stdout.flush()
         del q, k, v, kv
         torch.cuda.empty_cache()

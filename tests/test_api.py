@@ -460,7 +460,8 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
     monkeypatch.setattr(ops, "HAS_EXTENSION", True)
     monkeypatch.setattr(ops, "build_info", lambda: ops.BuildInfo("13.0", archs, dict(kernels)))
     monkeypatch.setattr(ops, "has_op", lambda name: name in (
-        "smoothing_stats", "quantize_q", "quantize_kv", "attention_mma", "attention_wgmma"))
+        "smoothing_stats", "quantize_q", "quantize_kv", "attention_mma", "attention_wgmma",
+        "sageattn_wgmma"))
     for name in ("_wgmma_runs_on", "_mma_fp8_runs_on", "_arch_reason"):
         monkeypatch.setattr(api, name, getattr(api, name).__wrapped__)
     monkeypatch.setattr(api, "_device_reason", lambda device: None)
@@ -1108,7 +1109,8 @@ def test_quantized_path_fallbacks(stand_in: list[dict[str, Any]]) -> None:
          "d96-nhd-smooth-v", "d40-3d-causal", "sampled-means"],
 )
 def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]) -> None:
-    """The arguments sageattn gives attention_wgmma (where _kernel_for picks it), from the real
+    """The arguments attention_wgmma gets when sageattn runs the Hopper path (where _kernel_for
+    picks it: one sageattn_wgmma op, whose CPU implementation is its chain of ops), from the real
     preprocessing ops (their CPU reference implementations): q read in place, K/V quantized for
     block_k=WGMMA_BLOCK_K, K's mean only with smooth_k, V's only with smooth_v (both over the
     strided token sample of api.smoothing_sample_stride), the kv length,
@@ -1364,6 +1366,45 @@ def test_attention_wgmma_meta_shapes() -> None:
         call(q=torch.empty(b, hq, d, nq, dtype=torch.float16, **meta).transpose(2, 3))
     with pytest.raises(RuntimeError, match="v_tile_scale"):  # a per-channel scale: the wrong kind
         call(v_tile_scale=torch.empty(b, hkv, d, **meta))
+
+
+def test_sageattn_wgmma_meta_shapes() -> None:
+    """sageattn_wgmma's Meta implementation (what torch.compile traces) runs the Meta chain of its
+    three ops: shapes and dtypes of out and lse, the NHD memory of out_nhd; bad inputs raise
+    naming the argument."""
+    if not ops.has_op("sageattn_wgmma"):
+        pytest.skip("this build has no sageattn_wgmma")
+    b, hq, hkv, nq, nk, d = 2, 8, 2, 200, 333, 64
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    q, k, v = (torch.empty(b, h, n, d, **meta) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    for smooth_k, smooth_v, out_nhd, lse in ((True, False, False, True), (False, True, True, False),
+                                             (False, False, False, True), (True, True, True, True)):
+        out, lse_out = ops.sageattn_wgmma(q, k.transpose(1, 2).contiguous().transpose(1, 2), v,
+                                          smooth_k, smooth_v, 3, 0.1, True, out_nhd, lse)
+        assert out.shape == (b, hq, nq, d) and out.dtype == torch.bfloat16
+        assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
+        assert lse_out.shape == ((b, hq, nq) if lse else (0,)) and lse_out.dtype == torch.float32
+
+    def call(**changes: Any) -> None:
+        args = dict(q=q, k=k, v=v, smooth_k=True, smooth_v=True, sample_stride=1, sm_scale=0.1,
+                    is_causal=False, out_nhd=False, return_lse=True)
+        args.update(changes)
+        ops.sageattn_wgmma(**args)
+
+    with pytest.raises(RuntimeError, match="sample_stride must be >= 1"):
+        call(sample_stride=0)
+    with pytest.raises(RuntimeError, match="k and v must be 4-D"):
+        call(k=k[0])
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        call(q=q.half())
+    with pytest.raises(RuntimeError, match="k and v must have the same batch, heads and tokens"):
+        call(v=v[:, :, :-1])  # found by the statistics of smooth_v
+    with pytest.raises(RuntimeError, match="v must have the shape of k"):
+        call(v=v[:, :, :-1], smooth_v=False)  # by quantize_kv
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        call(q=q[:, :3])
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        call(q=q[..., :32], k=k[..., :32], v=v[..., :32])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -582,6 +582,38 @@ def test_wgmma_op_reads_q_views(layout: str, shape: tuple[int, ...], causal: boo
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1, 128), (2, 4, 2, 300, 1000, 64),
+                                   (1, 8, 2, 1000, 4097, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("smoothing", [*WGMMA_SMOOTHING, (False, True)],
+                         ids=["smooth-k", "smooth-kv", "no-smooth", "smooth-v"])
+def test_sageattn_wgmma_is_its_chain(shape: tuple[int, ...], smoothing: tuple[bool, bool]) -> None:
+    """sageattn_wgmma (the op sageattn runs on Hopper: statistics over the token sample,
+    quantize_kv and the kernel from one C++ call) gives run_wgmma_op's output and LSE (the ops
+    one by one) bit for bit, its intermediates and outputs on poisoned memory, for HND and NHD
+    k and v (the sample is a strided view of either)."""
+    smooth_k, smooth_v = smoothing
+    b, hq, hkv, nq, nk, d = shape
+    for causal, layout, dtype in ((False, "HND", torch.float16), (True, "NHD", torch.bfloat16)):
+        q4, k4, v4 = make_qkv(b, hq, hkv, nq, nk, d, dtype, seed=nq + nk, bias=(1.0, 4.0, 4.0))
+        out_nhd = layout == "NHD"
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) if out_nhd else t
+                   for t in (q4, k4, v4))
+        for return_lse in (True, False):
+            want, want_lse = run_wgmma_op(q, k, v, causal, smooth_k=smooth_k, smooth_v=smooth_v,
+                                          out_nhd=out_nhd, return_lse=return_lse, scale=0.07)
+            poison_allocator()
+            out, lse = ops.sageattn_wgmma(q, k, v, smooth_k, smooth_v,
+                                          api.smoothing_sample_stride(nk), 0.07, causal, out_nhd,
+                                          return_lse)
+            assert out.shape == (b, hq, nq, d) and out.dtype == dtype
+            assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
+            assert_finite(out, lse)
+            assert torch.equal(out, want) and torch.equal(lse, want_lse)
+            assert lse.shape == ((b, hq, nq) if return_lse else (0,))
+
+
+@pytest.mark.usefixtures("wgmma_kernel")
 def test_wgmma_op_reads_broadcast_and_size_one_views() -> None:
     """The kernel reads q through a tensor map of its strides: a broadcast view (stride 0 over
     batch and heads, which the copy engine cannot step along) and views whose size-1 dimensions
@@ -1024,12 +1056,12 @@ def test_sageattn_runs_the_kernel_it_names(monkeypatch: pytest.MonkeyPatch, d: i
         ran.append(("mma", args[9], args[5].dtype == torch.float8_e4m3fn))
         return _real(*args)
 
-    def recording_wgmma(*args: Any, _real: Any = ops.attention_wgmma) -> Any:
+    def recording_wgmma(*args: Any, _real: Any = ops.sageattn_wgmma) -> Any:
         ran.append(("wgmma", "int8", True))
         return _real(*args)
 
     monkeypatch.setattr(ops, "attention_mma", recording_mma)
-    monkeypatch.setattr(ops, "attention_wgmma", recording_wgmma)
+    monkeypatch.setattr(ops, "sageattn_wgmma", recording_wgmma)
     q, k, v = make_qkv(1, 4, 4, 200, 200, d, torch.float16, seed=d)
     fp8_here = mma_fp8_on_device()
     for qk in ("int8", "int4"):
@@ -1156,3 +1188,9 @@ def test_opcheck_attention_wgmma() -> None:
         torch.library.opcheck(torch.ops.sageattention2.attention_wgmma.default, args,
                               test_utils=("test_autograd_registration", "test_faketensor",
                                           "test_aot_dispatch_dynamic"))
+    # The composite takes only fp16/bf16 inputs: every opcheck test applies.
+    k_nhd = q_view(k4, "NHD")
+    for args in ((q4, k4, v4, True, True, 3, 0.125, True, False, True),
+                 (q_view(q4, "NHD"), k_nhd, q_view(v4, "NHD"), True, False, 1, 0.125, False, True,
+                  False)):
+        torch.library.opcheck(torch.ops.sageattention2.sageattn_wgmma.default, args)
