@@ -726,6 +726,11 @@ def sageattn(
     masked key is multiplied by 0, and 0 * NaN is NaN). Inputs are not checked for non-finite
     values.
     """
+    if torch.compiler.is_compiling():
+        return _sageattn_in_graph(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
+        )
     call = _validate(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
@@ -742,6 +747,83 @@ def sageattn(
         )
     _warn_fallback_once(reason)
     return _exact(call)
+
+
+# ------------------------------------------------------------------------------------------------
+# Under torch.compile
+# ------------------------------------------------------------------------------------------------
+
+# smooth_q's booleans as the string the graph op takes (an op argument has one type); every
+# string a caller passes stays as it is and is validated as in eager mode.
+_SMOOTH_Q_BOOL = {True: ":true", False: ":false"}
+
+
+def _smooth_q_from_op(value: str) -> SmoothQ | str:
+    return {":true": True, ":false": False}.get(value, value)
+
+
+@torch.library.custom_op(
+    "sageattention2::sageattn", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float dropout_p, bool is_causal, "
+           "float? scale, bool enable_gqa, str tensor_layout, str qk_quant, str pv_quant, "
+           "bool smooth_k, str smooth_q, bool smooth_v, bool return_lse, bool strict) "
+           "-> (Tensor, Tensor)")
+def _sageattn_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                 is_causal: bool, scale: float | None, enable_gqa: bool, tensor_layout: str,
+                 qk_quant: str, pv_quant: str, smooth_k: bool, smooth_q: str, smooth_v: bool,
+                 return_lse: bool, strict: bool) -> tuple[Tensor, Tensor]:
+    """sageattn as one opaque op of a torch.compile graph: the eager call (its kernel choice
+    asks the build and the GPU, and it checks pointers: nothing dynamo can trace), returning
+    out contiguous in the caller's layout (as the fake implementation says) and lse, empty
+    unless ``return_lse``."""
+    result = sageattn(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      tensor_layout=cast(TensorLayout, tensor_layout),
+                      qk_quant=cast(QKQuant, qk_quant), pv_quant=cast(PVQuant, pv_quant),
+                      smooth_k=smooth_k, smooth_q=cast(SmoothQ, _smooth_q_from_op(smooth_q)),
+                      smooth_v=smooth_v, return_lse=return_lse, strict=strict)
+    if return_lse:
+        out, lse = result
+        return out.contiguous(), lse.contiguous()
+    assert isinstance(result, Tensor)
+    return result.contiguous(), q.new_empty(0, dtype=torch.float32)
+
+
+@_sageattn_op.register_fake
+def _sageattn_op_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                      dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+                      tensor_layout: str, qk_quant: str, pv_quant: str, smooth_k: bool,
+                      smooth_q: str, smooth_v: bool, return_lse: bool,
+                      strict: bool) -> tuple[Tensor, Tensor]:
+    """The graph op's shapes, after the eager call's own validation (bad arguments raise while
+    tracing, with eager mode's messages): out has q's shape but v's head_dim, lse is
+    ``[B, Hq, Nq]`` (``[Hq, Nq]`` for 3-D inputs) float32 or empty."""
+    call = _validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout,
+                     qk_quant, pv_quant, smooth_k, _smooth_q_from_op(smooth_q), smooth_v,
+                     return_lse, strict)
+    out = q.new_empty((*q.shape[:-1], call.head_dim_v))
+    b, h_q, n_q, _ = call.q.shape
+    lse_shape = (b, h_q, n_q)[4 - call.input_ndim:] if return_lse else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _sageattn_in_graph(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                       dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+                       tensor_layout: TensorLayout, qk_quant: QKQuant, pv_quant: PVQuant,
+                       smooth_k: bool, smooth_q: SmoothQ, smooth_v: bool, return_lse: bool,
+                       strict: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """What torch.compile traces of sageattn: one ``sageattention2::sageattn`` op (no graph
+    break; fullgraph=True works). Inputs that require grad (with grad enabled) take eager
+    mode's exact fallback, traced as such, so that the graph stays differentiable."""
+    if torch.is_grad_enabled() and any(
+            isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, attn_mask)):
+        return _exact(_validate(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout,
+            qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict))
+    smooth_q_arg = _SMOOTH_Q_BOOL[smooth_q] if isinstance(smooth_q, bool) else smooth_q
+    out, lse = torch.ops.sageattention2.sageattn(
+        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant,
+        pv_quant, smooth_k, smooth_q_arg, smooth_v, return_lse, strict)
+    return (out, lse) if return_lse else out
 
 
 # ------------------------------------------------------------------------------------------------

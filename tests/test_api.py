@@ -1644,6 +1644,61 @@ def test_torch_compile_fullgraph() -> None:
                            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [dict(), dict(is_causal=True, return_lse=True),
+     dict(tensor_layout="NHD", smooth_q=True, scale=0.3, return_lse=True),
+     dict(smooth_q=False, enable_gqa=True), dict(attn_mask="bool")],
+    ids=["default", "causal-lse", "nhd-smooth-q-scale", "3d-gqa", "mask"],
+)
+def test_sageattn_under_torch_compile(kwargs: dict[str, Any]) -> None:
+    """torch.compile(fullgraph=True) traces sageattn as one graph op (no graph break) whose
+    fake implementation gives eager's shapes, and runs eager's call: the same result, bit for
+    bit (here the CPU fallback; tests/test_attention_gpu.py does the kernels)."""
+    kwargs = dict(kwargs)
+    three_d = kwargs.get("enable_gqa", False)
+    q, k, v = qkv(b=None if three_d else 2, hq=4, hkv=2 if three_d else 4, nq=37, nk=29, d=16,
+                  layout=kwargs.get("tensor_layout", "HND"))
+    if kwargs.get("attn_mask") == "bool":
+        kwargs["attn_mask"] = torch.rand(37, 29, generator=torch.Generator().manual_seed(1)) > 0.3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SageAttentionFallbackWarning)
+        want = sageattn(q, k, v, **kwargs)
+        got = torch.compile(lambda q, k, v: sageattn(q, k, v, **kwargs), fullgraph=True,
+                            backend="aot_eager")(q, k, v)
+    for g, w in zip(*((got, want) if kwargs.get("return_lse") else ((got,), (want,)))):
+        assert g.shape == w.shape and g.dtype == w.dtype and g.is_contiguous()
+        assert torch.equal(g, w)
+
+
+def test_sageattn_under_torch_compile_validates_and_differentiates() -> None:
+    """Under torch.compile bad arguments raise while tracing with eager mode's message, and inputs
+    that require grad take the exact fallback traced in the graph (a gradient flows); the graph
+    op passes torch.library.opcheck."""
+    q, k, v = qkv(b=2, hq=4, hkv=4, nq=37, nk=29, d=16)
+    for bad, message in ((dict(tensor_layout="XYZ"), "tensor_layout must be one of"),
+                         (dict(smooth_q="none"), "smooth_q must be True, False"),
+                         (dict(dropout_p=2.0), r"dropout_p must be in \[0, 1\)")):
+        compiled = torch.compile(lambda q, k, v, bad=bad: sageattn(q, k, v, **bad),
+                                 fullgraph=True, backend="eager")
+        with pytest.raises(Exception, match=message):
+            compiled(q, k, v)
+    q_grad = q.clone().requires_grad_()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SageAttentionFallbackWarning)
+        out = torch.compile(lambda q, k, v: sageattn(q, k, v, is_causal=True), fullgraph=True,
+                            backend="aot_eager")(q_grad, k, v)
+        out.square().sum().backward()
+        want = F.scaled_dot_product_attention(q.clone().requires_grad_(), k, v, is_causal=True)
+        assert torch.allclose(out, want, atol=1e-6, rtol=0)
+        assert q_grad.grad is not None and q_grad.grad.abs().sum() > 0
+        for args in ((q, k, v, None, 0.0, True, None, False, "HND", "auto", "auto", True, "auto",
+                      False, True, False),
+                     (q[0], k[0], v[0], None, 0.0, False, 0.3, False, "HND", "int8", "none", False,
+                      ":false", True, False, False)):
+            torch.library.opcheck(torch.ops.sageattention2.sageattn.default, args)
+
+
 def test_ops_without_extension_raise(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(ops, "HAS_EXTENSION", False)
     monkeypatch.setattr(ops, "EXTENSION_ERROR", "ImportError: test")

@@ -1089,6 +1089,47 @@ def test_sageattn_runs_the_kernel_it_names(monkeypatch: pytest.MonkeyPatch, d: i
                 assert named == expected, options
 
 
+@pytest.mark.parametrize("path", ["default", "mma-fp16"])
+def test_sageattn_compiled_and_graphed(path: str) -> None:
+    """The kernels under torch.compile (inductor, fullgraph=True: sageattn is one graph op, with
+    ops around it fused by inductor; dynamic=True over two lengths) and in a captured CUDA graph
+    (replayed on new inputs): eager's result, bit for bit, strict (no fallback)."""
+    options = dict(PATHS[path], strict=True, enable_gqa=True)
+    dtype = torch.float16
+
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        out, lse = sageattn(q * 1.5, k, v, is_causal=causal, return_lse=True,
+                            tensor_layout="NHD", **options)
+        return out * 2, lse
+
+    compiled = torch.compile(block, fullgraph=True, dynamic=True)
+    for n, causal in ((300, True), (1000, False)):
+        q, k, v = (t.transpose(1, 2).contiguous()
+                   for t in make_qkv(2, 4, 2, n, n, 128, dtype, seed=n, bias=(1.0, 4.0, 1.0)))
+        got, want = compiled(q, k, v, causal), block(q, k, v, causal)
+        assert_finite(*got)
+        assert all(map(torch.equal, got, want)), (n, causal)
+
+    q, k, v = (t.transpose(1, 2).contiguous() for t in make_qkv(1, 4, 4, 700, 700, 64, dtype, seed=9))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        block(q, k, v, True)  # warm-up outside capture (lazy initialisation, allocator pools)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        graphed = block(q, k, v, True)
+    for seed in (10, 11):
+        fresh = [t.transpose(1, 2).contiguous()
+                 for t in make_qkv(1, 4, 4, 700, 700, 64, dtype, seed=seed, bias=(0.5, 2.0, 1.0))]
+        for t, new in zip((q, k, v), fresh):
+            t.copy_(new)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(map(torch.equal, graphed, block(*fresh, True))), seed
+
+
 def fallback_cases() -> list[Any]:
     return [
         pytest.param(dict(smooth_q="block"), (1, 2, 200, 128), "per block", id="smooth-q-block"),
