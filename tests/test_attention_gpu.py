@@ -1130,6 +1130,20 @@ def test_sageattn_compiled_and_graphed(path: str) -> None:
         assert all(map(torch.equal, graphed, block(*fresh, True))), seed
 
 
+def test_sageattn_compiled_reduce_overhead() -> None:
+    """torch.compile(mode="reduce-overhead") (inductor's CUDA-graph trees) around sageattn: each
+    call on new inputs gives eager's result, bit for bit."""
+
+    def block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return sageattn(q, k, v, is_causal=True, strict=True) + 1
+
+    compiled = torch.compile(block, mode="reduce-overhead", fullgraph=True)
+    for seed in range(4):  # the first calls record, later ones replay
+        q, k, v = make_qkv(1, 4, 4, 500, 500, 128, torch.bfloat16, seed=seed, bias=(1.0, 4.0, 1.0))
+        got = compiled(q, k, v).clone()
+        assert torch.equal(got, block(q, k, v)), seed
+
+
 def fallback_cases() -> list[Any]:
     return [
         pytest.param(dict(smooth_q="block"), (1, 2, 200, 128), "per block", id="smooth-q-block"),
