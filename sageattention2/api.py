@@ -726,15 +726,22 @@ def sageattn(
     masked key is multiplied by 0, and 0 * NaN is NaN). Inputs are not checked for non-finite
     values.
     """
-    if torch.compiler.is_compiling():
-        return _sageattn_in_graph(
-            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
-        )
+    compiling = torch.compiler.is_compiling()
+    if compiling and not (torch.is_grad_enabled() and any(
+            isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, attn_mask))):
+        # What torch.compile traces: one sageattention2::sageattn op (no graph break: the kernel
+        # choice below asks the build and the GPU, and the view check reads pointers).
+        smooth_q_arg = _SMOOTH_Q_BOOL[smooth_q] if isinstance(smooth_q, bool) else smooth_q
+        out, lse = torch.ops.sageattention2.sageattn(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant,
+            pv_quant, smooth_k, smooth_q_arg, smooth_v, return_lse, strict)
+        return (out, lse) if return_lse else out
     call = _validate(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
     )
+    if compiling:  # inputs that require grad: eager mode's exact fallback, traced (differentiable)
+        return _exact(call)
     if call.is_empty:
         return _empty(call)
     choice = _kernel_for(call)
@@ -804,26 +811,6 @@ def _sageattn_op_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     b, h_q, n_q, _ = call.q.shape
     lse_shape = (b, h_q, n_q)[4 - call.input_ndim:] if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
-
-
-def _sageattn_in_graph(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-                       dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
-                       tensor_layout: TensorLayout, qk_quant: QKQuant, pv_quant: PVQuant,
-                       smooth_k: bool, smooth_q: SmoothQ, smooth_v: bool, return_lse: bool,
-                       strict: bool) -> Tensor | tuple[Tensor, Tensor]:
-    """What torch.compile traces of sageattn: one ``sageattention2::sageattn`` op (no graph
-    break; fullgraph=True works). Inputs that require grad (with grad enabled) take eager
-    mode's exact fallback, traced as such, so that the graph stays differentiable."""
-    if torch.is_grad_enabled() and any(
-            isinstance(t, Tensor) and t.requires_grad for t in (q, k, v, attn_mask)):
-        return _exact(_validate(
-            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout,
-            qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict))
-    smooth_q_arg = _SMOOTH_Q_BOOL[smooth_q] if isinstance(smooth_q, bool) else smooth_q
-    out, lse = torch.ops.sageattention2.sageattn(
-        q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant,
-        pv_quant, smooth_k, smooth_q_arg, smooth_v, return_lse, strict)
-    return (out, lse) if return_lse else out
 
 
 # ------------------------------------------------------------------------------------------------

@@ -309,24 +309,16 @@ def sageattn_wgmma(
     return out, lse
 
 
-def sageattn_wgmma_chain(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    smooth_k: bool,
-    smooth_v: bool,
-    sample_stride: int,
-    sm_scale: float,
-    is_causal: bool,
-    out_nhd: bool,
-    return_lse: bool,
-) -> tuple[Tensor, Tensor]:
+def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, smooth_k: bool, smooth_v: bool,
+                         sample_stride: int, *attention: Any) -> tuple[Tensor, Tensor]:
     """What sageattn_wgmma computes, op by op (its CPU implementation, and what the GPU tests
     compare its C++ chain with bit for bit): one smoothing_stats pass over every
     ``sample_stride``-th token (K's mean with ``smooth_k``, V's with ``smooth_v``), one
     quantize_kv pass (per-thread INT8 K, FP8 V with one scale per tile, transposed in the
     PV-MMA order), then attention_wgmma, which quantizes Q itself and returns the complete LSE
-    (it adds the row constant of K smoothing)."""
+    (it adds the row constant of K smoothing). ``attention`` is the rest of sageattn_wgmma's
+    arguments, ``(sm_scale, is_causal, out_nhd, return_lse)``, which attention_wgmma takes as
+    they are."""
     k_mean = v_mean = None
     if smooth_k or smooth_v:
         sample = slice(None, None, sample_stride)
@@ -335,10 +327,8 @@ def sageattn_wgmma_chain(
         k_mean = stats.k_mean if smooth_k else None
         v_mean = stats.v_mean if smooth_v else None
     kv = quantize_kv(k, v, k_mean, v_mean, None, None, WGMMA_BLOCK_K, "int8", 1.0)
-    return attention_wgmma(
-        q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, v_mean, k_mean, k.shape[2],
-        sm_scale, is_causal, out_nhd, return_lse,
-    )
+    return attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, v_mean, k_mean,
+                           k.shape[2], *attention)
 
 
 # --------------------------------------------------------------------------------------------
