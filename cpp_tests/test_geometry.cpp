@@ -5,6 +5,7 @@
 #include <cmath>
 #include <limits>
 #include <set>
+#include <tuple>
 #include <vector>
 
 #include "geometry.h"
@@ -135,4 +136,30 @@ TEST(Int4Packing, RoundTripsAllPairs) {
       EXPECT_EQ(unpack_int4_high(b), hi);
     }
   EXPECT_EQ(pack_int4x2(1, -1), 0xF1);
+}
+
+TEST(PrepareKV, EveryKeyBlockOnceInTheOrderTheKernelNeedsThem) {
+  // 7 heads of 5 key blocks in waves of 3 heads (the last wave has 1), and waves of 1 and 7.
+  const int heads = 7, tiles = 5;
+  for (int per_wave : {3, 1, 7, 9}) {
+    std::set<std::pair<int, int>> seen;
+    int last_wave = -1, last_tile = -1;
+    for (int item = 0; item < heads * tiles; ++item) {
+      const PrepareItem w = prepare_item(item, heads, tiles, per_wave);
+      ASSERT_GE(w.head, 0);
+      ASSERT_LT(w.head, heads);
+      ASSERT_GE(w.tile, 0);
+      ASSERT_LT(w.tile, tiles);
+      EXPECT_TRUE(seen.insert({w.head, w.tile}).second) << "item " << item << " repeats a key block";
+      // Waves of heads in order; inside a wave, key blocks in order (all of the wave's heads
+      // for block j before block j + 1): the attention CTAs of a wave walk their tiles in step.
+      const int wave = w.head / per_wave;
+      EXPECT_GE(wave, last_wave);
+      if (wave == last_wave) EXPECT_GE(w.tile, last_tile);
+      if (wave != last_wave) EXPECT_EQ(w.tile, 0);
+      last_wave = wave;
+      last_tile = w.tile;
+    }
+    EXPECT_EQ(static_cast<int>(seen.size()), heads * tiles);
+  }
 }

@@ -5,6 +5,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <cstdlib>
+
 #include "attention.h"
 #include "attention_params.h"
 #include "preprocess.h"
@@ -225,11 +227,15 @@ AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor&
   return allocate_outputs(batch, q_heads, q_len, head_dim, q.options(), out_nhd, return_lse);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
-                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
-                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
-                                                        const std::optional<at::Tensor>& k_mean, int64_t kv_len,
-                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
+namespace {
+
+// attention_wgmma, after quantize_kv (tile_ready null) or beside prepare_kv.
+std::tuple<at::Tensor, at::Tensor> launch_wgmma(const at::Tensor& q, const at::Tensor& k_codes,
+                                                const at::Tensor& k_scale, const at::Tensor& v_fp8,
+                                                const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                const std::optional<at::Tensor>& k_mean, int64_t kv_len,
+                                                double sm_scale, bool is_causal, bool out_nhd, bool return_lse,
+                                                const int* tile_ready, int prepare_sms) {
   AttentionOutputs out =
       allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
   check_launchable(q, "q");
@@ -244,12 +250,37 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
   p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
   p.sm_scale = static_cast<float>(sm_scale);
   p.causal = is_causal;
+  p.tile_ready = tile_ready;
+  p.prepare_sms = prepare_sms;
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status != cudaErrorNotSupported,
               "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
   C10_CUDA_CHECK(status);
   return {out.out, out.lse};
+}
+
+// How many SMs prepare K and V beside the Hopper kernel (prepare_kv); 0: quantize_kv runs
+// before it, the default. Measured (benchmarks/RESULTS.md, session 22): preparing beside the
+// kernel costs as much SM time as the separate pass, which is bound by its instructions rather
+// than by DRAM, so it only pays once those are cheaper; the path is kept, tested and timed for
+// that. SAGEATTN_PREPARE_SMS=n forces n SMs (benchmarks, tests).
+int prepare_sms_for(int sms) {
+  const char* forced = std::getenv("SAGEATTN_PREPARE_SMS");
+  if (forced == nullptr) return 0;
+  const int n = std::atoi(forced);
+  return n < 0 ? 0 : (n >= sms ? sms - 1 : n);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
+                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
+                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const std::optional<at::Tensor>& k_mean, int64_t kv_len,
+                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
+  return launch_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
+                      return_lse, nullptr, 0);
 }
 
 AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
@@ -278,9 +309,27 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
     if (smooth_k) k_mean = std::get<1>(stats);
     if (smooth_v) v_mean = std::get<2>(stats);
   }
-  auto kv = quantize_kv_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0);
-  return attention_wgmma_cuda(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean,
-                              k.size(2), sm_scale, is_causal, out_nhd, return_lse);
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int prepare_sms = q.dim() == 4 && q.size(2) > 0 && (q.size(3) == 64 || q.size(3) == 128) &&
+                                  k.size(1) > 0 && k.size(2) > 0 && q.size(1) % k.size(1) == 0
+                              ? prepare_sms_for(sms)
+                              : 0;  // (bad shapes: quantize_kv and attention_wgmma name them)
+  if (prepare_sms == 0) {
+    auto kv = quantize_kv_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0);
+    return attention_wgmma_cuda(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean,
+                                k.size(2), sm_scale, is_causal, out_nhd, return_lse);
+  }
+  // The attention CTAs resident at first (one per SM left) start on this many KV heads.
+  const int64_t q_blocks = (q.size(2) + kWgmmaBlockQ - 1) / kWgmmaBlockQ;
+  const int64_t units_per_kv_head = (q.size(1) / k.size(1)) * ((q_blocks + 1) / 2);  // AttentionWgmmaKernel::schedule
+  const int64_t first_heads = (sms - prepare_sms + units_per_kv_head - 1) / units_per_kv_head;
+  // The key blocks the attention kernel reads (causal: up to the last query's, SDPA's alignment).
+  const int64_t kv_blocks = (k.size(2) + kWgmmaBlockK - 1) / kWgmmaBlockK;
+  const int64_t causal_blocks = (q.size(2) - 1) / kWgmmaBlockK + 1;
+  const int64_t key_blocks = is_causal && causal_blocks < kv_blocks ? causal_blocks : kv_blocks;
+  PreparedKV kv = prepare_kv_cuda(k, v, k_mean, v_mean, key_blocks, prepare_sms, static_cast<int>(first_heads));
+  return launch_wgmma(q, kv.kv.k_codes, kv.kv.k_scales, kv.kv.v_codes, kv.kv.v_tile_scale, v_mean, k_mean, k.size(2),
+                      sm_scale, is_causal, out_nhd, return_lse, kv.ready.data_ptr<int>(), prepare_sms);
 }
 
 }  // namespace sageattention2

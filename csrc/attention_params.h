@@ -97,6 +97,11 @@ struct AttentionWgmmaParams {
   int64_t q_len = 0, kv_len = 0, k_padded = 0;
   float sm_scale = 1.0f;             // softmax scale (natural units)
   bool causal = false;
+  // K and V prepared while this kernel runs (prepare_kv, launched just before it): [B * Hkv]
+  // [k_padded / 128] counters, a tile readable once its counter is 2; null when quantize_kv ran
+  // before. prepare_sms: the SMs prepare_kv's grid holds (a persistent grid leaves them out).
+  const int* tile_ready = nullptr;
+  int prepare_sms = 0;
 };
 
 // cudaErrorNotSupported when this build has no sm_90a code.

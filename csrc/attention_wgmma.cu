@@ -66,10 +66,24 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
     if (std::strcmp(mode, "persistent") == 0) persistent = true;
   }
   if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
-  const int64_t ctas = persistent && units > sms ? sms : units;
-  const unsigned grid = static_cast<unsigned>(ctas);
-  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p, k_map, v_map);
-  return cudaGetLastError();
+  // Beside prepare_kv, a persistent grid takes only the SMs it leaves: a CTA waiting for one of
+  // them would start its whole static share late.
+  const int free_sms = p.tile_ready != nullptr && p.prepare_sms < sms ? sms - p.prepare_sms : sms;
+  const int64_t ctas = persistent && units > free_sms ? free_sms : units;
+  cudaLaunchConfig_t config{};
+  config.gridDim = dim3(static_cast<unsigned>(ctas));
+  config.blockDim = dim3(Kernel::kThreads);
+  config.dynamicSmemBytes = Kernel::kSmemBytes;
+  config.stream = stream;
+  // After prepare_kv: a programmatic dependent launch, which starts as soon as every prepare_kv
+  // CTA has started (they trigger at once) and reads each tile after its counter, not after
+  // that grid's end. Without the attribute the launch would wait for all of prepare_kv.
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attribute;
+  config.numAttrs = p.tile_ready != nullptr ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, p, k_map, v_map);
 }
 
 template <typename T, int kHeadDim>

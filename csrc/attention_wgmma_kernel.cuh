@@ -159,6 +159,11 @@ struct AttentionWgmmaKernel {
       for (int it = 0; it < w.kv_tiles; ++it, ++seq) {
         const int stage = seq % kStages;
         const uint32_t phase = (seq / kStages) & 1;
+        if (p.tile_ready != nullptr) {  // prepare_kv writes the tile while this grid runs
+          const int* ready = p.tile_ready + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) + it;
+          while (ptx::ld_acquire_gpu(ready) < 2) __nanosleep(256);
+          ptx::fence_proxy_async_global();
+        }
         ptx::mbarrier_wait_sleeping(&s.empty_k[stage], phase ^ 1);
         ptx::mbarrier_arrive_expect_tx(&s.full_k[stage], kKBytes + 16);
         ptx::tma_load_3d(s.k[stage], k_map, 0, it * kBlockK, bhk, &s.full_k[stage]);
@@ -452,6 +457,8 @@ struct AttentionWgmmaKernel {
     float racc[kRaccRegs];
     uint32_t pa[kPvSteps][4];
     // V's per-tile scales: R of tile j is in units of s_j, O in those of the last folded tile.
+    // Read through L2 (.cg), not the read-only path: prepare_kv may write them while this grid
+    // runs, and an L1 line holding a neighbouring tile's scale could predate the tile.
     const float* v_tile_scale =
         p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
     float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do
@@ -537,7 +544,7 @@ struct AttentionWgmmaKernel {
       issue_qk(sacc, q_desc, r.k_desc);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
       issue_pv(racc, pa, r.v_desc);
-      const float prev_scale = __ldg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
+      const float prev_scale = __ldcg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
       auto pv_done = [&] {
         if constexpr (!kMasked) ptx::wgmma_wait<0>();  // (masked: waited for both just below)
 #pragma unroll
@@ -602,7 +609,7 @@ struct AttentionWgmmaKernel {
       const int stage = last_pos % kStages;
       ptx::mbarrier_wait(&s.full_v[stage], (last_pos / kStages) & 1);
       issue_pv(racc, pa, ptx::kmajor_descriptor<128>(s.v[stage]));
-      const float last_scale = __ldg(v_tile_scale + last);
+      const float last_scale = __ldcg(v_tile_scale + last);
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);

@@ -89,4 +89,20 @@ constexpr StatsGrid stats_grid(int64_t max_rows, int64_t jobs, int sm_count,
   return StatsGrid{static_cast<int>(chunks), ceil_div(max_rows, chunks)};
 }
 
+// The order prepare_kv takes key blocks in (a block: its K and V tiles): the order the attention
+// kernel first needs them. Its resident CTAs start on heads_per_wave KV heads at once and walk
+// their tiles in step, so within each wave of heads the blocks go by key block, then head.
+struct PrepareItem {
+  int head;  // b * Hkv + hkv
+  int tile;  // 128-key block
+};
+// 32-bit: the host prepares this way only when heads * tiles fits.
+constexpr PrepareItem prepare_item(int item, int heads, int tiles, int heads_per_wave) {
+  const int per_wave = heads_per_wave * tiles;
+  const int wave = item / per_wave, first = wave * heads_per_wave;
+  const int in_wave = heads - first < heads_per_wave ? heads - first : heads_per_wave;
+  const int r = item - wave * per_wave;
+  return PrepareItem{first + r % in_wave, r / in_wave};
+}
+
 }  // namespace sageattention2

@@ -66,4 +66,20 @@ cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool
   return status != cudaSuccess ? status : cudaGetLastError();
 }
 
+cudaError_t launch_prepare_kv(const PrepareKVParams& p, InputDtype dtype, int ctas, cudaStream_t stream) {
+  const size_t smem = static_cast<size_t>(kPrepareParts) * kRegisterKBlock * kv_tile_pitch(p.kv.k.head_dim) * 2;
+  cudaError_t status = cudaSuccess;
+  dispatch_input_dtype(dtype, [&](auto tag) {
+    using T = decltype(tag);
+    auto kernel = p.kv.k.head_dim == 64 ? prepare_kv_kernel<T, 64> : prepare_kv_kernel<T, 128>;
+    // Its body is sm_90+ code: elsewhere the kernel is empty and its counters would never move.
+    cudaFuncAttributes attributes{};
+    status = cudaFuncGetAttributes(&attributes, kernel);
+    if (status == cudaSuccess && attributes.binaryVersion < 90) status = cudaErrorNotSupported;
+    if (status == cudaSuccess) status = allow_dynamic_smem(kernel, smem);
+    if (status == cudaSuccess) kernel<<<ctas, kPrepareParts * kPreprocessThreads, smem, stream>>>(p);
+  });
+  return status != cudaSuccess ? status : cudaGetLastError();
+}
+
 }  // namespace sageattention2

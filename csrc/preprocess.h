@@ -60,4 +60,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier);
 
+// quantize_kv's Hopper-path outputs (block_k 128, INT8, one V scale per tile) for the first
+// key_blocks 128-key blocks of every head, written by prepare_kv on `ctas` SMs while the
+// attention kernel launched next runs (DESIGN.md, "K and V prepared beside the kernel"): `ready`
+// holds the per-tile counters that kernel waits on. Not an op: the outputs are complete only
+// once that kernel has read every tile.
+struct PreparedKV {
+  QuantizeKVOutputs kv;
+  at::Tensor ready;
+};
+PreparedKV prepare_kv_cuda(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_mean,
+                           const std::optional<at::Tensor>& v_mean, int64_t key_blocks, int ctas,
+                           int heads_per_wave);
+
 }  // namespace sageattention2

@@ -288,14 +288,27 @@ __device__ __forceinline__ int head_dim_of(const BhndView& view) {
   return kHeadDim != 0 ? kHeadDim : view.head_dim;
 }
 
+// The threads that quantize one K or V tile together: a whole CTA of kPreprocessThreads
+// (quantize_kv), or one such part of a prepare_kv CTA, whose parts take tiles independently and
+// each synchronise on their own barrier.
+struct WholeCta {
+  __device__ __forceinline__ int thread() const { return static_cast<int>(threadIdx.x); }
+  __device__ __forceinline__ void sync() const { __syncthreads(); }
+};
+struct CtaPart {
+  int index;  // the part's threads are index * kPreprocessThreads + [0, kPreprocessThreads)
+  __device__ __forceinline__ int thread() const { return static_cast<int>(threadIdx.x) - index * kPreprocessThreads; }
+  __device__ __forceinline__ void sync() const { ptx::barrier_sync(1 + index, kPreprocessThreads); }  // 0: __syncthreads
+};
+
 // The valid rows of a K or V tile go to shared memory by cp.async, all in flight from the CTA's
 // first instructions on (loaded one 16-byte vector at a time, then processed, the launch reached
 // 40-50 % of DRAM bandwidth: ncu, B4 H32 N1024-4096).
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, typename Threads = WholeCta>
 __device__ __forceinline__ void start_kv_tile_copy(T* tile, const BhndView& view, int b, int h, int64_t row0,
-                                                   int valid) {
+                                                   int valid, Threads threads = {}) {
   const int head_dim = head_dim_of<kHeadDim>(view), vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
-  for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads) {
+  for (int i = threads.thread(); i < valid * vecs; i += kPreprocessThreads) {
     const int r = i / vecs, c = i % vecs;
     ptx::cp_async_16(tile + r * pitch + c * kElemsPerVector, row_ptr<T>(view, b, h, row0 + r) + c * kElemsPerVector,
                      true);
@@ -389,15 +402,16 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
 // scales bit for bit, without its divisions, second pass over shared memory and shared atomics:
 // at B4 H32 N4096 hd128 the K + V launch went from 68 % of the issue slots and 62 % of DRAM
 // bandwidth to 57 % and 83 % (ncu; benchmarks/RESULTS.md, session 12).
-template <typename T, bool kInt4, int kHeadDim>
+template <typename T, bool kInt4, int kHeadDim, typename Threads = WholeCta>
 __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVParams& p, KVTileSmem& sm, int kb, int h,
-                                                              int b) {
+                                                              int b, Threads threads = {}) {
   using Codes = IntCodes<kInt4>;
   constexpr int kBlockK = kRegisterKBlock, kWarps = kPreprocessThreads / 32, kWarpRows = kBlockK / kWarps;
   constexpr int kVecs = kHeadDim / kElemsPerVector, kRowsPerPass = 32 / kVecs, kPasses = kWarpRows / kRowsPerPass;
   static_assert(32 % kVecs == 0 && kWarpRows % kRowsPerPass == 0 && kWarpRows % 8 == 0, "lane geometry");
   constexpr int kCodeDim = kInt4 ? kHeadDim / 2 : kHeadDim;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, c = lane % kVecs, sub = lane / kVecs;
+  const int tid = threads.thread();
+  const int warp = tid / 32, lane = tid % 32, c = lane % kVecs, sub = lane / kVecs;
   const int64_t row0 = static_cast<int64_t>(kb) * kBlockK;
   const int valid = static_cast<int>(p.k.tokens - row0 < kBlockK ? p.k.tokens - row0 : kBlockK);
   const int64_t bh = static_cast<int64_t>(b) * p.k.heads + h;
@@ -435,16 +449,16 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
     const float group_max = warp_max(amax[g]);
     if (lane == 0) warp_amax[warp * kKGroupsPerBlock + g] = group_max;
   }
-  __syncthreads();
+  threads.sync();
   float* group_inv = sm.aux + kWarps * kKGroupsPerBlock;
-  if (threadIdx.x < kKGroupsPerBlock) {
+  if (tid < kKGroupsPerBlock) {
     float group_max = 0.0f;
-    for (int w = 0; w < kWarps; ++w) group_max = fmaxf(group_max, warp_amax[w * kKGroupsPerBlock + threadIdx.x]);
+    for (int w = 0; w < kWarps; ++w) group_max = fmaxf(group_max, warp_amax[w * kKGroupsPerBlock + tid]);
     const float scale = quant_scale(group_max, static_cast<float>(Codes::kQmax));
-    group_inv[threadIdx.x] = quant_inverse(scale);
-    p.k_scales[(bh * (p.padded_tokens / kBlockK) + kb) * kKGroupsPerBlock + threadIdx.x] = scale;
+    group_inv[tid] = quant_inverse(scale);
+    p.k_scales[(bh * (p.padded_tokens / kBlockK) + kb) * kKGroupsPerBlock + tid] = scale;
   }
-  __syncthreads();
+  threads.sync();
 
   int8_t* dst = p.k_codes + (bh * p.padded_tokens + row0 + first_row) * kCodeDim + c * Codes::kBytesPer8;
 #pragma unroll
@@ -462,9 +476,12 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
   }
 }
 
-template <typename T, int kHeadDim>
+// copy_started: the caller has already issued the tile's start_kv_tile_copy (prepare_kv, which
+// quantizes the K tile while the V tile's copy is in flight).
+template <typename T, int kHeadDim, typename Threads = WholeCta>
 __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_tile, KVTileSmem& sm, int kb, int h,
-                                                int b) {
+                                                int b, Threads threads = {}, bool copy_started = false) {
+  const int tid = threads.thread();
   float* mean = sm.mean;
   float* channel_inv = sm.aux;
   const int head_dim = head_dim_of<kHeadDim>(p.v), pitch = kv_tile_pitch(head_dim);
@@ -473,15 +490,15 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   const int valid = static_cast<int>(p.v.tokens - row0 < block_k ? p.v.tokens - row0 : block_k);
   const int64_t bh = static_cast<int64_t>(b) * p.v.heads + h;
 
-  start_kv_tile_copy<T, kHeadDim>(v_tile, p.v, b, h, row0, valid);
+  if (!copy_started) start_kv_tile_copy<T, kHeadDim>(v_tile, p.v, b, h, row0, valid, threads);
   const bool per_tile = p.v_scale == nullptr;
-  for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads) {
+  for (int d = tid; d < head_dim; d += kPreprocessThreads) {
     mean[d] = p.v_mean != nullptr ? p.v_mean[bh * head_dim + d] : 0.0f;
     channel_inv[d] = per_tile ? 0.0f : quant_inverse(p.v_scale[bh * head_dim + d]);
   }
-  if (threadIdx.x == 0) sm.tile_amax = 0u;
+  if (tid == 0) sm.tile_amax = 0u;
   ptx::cp_async_wait<0>();
-  __syncthreads();
+  threads.sync();
 
   // One scale for the whole tile (the Hopper kernel's V): its range is known once the tile is
   // in shared memory, so V needs no pass over all tokens before this one (issue 4).
@@ -489,14 +506,14 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   if (per_tile) {
     const int vecs = head_dim / kElemsPerVector;
     float a = 0.0f;
-    for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads)
+    for (int i = tid; i < valid * vecs; i += kPreprocessThreads)
       a = fmaxf(a, vector_absmax(v_tile, pitch, i / vecs, i % vecs, mean));
     a = warp_max(a);
-    if (threadIdx.x % 32 == 0) atomic_max_abs(&sm.tile_amax, a);
-    __syncthreads();
+    if (tid % 32 == 0) atomic_max_abs(&sm.tile_amax, a);
+    threads.sync();
     const float scale = v_tile_scale(__uint_as_float(sm.tile_amax));
     tile_inv = quant_inverse(scale);
-    if (threadIdx.x == 0) p.v_tile_scale[bh * (p.padded_tokens / block_k) + kb] = scale;
+    if (tid == 0) p.v_tile_scale[bh * (p.padded_tokens / block_k) + kb] = scale;
   }
 
   // A thread transposes a channel pair (one 32-bit word of each tile row) over a 32-key slab:
@@ -506,7 +523,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   // thread's stores whole 32-byte sectors of its two output rows.
   constexpr int kSlabKeys = 32;
   const int words = head_dim / 2, slabs = block_k / kSlabKeys;
-  for (int i = threadIdx.x; i < words * slabs; i += kPreprocessThreads) {
+  for (int i = tid; i < words * slabs; i += kPreprocessThreads) {
     const int d = 2 * (i % words), slab = i / words;
     const float mean0 = mean[d], mean1 = mean[d + 1];
     const float inv0 = per_tile ? tile_inv : channel_inv[d], inv1 = per_tile ? tile_inv : channel_inv[d + 1];
@@ -559,6 +576,52 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   } else {
     quantize_k_tile<T, kInt4, 0>(p, tile, sm, kb, h, b);
   }
+}
+
+// ---------------------------------------------------------------------------------------------
+// K and V prepared while the Hopper kernel runs (issue 4). A separate quantize_kv launch costs
+// the full call 10-35 % (it moves 3 bytes per K/V element at copy speed, before the first tile of
+// attention can start). prepare_kv quantizes the same tiles with the same functions on a few SMs;
+// the attention kernel, launched right after it as a programmatic dependent launch, runs on the
+// other SMs and starts each tile's copy once that tile's counter says both of its halves are out.
+// Every CTA triggers its dependents at once, so the attention grid starts while this one works;
+// it waits only on the counters, never on this grid's completion.
+// ---------------------------------------------------------------------------------------------
+
+template <typename T, int kHeadDim>
+__global__ void __launch_bounds__(kPrepareParts * kPreprocessThreads, 1)
+    prepare_kv_kernel(const __grid_constant__ PrepareKVParams p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  ptx::griddepcontrol_launch_dependents();
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  __shared__ KVTileSmem part_smem[kPrepareParts];
+  const CtaPart part{static_cast<int>(threadIdx.x) / kPreprocessThreads};
+  T* v_tile = reinterpret_cast<T*>(smem_raw) + part.index * kRegisterKBlock * kv_tile_pitch(kHeadDim);
+  KVTileSmem& sm = part_smem[part.index];
+  const int heads = p.kv.k.batch * p.kv.k.heads;
+  const int row_tiles = static_cast<int>(p.kv.padded_tokens / kRegisterKBlock);  // the counters' row length
+  const int items = heads * p.tiles, stride = static_cast<int>(gridDim.x) * kPrepareParts;
+#pragma unroll 1
+  for (int item = static_cast<int>(blockIdx.x) * kPrepareParts + part.index; item < items; item += stride) {
+    // A part takes a key block's K and V tile together: the V tile's copy (cp.async, no
+    // registers) is in flight while the K tile loads into registers and is quantized.
+    const PrepareItem w = prepare_item(item, heads, p.tiles, p.heads_per_wave);
+    const int b = w.head / p.kv.k.heads, h = w.head % p.kv.k.heads;
+    const int64_t row0 = static_cast<int64_t>(w.tile) * kRegisterKBlock;
+    const int valid = static_cast<int>(p.kv.v.tokens - row0 < kRegisterKBlock ? p.kv.v.tokens - row0 : kRegisterKBlock);
+    start_kv_tile_copy<T, kHeadDim>(v_tile, p.kv.v, b, h, row0, valid, part);
+    quantize_k_block_in_registers<T, false, kHeadDim>(p.kv, sm, w.tile, h, b, part);
+    part.sync();  // sm is the V tile's now
+    quantize_v_tile<T, kHeadDim>(p.kv, v_tile, sm, w.tile, h, b, part, true);
+    // The attention kernel reads these codes with the copy engine (the async proxy).
+    ptx::fence_proxy_async_global();
+    part.sync();  // the part's writes, then its counter; also frees sm and v_tile for the next item
+    if (part.thread() == 0) {  // (w again: cheaper than holding it in registers through the tiles)
+      const PrepareItem done = prepare_item(item, heads, p.tiles, p.heads_per_wave);
+      ptx::red_add_release_gpu(p.ready + static_cast<int64_t>(done.head) * row_tiles + done.tile, 2);
+    }
+  }
+#endif
 }
 
 }  // namespace sageattention2

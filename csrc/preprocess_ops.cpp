@@ -36,6 +36,32 @@ void check_optional_launchable(const std::optional<at::Tensor>& t, const char* n
   if (t) check_launchable(*t, name);
 }
 
+
+// The kernel parameters of quantize_kv and prepare_kv (which share the tile code).
+QuantizeKVParams quantize_kv_params(const at::Tensor& k, const std::optional<at::Tensor>& v,
+                                    const std::optional<at::Tensor>& k_mean, const std::optional<at::Tensor>& v_mean,
+                                    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& q_mean,
+                                    int64_t block_k, double delta_s_multiplier, const QuantizeKVOutputs& out) {
+  QuantizeKVParams p;
+  p.k = make_view(k);
+  p.has_v = v.has_value();
+  if (v) p.v = make_view(*v);
+  p.k_mean = optional_ptr(k_mean);
+  p.v_mean = optional_ptr(v_mean);
+  p.v_scale = optional_ptr(v_scale);
+  p.q_mean = optional_ptr(q_mean);
+  p.q_heads = q_mean ? static_cast<int>(q_mean->size(1)) : 0;
+  p.delta_s_multiplier = static_cast<float>(delta_s_multiplier);
+  p.block_k = static_cast<int>(block_k);
+  p.padded_tokens = out.k_codes.size(2);
+  p.k_codes = out.k_codes.data_ptr<int8_t>();
+  p.k_scales = out.k_scales.data_ptr<float>();
+  p.v_codes = v ? static_cast<uint8_t*>(out.v_codes.data_ptr()) : nullptr;
+  p.delta_s = q_mean ? out.delta_s.data_ptr<float>() : nullptr;
+  p.v_tile_scale = v && !v_scale ? out.v_tile_scale.data_ptr<float>() : nullptr;
+  return p;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
@@ -131,27 +157,37 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   check_optional_launchable(v_scale, "v_scale");
   check_optional_launchable(q_mean, "q_mean");
   const c10::cuda::CUDAGuard guard(k.device());
-
-  QuantizeKVParams p;
-  p.k = make_view(k);
-  p.has_v = v.has_value();
-  if (v) p.v = make_view(*v);
-  p.k_mean = optional_ptr(k_mean);
-  p.v_mean = optional_ptr(v_mean);
-  p.v_scale = optional_ptr(v_scale);
-  p.q_mean = optional_ptr(q_mean);
-  p.q_heads = q_mean ? static_cast<int>(q_mean->size(1)) : 0;
-  p.delta_s_multiplier = static_cast<float>(delta_s_multiplier);
-  p.block_k = static_cast<int>(block_k);
-  p.padded_tokens = out.k_codes.size(2);
-  p.k_codes = out.k_codes.data_ptr<int8_t>();
-  p.k_scales = out.k_scales.data_ptr<float>();
-  p.v_codes = v ? static_cast<uint8_t*>(out.v_codes.data_ptr()) : nullptr;
-  p.delta_s = q_mean ? out.delta_s.data_ptr<float>() : nullptr;
-  p.v_tile_scale = v && !v_scale ? out.v_tile_scale.data_ptr<float>() : nullptr;
+  const QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, q_mean, block_k, delta_s_multiplier, out);
   const bool int4 = parse_qk_dtype(qk_dtype) == QkDtype::kInt4;
   C10_CUDA_CHECK(launch_quantize_kv(p, input_dtype(k), int4, at::cuda::getCurrentCUDAStream()));
   return {out.k_codes, out.k_scales, out.v_codes, out.delta_s, out.v_tile_scale};
 }
+
+PreparedKV prepare_kv_cuda(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_mean,
+                           const std::optional<at::Tensor>& v_mean, int64_t key_blocks, int ctas, int heads_per_wave) {
+  PreparedKV out;
+  out.kv = allocate_quantize_kv(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kRegisterKBlock, "int8");
+  check_launchable(k, "k");
+  check_launchable(v, "v");
+  check_optional_launchable(k_mean, "k_mean");
+  check_optional_launchable(v_mean, "v_mean");
+  const c10::cuda::CUDAGuard guard(k.device());
+  PrepareKVParams p;
+  p.kv = quantize_kv_params(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kRegisterKBlock, 1.0, out.kv);
+  TORCH_CHECK(k_block_in_registers(p.kv), "prepare_kv: head_dim must be 64 or 128");
+  const int64_t row_tiles = p.kv.padded_tokens / kRegisterKBlock;
+  TORCH_CHECK(key_blocks >= 1 && key_blocks <= row_tiles, "prepare_kv: key_blocks must be in [1, ", row_tiles, "]");
+  out.ready = at::empty({static_cast<int64_t>(p.kv.k.batch) * p.kv.k.heads * row_tiles}, k.options().dtype(at::kInt));
+  p.ready = out.ready.data_ptr<int>();
+  p.tiles = key_blocks;
+  p.heads_per_wave = heads_per_wave;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  C10_CUDA_CHECK(cudaMemsetAsync(p.ready, 0, out.ready.nbytes(), stream));
+  const cudaError_t status = launch_prepare_kv(p, input_dtype(k), ctas, stream);
+  TORCH_CHECK(status != cudaErrorNotSupported, "prepare_kv: this build has no sm_90 code for this GPU");
+  C10_CUDA_CHECK(status);
+  return out;
+}
+
 
 }  // namespace sageattention2

@@ -84,6 +84,25 @@ constexpr bool k_block_in_registers(const QuantizeKVParams& p) {
   return p.block_k == kRegisterKBlock && p.q_mean == nullptr && (p.k.head_dim == 64 || p.k.head_dim == 128);
 }
 
+// prepare_kv: quantize_kv's K and V tiles for the Hopper kernel, prepared on a few SMs while the
+// attention kernel runs on the others and streams each tile as soon as it is ready (issue 4:
+// the full call within 10 % of the kernel). Same codes and scales as quantize_kv, bit for bit.
+struct PrepareKVParams {
+  QuantizeKVParams kv;  // block_k 128, no q_mean, head_dim 64 or 128 (k_block_in_registers)
+  // [B * Hkv][padded_tokens / 128] zeroed counters: +2 once a key block's K and V tiles are
+  // written, with release semantics (the attention kernel waits for 2).
+  int* ready = nullptr;
+  // The key blocks of every head that the attention kernel reads (causal: up to the last
+  // query's). Only those are prepared, so that once the attention kernel has completed, every
+  // write of this grid has been made: nothing of it can land in memory freed after the call.
+  int tiles = 0;
+  int heads_per_wave = 1;  // KV heads the attention kernel's first resident CTAs share
+};
+// Threads of a prepare_kv CTA: parts of kPreprocessThreads that take key blocks independently
+// (part p of CTA c takes items c * kPrepareParts + p + j * all parts), so that an SM has several
+// blocks' loads in flight. 3 parts at 80 registers: 4 (at 64) spilled ~190 bytes at head_dim 128.
+inline constexpr int kPrepareParts = 3;
+
 // Shared-memory rows are padded by one 16-byte vector so that threads reading 16 bytes of
 // consecutive rows (the Delta-S dot products) fall in different banks.
 constexpr int kv_tile_pitch(int head_dim) { return head_dim + kElemsPerVector; }
@@ -94,5 +113,8 @@ enum class InputDtype { kFloat16, kBFloat16 };
 cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dtype, cudaStream_t stream);
 cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool int4, cudaStream_t stream);
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream);
+// `ctas` CTAs of kPrepareParts * kPreprocessThreads threads, one per SM. cudaErrorNotSupported
+// where this build's code for the GPU predates sm_90 (it runs beside the Hopper kernel only).
+cudaError_t launch_prepare_kv(const PrepareKVParams& p, InputDtype dtype, int ctas, cudaStream_t stream);
 
 }  // namespace sageattention2

@@ -58,13 +58,23 @@ SAGE_HOST_DEVICE float inverse_of_power_of_two(float s) {
 }
 
 // rint (round half to even, the default rounding mode) of x * inv, clamped to [-qmax, qmax].
+// On the GPU by the float adder: clamped to the integers +-qmax first (which commutes with rint),
+// y + 1.5 * 2^23 lands where the float spacing is 1, so the sum is rounded to an integer with
+// the adder's round-half-even, and its low mantissa bits are that integer plus 2^22. F2I, the
+// conversion instruction, issues at 16 per clock and SM against the adder's 128: the same codes
+// for 4 full-rate instructions instead of F2I and two integer clamps (its effect on
+// quantize_kv's time, whose tiles are latency-bound, was not separated: benchmarks/RESULTS.md,
+// session 22). A NaN becomes -qmax here, 0 through F2I: neither is the code of anything, and no
+// NaN reaches a group scale, whose max ignores it.
 SAGE_HOST_DEVICE int quantize_to_int(float x, float inv, int qmax) {
 #if defined(__CUDA_ARCH__)
-  int q = __float2int_rn(x * inv);
+  const float bound = static_cast<float>(qmax);
+  const float clamped = fminf(fmaxf(x * inv, -bound), bound);
+  return __float_as_int(clamped + 12582912.0f) - 0x4B400000;
 #else
   int q = static_cast<int>(std::nearbyint(x * inv));
-#endif
   return q > qmax ? qmax : (q < -qmax ? -qmax : q);
+#endif
 }
 
 // INT4 operands of mma.m16n8k64.s4 are read along K from the low nibble up: channel 2c in the

@@ -70,3 +70,21 @@ if hasattr(torch.ops.sageattention2, "attention_wgmma") and torch.cuda.get_devic
     sageattn(q, k, v, smooth_v=True, return_lse=True, strict=True)
     torch.cuda.synchronize()
     print("sanitize: sageattn's Hopper path with sampled means ran")
+
+# K and V prepared beside the Hopper kernel (sageattn_wgmma's default), with the SM split at its
+# extremes: one SM preparing, and all but one preparing; both head dims, causal with fewer
+# queries than keys (only the key blocks the kernel reads are prepared).
+if hasattr(torch.ops.sageattention2, "sageattn_wgmma") and torch.cuda.get_device_capability() == (9, 0):
+    import os
+
+    for prepare_sms in ("1", "131", ""):
+        os.environ["SAGEATTN_PREPARE_SMS"] = prepare_sms
+        if not prepare_sms:
+            del os.environ["SAGEATTN_PREPARE_SMS"]
+        for n, d in ((300, 128), (33, 64)):
+            q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
+            k, v = (torch.randn(1, 2, 3 * n + 7, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+            for causal in (False, True):
+                ops.sageattn_wgmma(q, k, v, True, causal, 3, d ** -0.5, causal, causal, True)
+    torch.cuda.synchronize()
+    print("sanitize: sageattn_wgmma with K and V prepared beside the kernel ran")
