@@ -96,7 +96,8 @@ struct PrepareItem {
   int head;  // b * Hkv + hkv
   int tile;  // 128-key block
 };
-// 32-bit: the host prepares this way only when heads * tiles fits.
+// 32-bit: heads * tiles blocks of 128 keys x 64 one-byte codes fit in 32 bits for any K that fits
+// in device memory (2^31 blocks would be 2^44 bytes of codes).
 constexpr PrepareItem prepare_item(int item, int heads, int tiles, int heads_per_wave) {
   const int per_wave = heads_per_wave * tiles;
   const int wave = item / per_wave, first = wave * heads_per_wave;

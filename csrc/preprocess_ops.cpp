@@ -36,7 +36,6 @@ void check_optional_launchable(const std::optional<at::Tensor>& t, const char* n
   if (t) check_launchable(*t, name);
 }
 
-
 // The kernel parameters of quantize_kv and prepare_kv (which share the tile code).
 QuantizeKVParams quantize_kv_params(const at::Tensor& k, const std::optional<at::Tensor>& v,
                                     const std::optional<at::Tensor>& k_mean, const std::optional<at::Tensor>& v_mean,
@@ -188,6 +187,5 @@ PreparedKV prepare_kv_cuda(const at::Tensor& k, const at::Tensor& v, const std::
   C10_CUDA_CHECK(status);
   return out;
 }
-
 
 }  // namespace sageattention2
