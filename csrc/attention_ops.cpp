@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAGuard.h>
 
 #include <cstdlib>
+#include <cstring>
 
 #include "attention.h"
 #include "attention_params.h"
@@ -229,13 +230,14 @@ AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor&
 
 namespace {
 
-// attention_wgmma, after quantize_kv (tile_ready null) or beside prepare_kv.
+// attention_wgmma, after quantize_kv (tile_ready null; after_quantize_kv: launched by the same
+// call just before) or beside prepare_kv.
 std::tuple<at::Tensor, at::Tensor> launch_wgmma(const at::Tensor& q, const at::Tensor& k_codes,
                                                 const at::Tensor& k_scale, const at::Tensor& v_fp8,
                                                 const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
                                                 const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                 double sm_scale, bool is_causal, bool out_nhd, bool return_lse,
-                                                const int* tile_ready, int prepare_sms) {
+                                                const int* tile_ready, int prepare_sms, bool after_quantize_kv) {
   AttentionOutputs out =
       allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
   check_launchable(q, "q");
@@ -252,6 +254,7 @@ std::tuple<at::Tensor, at::Tensor> launch_wgmma(const at::Tensor& q, const at::T
   p.causal = is_causal;
   p.tile_ready = tile_ready;
   p.prepare_sms = prepare_sms;
+  p.after_quantize_kv = after_quantize_kv;
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status != cudaErrorNotSupported,
@@ -272,6 +275,13 @@ int prepare_sms_for(int sms) {
   return n < 0 ? 0 : (n >= sms ? sms - 1 : n);
 }
 
+// Whether sageattn_wgmma launches each step as a programmatic dependent of the one before
+// (launch.cuh): on unless SAGEATTN_PDL=0 (benchmarks: the same process with and without).
+bool programmatic_launches() {
+  const char* forced = std::getenv("SAGEATTN_PDL");
+  return forced == nullptr || std::strcmp(forced, "0") != 0;
+}
+
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
@@ -280,7 +290,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
   return launch_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
-                      return_lse, nullptr, 0);
+                      return_lse, nullptr, 0, false);
 }
 
 AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
@@ -315,9 +325,11 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
                               ? prepare_sms_for(sms)
                               : 0;  // (bad shapes: quantize_kv and attention_wgmma name them)
   if (prepare_sms == 0) {
-    auto kv = quantize_kv_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0);
-    return attention_wgmma_cuda(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean,
-                                k.size(2), sm_scale, is_causal, out_nhd, return_lse);
+    const bool programmatic = programmatic_launches();
+    auto kv = quantize_kv_after_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0,
+                                     programmatic && (smooth_k || smooth_v));
+    return launch_wgmma(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean,
+                        k.size(2), sm_scale, is_causal, out_nhd, return_lse, nullptr, 0, programmatic);
   }
   // The attention CTAs resident at first (one per SM left) start on this many KV heads.
   const int64_t q_blocks = (q.size(2) + kWgmmaBlockQ - 1) / kWgmmaBlockQ;
@@ -329,7 +341,7 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
   const int64_t key_blocks = is_causal && causal_blocks < kv_blocks ? causal_blocks : kv_blocks;
   PreparedKV kv = prepare_kv_cuda(k, v, k_mean, v_mean, key_blocks, prepare_sms, static_cast<int>(first_heads));
   return launch_wgmma(q, kv.kv.k_codes, kv.kv.k_scales, kv.kv.v_codes, kv.kv.v_tile_scale, v_mean, k_mean, k.size(2),
-                      sm_scale, is_causal, out_nhd, return_lse, kv.ready.data_ptr<int>(), prepare_sms);
+                      sm_scale, is_causal, out_nhd, return_lse, kv.ready.data_ptr<int>(), prepare_sms, false);
 }
 
 }  // namespace sageattention2

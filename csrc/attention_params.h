@@ -102,6 +102,10 @@ struct AttentionWgmmaParams {
   // before. prepare_sms: the SMs prepare_kv's grid holds (a persistent grid leaves them out).
   const int* tile_ready = nullptr;
   int prepare_sms = 0;
+  // Launched as a programmatic dependent of quantize_kv, launched just before it by the same
+  // call (tile_ready null): the CTAs start, load their first Q and set up while that launch
+  // ends, and wait for it before anything it writes is read (AttentionWgmmaKernel).
+  bool after_quantize_kv = false;
 };
 
 // cudaErrorNotSupported when this build has no sm_90a code.

@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "attention_wgmma_kernel.cuh"
+#include "launch.cuh"
 
 namespace sageattention2 {
 namespace {
@@ -70,20 +71,13 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   // them would start its whole static share late.
   const int free_sms = p.tile_ready != nullptr && p.prepare_sms < sms ? sms - p.prepare_sms : sms;
   const int64_t ctas = persistent && units > free_sms ? free_sms : units;
-  cudaLaunchConfig_t config{};
-  config.gridDim = dim3(static_cast<unsigned>(ctas));
-  config.blockDim = dim3(Kernel::kThreads);
-  config.dynamicSmemBytes = Kernel::kSmemBytes;
-  config.stream = stream;
   // After prepare_kv: a programmatic dependent launch, which starts as soon as every prepare_kv
   // CTA has started (they trigger at once) and reads each tile after its counter, not after
-  // that grid's end. Without the attribute the launch would wait for all of prepare_kv.
-  cudaLaunchAttribute attribute{};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = p.tile_ready != nullptr ? 1 : 0;
-  return cudaLaunchKernelEx(&config, kernel, p, k_map, v_map);
+  // that grid's end. Without it the launch would wait for all of prepare_kv. After quantize_kv
+  // (after_quantize_kv): one that starts once that grid's last CTAs have started, and waits for
+  // its end at griddepcontrol.wait (AttentionWgmmaKernel).
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), dim3(Kernel::kThreads), Kernel::kSmemBytes, stream,
+                       p.tile_ready != nullptr || p.after_quantize_kv, p, k_map, v_map);
 }
 
 template <typename T, int kHeadDim>

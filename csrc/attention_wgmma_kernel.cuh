@@ -148,6 +148,9 @@ struct AttentionWgmmaKernel {
                                  Smem& s) {
     ptx::prefetch_tensor_map(k_map);
     ptx::prefetch_tensor_map(v_map);
+    // K, its scales and V: complete once quantize_kv, the launch before, is (after_quantize_kv;
+    // otherwise it returns at once). Beside prepare_kv, each tile's counter says so instead.
+    if (p.tile_ready == nullptr) ptx::griddepcontrol_wait();
     const Schedule sc = schedule(p.q_len, p.batch, p.q_heads);
     uint32_t seq = 0;  // tiles streamed so far: the ring position
     int64_t unit = blockIdx.x;
@@ -415,6 +418,9 @@ struct AttentionWgmmaKernel {
     Tile w;
     bool have = seek(p, sc, unit, half, w);
     if (have) stage_q(p, w, consumer * 64 + slab_row, t, stage, lane);
+    // Up to here only the caller's Q is read (complete before smoothing_stats started); the means
+    // and V's tile scales are written by the launches before (after_quantize_kv).
+    if (p.tile_ready == nullptr) ptx::griddepcontrol_wait();
     uint32_t seq = 0;  // tiles consumed so far: the ring position
     while (have) {
       int64_t next_unit = unit;

@@ -2,6 +2,7 @@
 // dtype x QK-type switch of the preprocessing lives in this file.
 #include <type_traits>
 
+#include "launch.cuh"
 #include "preprocess_kernels.cuh"
 
 namespace sageattention2 {
@@ -43,7 +44,8 @@ cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool i
   return status != cudaSuccess ? status : cudaGetLastError();
 }
 
-cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream) {
+cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
+                               bool after_smoothing_stats) {
   const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.block_k * (p.has_v ? 2 : 1)), p.k.heads, p.k.batch);
   // K from registers needs no staging tile: only V (if any) does then.
   const size_t smem =
@@ -61,7 +63,8 @@ cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool
     };
     auto kernel = int4 ? pick(std::true_type{}) : pick(std::false_type{});
     status = allow_dynamic_smem(kernel, smem);
-    if (status == cudaSuccess) kernel<<<grid, kPreprocessThreads, smem, stream>>>(p);
+    if (status == cudaSuccess)
+      status = launch_kernel(kernel, grid, dim3(kPreprocessThreads), smem, stream, after_smoothing_stats, p);
   });
   return status != cudaSuccess ? status : cudaGetLastError();
 }

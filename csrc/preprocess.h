@@ -59,6 +59,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier);
+// The same, launched as a programmatic dependent of the smoothing_stats launch that the caller
+// made just before it (after_smoothing_stats; quantize_kv_kernel says what that allows).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_after_cuda(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double delta_s_multiplier, bool after_smoothing_stats);
 
 // quantize_kv's Hopper-path outputs (block_k 128, INT8, one V scale per tile) for the first
 // key_blocks 128-key blocks of every head, written by prepare_kv on `ctas` SMs while the

@@ -48,6 +48,7 @@ __device__ __forceinline__ void write_stats(const StatsSource& src, int job, int
 template <typename T>
 __global__ void __launch_bounds__(kPreprocessThreads)
     smoothing_stats_partial_kernel(const __grid_constant__ StatsParams p) {
+  ptx::griddepcontrol_launch_dependents();  // quantize_kv may start (quantize_kv_kernel)
   __shared__ float red_sum[kPreprocessThreads * kElemsPerVector];
   __shared__ float red_max[kPreprocessThreads * kElemsPerVector];
   __shared__ float red_min[kPreprocessThreads * kElemsPerVector];
@@ -132,6 +133,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
 
 __global__ void __launch_bounds__(kPreprocessThreads)
     smoothing_stats_finalize_kernel(const __grid_constant__ StatsParams p) {
+  ptx::griddepcontrol_launch_dependents();  // quantize_kv may start (quantize_kv_kernel)
   const int job = blockIdx.x;
   const StatsSource& src = p.sources[stats_source_of_job(p, job)];
   const int head_dim = src.view.head_dim;
@@ -339,6 +341,7 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   const int64_t blocks = p.padded_tokens / block_k;
 
   start_kv_tile_copy<T, kHeadDim>(tile, p.k, b, h, row0, valid);
+  ptx::griddepcontrol_wait();  // the means, and every write, after the kernel before (quantize_kv_kernel)
   for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads)
     mean[d] = p.k_mean != nullptr ? p.k_mean[bh * head_dim + d] : 0.0f;
   if (threadIdx.x < kKGroupsPerBlock) group_amax[threadIdx.x] = 0u;
@@ -423,6 +426,7 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
   for (int j = 0; j < kPasses; ++j)
     raw[j] = first_row + j * kRowsPerPass < valid ? ptx::ld_global_nc_v4(src + j * kRowsPerPass * p.k.stride_n)
                                                   : make_uint4(0u, 0u, 0u, 0u);
+  ptx::griddepcontrol_wait();  // the means, and every write, after the kernel before (quantize_kv_kernel)
   float mean[kElemsPerVector];
 #pragma unroll
   for (int e = 0; e < kElemsPerVector; ++e)
@@ -491,6 +495,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   const int64_t bh = static_cast<int64_t>(b) * p.v.heads + h;
 
   if (!copy_started) start_kv_tile_copy<T, kHeadDim>(v_tile, p.v, b, h, row0, valid, threads);
+  ptx::griddepcontrol_wait();  // the means, and every write, after the kernel before (quantize_kv_kernel)
   const bool per_tile = p.v_scale == nullptr;
   for (int d = tid; d < head_dim; d += kPreprocessThreads) {
     mean[d] = p.v_mean != nullptr ? p.v_mean[bh * head_dim + d] : 0.0f;
@@ -557,9 +562,16 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
 
 // Grid: x = KV blocks (times 2 with V: K and V CTAs of a block adjacent), y = kv heads, z = batch.
 // kHeadDim: the head_dim at compile time (64, 128) or 0 (any other, read from the views).
+// sageattn's Hopper path launches it as a programmatic dependent of smoothing_stats, and the
+// attention kernel as one of it, so that each launch's start and first loads overlap the tail
+// of the one before (launch_quantize_kv). Before griddepcontrol.wait a tile function only
+// starts loading the caller's K or V, which were complete before smoothing_stats started; the
+// means that launch writes, and every write of this one (into memory that may have been freed
+// while that launch ran), come after it.
 template <typename T, bool kInt4, int kHeadDim>
 __global__ void __launch_bounds__(kPreprocessThreads)
     quantize_kv_kernel(const __grid_constant__ QuantizeKVParams p) {
+  ptx::griddepcontrol_launch_dependents();
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* tile = reinterpret_cast<T*>(smem_raw);  // [block_k][pitch]
   __shared__ KVTileSmem sm;

@@ -148,6 +148,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier) {
+  return quantize_kv_after_cuda(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype, delta_s_multiplier, false);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_after_cuda(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double delta_s_multiplier, bool after_smoothing_stats) {
   QuantizeKVOutputs out = allocate_quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype);
   check_launchable(k, "k");
   check_optional_launchable(v, "v");
@@ -158,7 +166,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   const c10::cuda::CUDAGuard guard(k.device());
   const QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, q_mean, block_k, delta_s_multiplier, out);
   const bool int4 = parse_qk_dtype(qk_dtype) == QkDtype::kInt4;
-  C10_CUDA_CHECK(launch_quantize_kv(p, input_dtype(k), int4, at::cuda::getCurrentCUDAStream()));
+  C10_CUDA_CHECK(
+      launch_quantize_kv(p, input_dtype(k), int4, at::cuda::getCurrentCUDAStream(), after_smoothing_stats));
   return {out.k_codes, out.k_scales, out.v_codes, out.delta_s, out.v_tile_scale};
 }
 

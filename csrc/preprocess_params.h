@@ -112,7 +112,10 @@ enum class InputDtype { kFloat16, kBFloat16 };
 // Each returns the launch status (cudaGetLastError after the launch).
 cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dtype, cudaStream_t stream);
 cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool int4, cudaStream_t stream);
-cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream);
+// after_smoothing_stats: as a programmatic dependent of smoothing_stats, launched just before it
+// by the same call (quantize_kv_kernel).
+cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
+                               bool after_smoothing_stats = false);
 // `ctas` CTAs of kPrepareParts * kPreprocessThreads threads, one per SM. cudaErrorNotSupported
 // where this build's code for the GPU predates sm_90 (it runs beside the Hopper kernel only).
 cudaError_t launch_prepare_kv(const PrepareKVParams& p, InputDtype dtype, int ctas, cudaStream_t stream);

@@ -53,6 +53,23 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kPending) : "memory"); }
 
+// PTX ISA, "griddepcontrol" (sm_90+; below it no launch is programmatic and both are no-ops).
+// launch_dependents lets the grid launched after this one with programmatic stream
+// serialization (CUDA's programmatic dependent launch) start once every CTA of this grid has
+// executed it or exited, instead of once this grid has completed. wait blocks until the grids
+// this one depends on have completed and their memory is visible; in a grid launched the
+// ordinary way they completed before it started, and it returns at once.
+__device__ __forceinline__ void griddepcontrol_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void griddepcontrol_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // PTX ISA, "bar.sync" with a barrier id held in a register (warp-uniform): the barrier of one
 // part of a CTA whose parts work independently.
 __device__ __forceinline__ void barrier_sync(int id, int threads) {
@@ -242,12 +259,6 @@ __device__ __forceinline__ int ld_acquire_gpu(const int* counter) {
 // of global memory with its later async-proxy ones (copy-engine reads of data other threads
 // wrote with ordinary stores, after the acquire that made those stores visible).
 __device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
-// PTX ISA, "griddepcontrol": launch_dependents lets the grid launched after this one with
-// programmatic stream serialization (CUDA's programmatic dependent launch) start once every CTA
-// of this grid has executed it or exited, instead of once this grid has completed.
-__device__ __forceinline__ void griddepcontrol_launch_dependents() {
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
 // PTX ISA, "prefetch.tensormap": bring a tensor map (a kernel parameter) into the cache.
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(tensor_map) : "memory");

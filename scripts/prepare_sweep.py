@@ -1,8 +1,11 @@
-"""The full sageattn call on Hopper against the number of SMs that prepare K and V beside the
-kernel (SAGEATTN_PREPARE_SMS; 0 = quantize_kv as a separate launch before it), side by side with
-the kernel alone and SDPA, ANCHORS protocol (B4 H32 fp16, do_bench medians). TOPS.
+"""The full sageattn call on Hopper under launch settings given as environment variables, side by
+side with the kernel alone and SDPA, ANCHORS protocol (B4 H32 fp16, do_bench medians), in one
+process. TOPS. A variant is "default" or NAME=VALUE[,NAME=VALUE...]; --sms n adds
+SAGEATTN_PREPARE_SMS=n (K and V prepared on n SMs beside the kernel; 0 = quantize_kv as a
+separate launch before it), SAGEATTN_PDL=0 launches each step only after the one before ends.
 
-    python3 scripts/prepare_sweep.py [--sms 0 8 16 24] [--n 1024 4096] [--head-dim 128 64]
+    python3 scripts/prepare_sweep.py [--variants default SAGEATTN_PDL=0] [--sms 0 8 16]
+                                     [--n 1024 4096] [--head-dim 128 64]
 """
 import argparse
 import os
@@ -16,31 +19,32 @@ from triton.testing import do_bench
 from sageattention2 import ops, sageattn
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--sms", nargs="+", default=["0", "default", "8", "16", "24"])
+parser.add_argument("--variants", nargs="*", default=["default"])
+parser.add_argument("--sms", nargs="*", default=[])
 parser.add_argument("--n", nargs="+", type=int, default=[1024, 4096])
 parser.add_argument("--head-dim", nargs="+", type=int, default=[128, 64])
 args = parser.parse_args()
+variants = args.variants + [f"SAGEATTN_PREPARE_SMS={n}" for n in args.sms]
 
 
 def ms(fn):
     return do_bench(fn, warmup=25, rep=150, return_mode="median")
 
 
-def full_call(q, k, v, causal, sms):
-    if sms == "default":
-        os.environ.pop("SAGEATTN_PREPARE_SMS", None)
-    else:
-        os.environ["SAGEATTN_PREPARE_SMS"] = sms
+def full_call(q, k, v, causal, variant):
+    env = {} if variant == "default" else dict(kv.split("=", 1) for kv in variant.split(","))
+    os.environ.update(env)
     try:
         return ms(lambda: sageattn(q, k, v, is_causal=causal))
     finally:
-        os.environ.pop("SAGEATTN_PREPARE_SMS", None)
+        for name in env:
+            os.environ.pop(name)
 
 
 print(torch.cuda.get_device_name())
-cols = " | ".join(f"full, {s} SMs" for s in args.sms)
+cols = " | ".join(f"full, {s}" for s in variants)
 print(f"| D | N | causal | flash | cuDNN | kernel | {cols} |")
-print("|---|---|---|---|---|---|" + "---|" * len(args.sms))
+print("|---|---|---|---|---|---|" + "---|" * len(variants))
 for d in args.head_dim:
     for n in args.n:
         q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
@@ -55,7 +59,7 @@ for d in args.head_dim:
                 cudnn = tops(ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
             kern = tops(ms(lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None,
                                                        None, n, d ** -0.5, causal, False, False)))
-            fulls = " | ".join(f"{tops(full_call(q, k, v, causal, s)):.0f}" for s in args.sms)
+            fulls = " | ".join(f"{tops(full_call(q, k, v, causal, s)):.0f}" for s in variants)
             print(f"| {d} | {n} | {causal} | {fa:.0f} | {cudnn:.0f} | {kern:.0f} | {fulls} |")
             sys.stdout.flush()
         del q, k, v, kv

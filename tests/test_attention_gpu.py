@@ -587,18 +587,21 @@ def test_wgmma_op_reads_q_views(layout: str, shape: tuple[int, ...], causal: boo
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("smoothing", [*WGMMA_SMOOTHING, (False, True)],
                          ids=["smooth-k", "smooth-kv", "no-smooth", "smooth-v"])
-@pytest.mark.parametrize("prepare_sms", [None, "0", "1", "131"],
-                         ids=["prepare-default", "quantize-kv-first", "prepare-1-sm", "attention-1-sm"])
+@pytest.mark.parametrize("env", [{}, {"SAGEATTN_PDL": "0"}, {"SAGEATTN_PREPARE_SMS": "0"},
+                                 {"SAGEATTN_PREPARE_SMS": "1"}, {"SAGEATTN_PREPARE_SMS": "131"}],
+                         ids=["default", "no-programmatic-launch", "quantize-kv-first", "prepare-1-sm",
+                              "attention-1-sm"])
 def test_sageattn_wgmma_is_its_chain(shape: tuple[int, ...], smoothing: tuple[bool, bool],
-                                     prepare_sms: str | None, monkeypatch: pytest.MonkeyPatch) -> None:
+                                     env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
     """sageattn_wgmma (the op sageattn runs on Hopper: statistics over the token sample, K and V
     prepared beside the kernel or quantize_kv before it, and the kernel, from one C++ call) gives
     run_wgmma_op's output and LSE (the ops one by one) bit for bit, its intermediates and outputs
     on poisoned memory, for HND and NHD k and v (the sample is a strided view of either). The
     SM split is forced to its extremes too: one SM preparing for all the attention CTAs (which
-    then wait on nearly every tile), and all SMs but one preparing."""
-    if prepare_sms is not None:
-        monkeypatch.setenv("SAGEATTN_PREPARE_SMS", prepare_sms)
+    then wait on nearly every tile), and all SMs but one preparing; and by default (each launch
+    a programmatic dependent of the one before) and without that."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
     smooth_k, smooth_v = smoothing
     b, hq, hkv, nq, nk, d = shape
     for causal, layout, dtype in ((False, "HND", torch.float16), (True, "NHD", torch.bfloat16)):
