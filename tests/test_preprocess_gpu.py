@@ -276,6 +276,35 @@ def test_dequantized_matches_input():
     assert ((v_hat - v.float()).abs() <= bound * (1 + 1e-5) + 1e-6).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_v_tile_codes_bit_exact_at_the_range_edges(dtype):
+    """fp16 V without a mean under one scale per tile is quantized in packed fp16 arithmetic
+    (quantize_v_tile), which must give the float path's codes bit for bit wherever it is taken,
+    and fall back where 1 / s is no normal fp16: tiles whose scale is above 1 (products of the
+    tile's tiny and signed-zero values in fp16's subnormal range), 1 / s = 2^14, 2^15 (the last
+    packed one) and 2^16 (float), an all-zero tile, and a short last tile. bf16 takes the float
+    path throughout: the same tiles, the same contract."""
+    g = torch.Generator(device="cuda").manual_seed(23)
+    _, k, _ = make_qkv(1, 2, 2, 680, 680, 128, dtype=dtype, layout="hnd", seed=6)
+    v = torch.randn(1, 2, 680, 128, device="cuda", generator=g)
+    tiles = list(v.split(128, dim=2))
+    tiles[1].mul_(3000.0)  # amax ~1.4e4: scale 2^5, so v / s may land below fp16's normal range
+    tiles[1][..., 0, :8] = torch.tensor([1e-5, -1e-5, 6e-8, -6e-8, 0.0, -0.0, 3e-4, -3e-4], device="cuda")
+    for tile, amax in ((tiles[2], 0.02), (tiles[3], 0.0125), (tiles[4], 0.005)):  # 1 / s = 2^14, 2^15, 2^16
+        tile.mul_(amax / tile.abs().amax(dim=(2, 3), keepdim=True))
+    tiles[0][:, 1] = 0.0
+    v = v.to(dtype)
+    k_mean = ops.smoothing_stats(None, k, None, False).k_mean
+    poison_allocator()
+    out = ops.quantize_kv(k, v, k_mean, None, None, None, 128, "int8", 1.0)
+    want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean), None, None, None, 128, "int8", 1.0)
+    if dtype == torch.float16:
+        inv = 1.0 / want[4][0, 0, :5]
+        assert inv[1] < 1.0 and inv[2] == 2.0**14 and inv[3] == 2.0**15 and inv[4] == 2.0**16
+    assert_bits_equal(out[4], want[4], "v tile scales")
+    assert_bits_equal(out[2], want[2], "v fp8")
+
+
 def test_v_tile_scales_dequantize():
     """quantize_kv without v_scale: one FP8 scale per 128-key tile (the Hopper kernel's V). The
     dequantized V is within E4M3's rounding of the input, tile by tile, including an all-zero
