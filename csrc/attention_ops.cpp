@@ -313,9 +313,13 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
   check_sageattn_wgmma(q, k, v, sample_stride);
   std::optional<at::Tensor> k_mean, v_mean;
+  // All of smoothing_stats' outputs live until the end: quantize_kv, launched as its programmatic
+  // dependent, may write before it completes (V without v_mean), so none of its outputs may
+  // reuse memory of a tensor smoothing_stats still touches.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats;
   if (smooth_k || smooth_v) {
-    auto stats = smoothing_stats_cuda(std::nullopt, token_sample(k, smooth_k, sample_stride),
-                                      token_sample(v, smooth_v, sample_stride), smooth_v);
+    stats = smoothing_stats_cuda(std::nullopt, token_sample(k, smooth_k, sample_stride),
+                                 token_sample(v, smooth_v, sample_stride), smooth_v);
     if (smooth_k) k_mean = std::get<1>(stats);
     if (smooth_v) v_mean = std::get<2>(stats);
   }

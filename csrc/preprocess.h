@@ -60,7 +60,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier);
 // The same, launched as a programmatic dependent of the smoothing_stats launch that the caller
-// made just before it (after_smoothing_stats; quantize_kv_kernel says what that allows).
+// made just before it, whose inputs and outputs it keeps alive until this launch
+// (after_smoothing_stats; what that allows: quantize_kv_kernel).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_after_cuda(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,

@@ -506,7 +506,9 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   const int64_t bh = static_cast<int64_t>(b) * p.v.heads + h;
 
   if (!copy_started) start_kv_tile_copy<T, kHeadDim>(v_tile, p.v, b, h, row0, valid, threads);
-  ptx::griddepcontrol_wait();  // the means, and every write, after the kernel before (quantize_kv_kernel)
+  // The means, and every write, after the kernel before (quantize_kv_kernel); a V tile that
+  // needs nothing of it and writes only memory it never touches need not wait.
+  if (!(p.v_overlaps_prior_grid && p.v_mean == nullptr && p.v_scale == nullptr)) ptx::griddepcontrol_wait();
   const bool per_tile = p.v_scale == nullptr;
   for (int d = tid; d < head_dim; d += kPreprocessThreads) {
     mean[d] = p.v_mean != nullptr ? p.v_mean[bh * head_dim + d] : 0.0f;
@@ -611,7 +613,9 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
 // of the one before (launch_quantize_kv). Before griddepcontrol.wait a tile function only
 // starts loading the caller's K or V, which were complete before smoothing_stats started; the
 // means that launch writes, and every write of this one (into memory that may have been freed
-// while that launch ran), come after it.
+// while that launch ran), come after it. Except (v_overlaps_prior_grid) a V tile that needs no
+// mean or scale from it, in a call that keeps that launch's tensors alive: it runs whole beside
+// smoothing_stats.
 template <typename T, bool kInt4, int kHeadDim>
 __global__ void __launch_bounds__(kPreprocessThreads)
     quantize_kv_kernel(const __grid_constant__ QuantizeKVParams p) {

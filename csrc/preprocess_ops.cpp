@@ -164,7 +164,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   check_optional_launchable(v_scale, "v_scale");
   check_optional_launchable(q_mean, "q_mean");
   const c10::cuda::CUDAGuard guard(k.device());
-  const QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, q_mean, block_k, delta_s_multiplier, out);
+  QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, q_mean, block_k, delta_s_multiplier, out);
+  p.v_overlaps_prior_grid = after_smoothing_stats;
   const bool int4 = parse_qk_dtype(qk_dtype) == QkDtype::kInt4;
   C10_CUDA_CHECK(
       launch_quantize_kv(p, input_dtype(k), int4, at::cuda::getCurrentCUDAStream(), after_smoothing_stats));

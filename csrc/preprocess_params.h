@@ -74,6 +74,11 @@ struct QuantizeKVParams {
   uint8_t* v_codes = nullptr;      // [B, Hkv, D, padded_tokens] E4M3
   float* delta_s = nullptr;        // [B, Hq, padded_tokens] or null
   float* v_tile_scale = nullptr;   // [B, Hkv, blocks]: written when V comes without v_scale
+  // Launched as a programmatic dependent of smoothing_stats by a caller that keeps that launch's
+  // inputs and outputs alive until this launch (launch_quantize_kv): V tiles that read none of
+  // its outputs (no v_mean, no v_scale) then run without waiting for it, since no output of
+  // this launch can share memory with a tensor it still touches.
+  bool v_overlaps_prior_grid = false;
 };
 
 // quantize_kv quantizes K from registers (quantize_k_block_in_registers) for the head_dims it has
@@ -113,7 +118,8 @@ enum class InputDtype { kFloat16, kBFloat16 };
 cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dtype, cudaStream_t stream);
 cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool int4, cudaStream_t stream);
 // after_smoothing_stats: as a programmatic dependent of smoothing_stats, launched just before it
-// by the same call (quantize_kv_kernel).
+// by the same call (quantize_kv_kernel); p.v_overlaps_prior_grid says what else the caller
+// guarantees.
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
                                bool after_smoothing_stats = false);
 // `ctas` CTAs of kPrepareParts * kPreprocessThreads threads, one per SM. cudaErrorNotSupported
