@@ -263,6 +263,25 @@ def test_fp8_rounding_and_saturation():
     assert p.float().tolist() == [448.0, 224.0, 0.0]
 
 
+def test_v_tile_codes_in_fp16_arithmetic_equal_the_float_path():
+    """quantize_kv quantizes fp16 V without a mean in packed fp16 (HMUL2 by 1/s, then E4M3 from
+    the fp16 product), claiming the float path's codes, e4m3(float(v) * (1/s)), bit for bit
+    wherever 1/s is a power of two in [2^-8, 2^15] (a tile scale of fp16 V) and |v| * (1/s) <=
+    448 (every value of the tile whose max set s). Checked here for every finite fp16 value and
+    every such 1/s: the fp16 product is exact while it is a normal number, and smaller products
+    round to a signed zero in E4M3 either way."""
+    bits = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(torch.float16)
+    x = x[torch.isfinite(x)]
+    for k in range(-8, 16):
+        inv = 2.0 ** k
+        v = x[x.float().abs() * inv <= 448.0]
+        float_path = (v.float() * inv).to(torch.float8_e4m3fn).view(torch.uint8)
+        half_path = (v * torch.tensor(inv, dtype=torch.float16)).to(torch.float8_e4m3fn).view(torch.uint8)
+        assert torch.equal(half_path, float_path), f"1/s = 2^{k}"
+        assert v.numel() > 1000
+
+
 def test_quantize_q_reference_layout_and_padding():
     g = _gen(5)
     B, H, N, D = 2, 3, 200, 32
