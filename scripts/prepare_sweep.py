@@ -5,7 +5,7 @@ SAGEATTN_PREPARE_SMS=n (K and V prepared on n SMs beside the kernel; 0 = quantiz
 separate launch before it), SAGEATTN_PDL=0 launches each step only after the one before ends.
 
     python3 scripts/prepare_sweep.py [--variants default SAGEATTN_PDL=0] [--sms 0 8 16]
-                                     [--n 1024 4096] [--head-dim 128 64]
+                                     [--n 1024 4096] [--head-dim 128 64] [--rep 150]
 """
 import argparse
 import os
@@ -23,12 +23,15 @@ parser.add_argument("--variants", nargs="*", default=["default"])
 parser.add_argument("--sms", nargs="*", default=[])
 parser.add_argument("--n", nargs="+", type=int, default=[1024, 4096])
 parser.add_argument("--head-dim", nargs="+", type=int, default=[128, 64])
+# do_bench's time budget per measurement, ms: one 16K hd128 call takes ~19 ms, so 150 ms gives
+# ~8 samples and +-7 % (benchmarks/RESULTS.md, session 23); use ~1000 there.
+parser.add_argument("--rep", type=int, default=150)
 args = parser.parse_args()
 variants = args.variants + [f"SAGEATTN_PREPARE_SMS={n}" for n in args.sms]
 
 
 def ms(fn):
-    return do_bench(fn, warmup=25, rep=150, return_mode="median")
+    return do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
 
 
 def full_call(q, k, v, causal, variant):
