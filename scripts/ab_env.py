@@ -9,9 +9,9 @@ import argparse
 import os
 
 import torch
-from triton.testing import do_bench
 
-from sageattention2 import ops, sageattn
+from hopper_timing import anchors_inputs, kernel_alone, ms, tops
+from sageattention2 import sageattn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--var", default="SAGEATTN_WGMMA_GRID")
@@ -27,14 +27,10 @@ print(f"| D | N | causal | kernel {a} | kernel {b} | ratio | full {a} | full {b}
 print("|---|---|---|---|---|---|---|---|---|")
 for d in args.d:
     for n in args.n:
-        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-        stats = ops.smoothing_stats(None, k, None, False)
-        kv = ops.quantize_kv(k, v, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+        q, k, v, kv = anchors_inputs(n, d)
         for causal in (False, True):
-            count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
             fns = {
-                "kernel": lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None,
-                                                      None, n, d ** -0.5, causal, False, False),
+                "kernel": kernel_alone(q, kv, causal),
                 "full": lambda: sageattn(q, k, v, is_causal=causal),
             }
             med = {}
@@ -43,7 +39,7 @@ for d in args.d:
                 for _ in range(args.rounds):
                     for value in (a, b):
                         os.environ[args.var] = value
-                        res[value].append(count / do_bench(fn, warmup=25, rep=150, return_mode="median") / 1e9)
+                        res[value].append(tops(ms(fn), n, d, causal))
                 for value in (a, b):
                     med[what, value] = sorted(res[value])[len(res[value]) // 2]
             cells = []

@@ -12,11 +12,9 @@ import os
 import sys
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
-from triton.testing import do_bench
 
-from sageattention2 import ops, sageattn
+from hopper_timing import CUDNN, FLASH, anchors_inputs, kernel_alone, ms, sdpa_ms, tops
+from sageattention2 import sageattn
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--variants", nargs="*", default=["default"])
@@ -30,15 +28,11 @@ args = parser.parse_args()
 variants = args.variants + [f"SAGEATTN_PREPARE_SMS={n}" for n in args.sms]
 
 
-def ms(fn):
-    return do_bench(fn, warmup=25, rep=args.rep, return_mode="median")
-
-
 def full_call(q, k, v, causal, variant):
     env = {} if variant == "default" else dict(kv.split("=", 1) for kv in variant.split(","))
     os.environ.update(env)
     try:
-        return ms(lambda: sageattn(q, k, v, is_causal=causal))
+        return ms(lambda: sageattn(q, k, v, is_causal=causal), args.rep)
     finally:
         for name in env:
             os.environ.pop(name)
@@ -50,19 +44,11 @@ print(f"| D | N | causal | flash | cuDNN | kernel | {cols} |")
 print("|---|---|---|---|---|---|" + "---|" * len(variants))
 for d in args.head_dim:
     for n in args.n:
-        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-        stats = ops.smoothing_stats(None, k, None, False)
-        kv = ops.quantize_kv(k, v, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+        q, k, v, kv = anchors_inputs(n, d)
         for causal in (False, True):
-            count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
-            tops = lambda t: count / t / 1e9  # noqa: E731
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                fa = tops(ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
-            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-                cudnn = tops(ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)))
-            kern = tops(ms(lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None,
-                                                       None, n, d ** -0.5, causal, False, False)))
-            fulls = " | ".join(f"{tops(full_call(q, k, v, causal, s)):.0f}" for s in variants)
+            fa, cudnn = (tops(sdpa_ms(backend, q, k, v, causal, args.rep), n, d, causal) for backend in (FLASH, CUDNN))
+            kern = tops(ms(kernel_alone(q, kv, causal), args.rep), n, d, causal)
+            fulls = " | ".join(f"{tops(full_call(q, k, v, causal, s), n, d, causal):.0f}" for s in variants)
             print(f"| {d} | {n} | {causal} | {fa:.0f} | {cudnn:.0f} | {kern:.0f} | {fulls} |")
             sys.stdout.flush()
         del q, k, v, kv

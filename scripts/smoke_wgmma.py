@@ -4,11 +4,9 @@ bit-level emulation and exact attention over a grid of shapes, then the ANCHORS 
     python3 scripts/smoke_wgmma.py [--no-bench] [--quick]
 """
 import argparse
-import math
 import sys
 
 import torch
-import torch.nn.functional as F
 
 from sageattention2 import api, ops, sageattn
 from sageattention2 import reference as ref
@@ -55,18 +53,7 @@ sys.stdout.flush()
 if args.no_bench:
     sys.exit(0)
 
-from triton.testing import do_bench  # noqa: E402
-from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
-
-
-def ms(fn):
-    return do_bench(fn, warmup=25, rep=150, return_mode="median")
-
-
-def sdpa(backend, q, k, v, causal):
-    with sdpa_kernel(backend):
-        return ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-
+from hopper_timing import CUDNN, FLASH, anchors_inputs, kernel_alone, ms, sdpa_ms, tops  # noqa: E402
 
 
 
@@ -86,18 +73,12 @@ print("| D | N | causal | SDPA flash | SDPA cuDNN | sageattn full | full, ops fr
 print("|---|---|---|---|---|---|---|---|---|")
 for d in (128, 64):
     for n in ((1024, 4096) if args.quick else (1024, 4096, 16384)):
-        q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-        stats = ops.smoothing_stats(None, k, None, False)
-        kv = ops.quantize_kv(k, v, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+        q, k, v, kv = anchors_inputs(n, d)
         for causal in (False, True):
-            count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
-            tops = lambda t: count / t / 1e9  # noqa: E731
-            fa = tops(sdpa(SDPBackend.FLASH_ATTENTION, q, k, v, causal))
-            cudnn = tops(sdpa(SDPBackend.CUDNN_ATTENTION, q, k, v, causal))
-            full = tops(ms(lambda: sageattn(q, k, v, is_causal=causal)))
-            chain = tops(ops_one_by_one(lambda: ms(lambda: sageattn(q, k, v, is_causal=causal))))
-            kern = tops(ms(lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, None,
-                                                       n, d ** -0.5, causal, False, False)))
+            fa, cudnn = (tops(sdpa_ms(backend, q, k, v, causal), n, d, causal) for backend in (FLASH, CUDNN))
+            full = tops(ms(lambda: sageattn(q, k, v, is_causal=causal)), n, d, causal)
+            chain = tops(ops_one_by_one(lambda: ms(lambda: sageattn(q, k, v, is_causal=causal))), n, d, causal)
+            kern = tops(ms(kernel_alone(q, kv, causal)), n, d, causal)
             print(f"| {d} | {n} | {causal} | {fa:.0f} | {cudnn:.0f} | {full:.0f} | {chain:.0f} | {kern:.0f} "
                   f"| {full / cudnn:.2f}x |")
             sys.stdout.flush()
