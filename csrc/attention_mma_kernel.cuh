@@ -38,10 +38,12 @@ __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
 // mantissa bits. An INT8 dot product over at most 256 channels is below 127^2 * 256 < 2^22.
 // I2F issues at a quarter of the FMA rate on the unit that also runs ex2 (ncu: the kernel was
 // issue-bound), so this moves 32 conversions per thread and tile to the integer and FMA pipes.
-__device__ __forceinline__ float small_int_to_float(int32_t x) {
-  constexpr int32_t kMagic = 0x4B400000;  // 1.5 * 2^23
-  return __int_as_float(x + kMagic) - 12582912.0f;
-}
+inline constexpr int32_t kSmallIntMagic = 0x4B400000;  // the bits of 1.5 * 2^23
+inline constexpr float kSmallIntOffset = 12582912.0f;   // 1.5 * 2^23
+// The float 1.5 * 2^23 + x, exactly (the first step of small_int_to_float). Floats of this form
+// order as their x do.
+__device__ __forceinline__ float small_int_plus_offset(int32_t x) { return __int_as_float(x + kSmallIntMagic); }
+__device__ __forceinline__ float small_int_to_float(int32_t x) { return small_int_plus_offset(x) - kSmallIntOffset; }
 
 // The value, hidden from the optimiser: what is derived from it is computed where it is used,
 // not hoisted out of a loop into registers held across it.
@@ -53,6 +55,15 @@ __device__ __forceinline__ int opaque(int x) {
 template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
 struct AttentionMmaKernel {
   static constexpr bool kFp8Pv = kPv == PvOperands::kFp8;
+  // The dequantization folded into the exponent (the KV loop says how): for P~ in the input
+  // dtype without Delta-S (sageattn's INT8 default on sm_80/sm_90), whose lazy running max
+  // already lets P~ exceed 1 (up to 256), so the max may be rounded up to an integer. At head_dim
+  // 64 only: +5-8 % there on the H100; at 128, whose loop runs at 255 registers, it measured
+  // within 1 % and kept a value in local memory (benchmarks/RESULTS.md, session 24).
+  static constexpr bool kFoldedExponent = !kFp8Pv && !kSmoothQ && kHeadDim == 64;
+  // The folded exponent's least scale: only all-zero Q or K groups (codes 0) have a smaller one
+  // (0); fp16/bf16 inputs give at least ~1e-20. A power of two, so 1.5 * 2^23 * s stays exact.
+  static constexpr float kMinFoldedScale = 0x1p-100f;
   static constexpr int kBlockQ = kMmaBlockQ;
   // Execution geometry. The FP8 variants (Ada's fast path, registers tight): 8 warps of one
   // 16-row MMA slab, 128-key tiles. INT8 + FP16 PV: 4 warps of two slabs and 64-key tiles, as
@@ -446,7 +457,24 @@ struct AttentionMmaKernel {
 
       // ---- dequantize (one scale per thread), Delta-S, masks ----
       // Keys 2t and 2t+1 of every 8 are K group t (Eq. 8), so one K scale per thread too.
+      // kFoldedExponent: each score stays f = 1.5 * 2^23 + x (x its integer dot product) until
+      // its exponent, which is then one FFMA, f * s - (1.5 * 2^23 * s + m) = x * s - m rounded
+      // once: three dependent instructions per score fewer than dequantizing and then subtracting
+      // the row max m (a tenth of the loop's instructions). A thread takes its max on its f (they
+      // order as x does). The constant is exact: s keeps 20 significant bits (a relative change
+      // below 1e-6), so 1.5 * 2^23 * s has at most 22, and m is an integer (the row max rounded
+      // up), both on the grid of their sum while s < 0.67; beyond (scores of 2^22 units of s,
+      // the end of the INT8 range) the constant is rounded by at most a third of a unit of s, far
+      // below the quantization error. With FP8 P~ and with Delta-S, scores are dequantized first.
       const float k_scale = s.k_scale(stage)[t];
+      float qk_scale[kSlabs];
+#pragma unroll
+      for (int sl = 0; sl < kSlabs; ++sl) {
+        if constexpr (kFoldedExponent)  // (an all-zero group's scale 0 would give -inf * 0 for masked keys)
+          qk_scale[sl] = fmaxf(__uint_as_float(__float_as_uint(q_scale[sl] * k_scale) & 0xFFFFFFF0u), kMinFoldedScale);
+        else
+          qk_scale[sl] = q_scale[sl] * k_scale;
+      }
       const bool needs_mask = k0 + kBlockK > p.kv_len || (kCausal && k0 + kBlockK - 1 > q0 + warp_row0);
       float sc[kSlabs][kKeyTiles][4];
 #pragma unroll
@@ -456,10 +484,9 @@ struct AttentionMmaKernel {
 #pragma unroll
         for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = small_int_to_float(acc[sl][n][e]) * (q_scale[sl] * k_scale) + ((e & 1) ? ds.y : ds.x);
-            sc[sl][n][e] = x;
-          }
+          for (int e = 0; e < 4; ++e)
+            sc[sl][n][e] = kFoldedExponent ? small_int_plus_offset(acc[sl][n][e])
+                                           : small_int_to_float(acc[sl][n][e]) * qk_scale[sl] + ((e & 1) ? ds.y : ds.x);
       }
       if (needs_mask) {
 #pragma unroll
@@ -493,6 +520,9 @@ struct AttentionMmaKernel {
           float mx = -INFINITY;
 #pragma unroll
           for (int n = 0; n < kKeyTiles; ++n) mx = fmaxf(mx, fmaxf(sc[sl][n][2 * r], sc[sl][n][2 * r + 1]));
+          // Folded: dequantized before the quad's reduction, since its threads' K scales differ
+          // (K groups 2t, 2t + 1 of every 8 keys).
+          if constexpr (kFoldedExponent) mx = (mx - kSmallIntOffset) * qk_scale[sl];  // -inf stays -inf
           mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
           tile_max[sl][r] = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         }
@@ -517,7 +547,8 @@ struct AttentionMmaKernel {
         for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const float mx = fmaxf(row_max[sl][r], tile_max[sl][r]);
+            const float mx = kFoldedExponent ? ceilf(fmaxf(row_max[sl][r], tile_max[sl][r]))
+                                             : fmaxf(row_max[sl][r], tile_max[sl][r]);
             // A row that has seen only masked keys keeps max -inf; exp2 against 0 keeps it at 0.
             const float alpha = ptx::exp2_approx(row_max[sl][r] - (mx == -INFINITY ? 0.0f : mx));
             row_max[sl][r] = mx;
@@ -535,11 +566,13 @@ struct AttentionMmaKernel {
         for (int r = 0; r < 2; ++r) {
           const float ref = row_max[sl][r] == -INFINITY ? 0.0f : row_max[sl][r];
           const float bias = kFp8Pv ? ref - kLog2Fp8Max : ref;
+          const float shift = kFoldedExponent ? fmaf(-kSmallIntOffset, qk_scale[sl], -bias) : 0.0f;
+          const auto exponent = [&](float x) { return kFoldedExponent ? fmaf(x, qk_scale[sl], shift) : x - bias; };
           float sum = 0.0f;
 #pragma unroll
           for (int n = 0; n < kKeyTiles; ++n) {
-            sc[sl][n][2 * r] = ptx::exp2_approx(sc[sl][n][2 * r] - bias);
-            sc[sl][n][2 * r + 1] = ptx::exp2_approx(sc[sl][n][2 * r + 1] - bias);
+            sc[sl][n][2 * r] = ptx::exp2_approx(exponent(sc[sl][n][2 * r]));
+            sc[sl][n][2 * r + 1] = ptx::exp2_approx(exponent(sc[sl][n][2 * r + 1]));
             sum += sc[sl][n][2 * r] + sc[sl][n][2 * r + 1];
           }
           row_sum[sl][r] += sum;  // lane-partial; reduced at the end

@@ -788,6 +788,7 @@ def sage_attention_reference(
     softmax_block: Optional[int] = None,
     lazy_rescale: Optional[float] = None,
     rescale_rows: int = 32,
+    integer_max: bool = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Simulate SageAttention2's forward (paper Algorithm 1) on [B,H,N,D] inputs.
@@ -823,6 +824,9 @@ def sage_attention_reference(
       max passes m by more than 2^lazy_rescale, tested in base 2, for some row of its group of
       ``rescale_rows`` consecutive queries (a warp's rows); else P~ = exp(S - m) with the old
       m, up to 2^lazy_rescale (attention_mma's FP16/BF16 PV). None: m is the exact running max.
+    * integer_max (with lazy_rescale): a running max that moves is rounded up to an integer in
+      base 2, so that the kernel's exponent is one exact FFMA (attention_mma's FP16/BF16 PV at
+      head_dim 64 without Q smoothing: kFoldedExponent).
     * Causal masking and tails follow SDPA (top-left aligned, see :func:`exact_attention`).
 
     Numerics: Q K^T of the integer codes is exact (float64), dequantized and corrected with
@@ -856,6 +860,8 @@ def sage_attention_reference(
         raise ValueError(f"lazy_rescale must be None or >= 0 with a non-FP8 pv_dtype, got {lazy_rescale!r}")
     if rescale_rows <= 0:
         raise ValueError(f"rescale_rows must be positive, got {rescale_rows}")
+    if integer_max and lazy_rescale is None:
+        raise ValueError("integer_max needs lazy_rescale")
     q_group_index(block_q, warps)  # validates block_q / warps
     B, Hq, Nq, D = q.shape
     Hkv, Nk = k.shape[1], k.shape[2]
@@ -951,6 +957,8 @@ def sage_attention_reference(
             grows = torch.nn.functional.pad(grows[..., 0], (0, pad)).view(B, Hq, -1, rescale_rows)
             grows = grows.any(dim=-1).repeat_interleave(rescale_rows, dim=-1)[..., :Nq, None]
             m_new = torch.where(grows, m_new, m)
+            if integer_max:  # (m is already an integer in base 2 where the max does not move)
+                m_new = torch.where(grows, torch.ceil(m_new / math.log(2)) * math.log(2), m_new)
         m_safe = torch.where(torch.isfinite(m_new), m_new, torch.zeros_like(m_new))
         p = torch.exp(s - m_safe)
         alpha = torch.exp(m - m_safe)

@@ -259,6 +259,7 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
         q4, k4, v4, smooth_v=False, pv_dtype="bf16" if v4.dtype == torch.bfloat16 else "fp16",
         two_level=False, softmax_block=ops.MMA_INPUT_PV_TILE_K, lazy_rescale=ops.MMA_LAZY_RESCALE_LOG2,
         rescale_rows=ops.MMA_BLOCK_Q // ops.MMA_INPUT_PV_WARPS,
+        integer_max=not smoothed and api._kernel_head_dim(q4.shape[-1]) == 64,  # kFoldedExponent
         mean_stride=api.smoothing_sample_stride(k4.shape[2]), **mma, **common,
     )
 

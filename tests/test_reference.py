@@ -634,10 +634,12 @@ def test_lazy_rescale_and_softmax_steps():
               return_lse=True)
     for causal in (False, True):
         base, base_lse = ref.sage_attention_reference(q, k, v, is_causal=causal, pv_dtype="fp32", **kw)
-        lazy, lazy_lse = ref.sage_attention_reference(q, k, v, is_causal=causal, pv_dtype="fp32",
-                                                      softmax_block=64, lazy_rescale=8.0, **kw)
-        torch.testing.assert_close(lazy, base, rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(lazy_lse, base_lse, rtol=1e-5, atol=1e-5)
+        for integer_max in (False, True):  # integer_max: the max rounded up in base 2 as it moves
+            lazy, lazy_lse = ref.sage_attention_reference(q, k, v, is_causal=causal, pv_dtype="fp32",
+                                                          softmax_block=64, lazy_rescale=8.0,
+                                                          integer_max=integer_max, **kw)
+            torch.testing.assert_close(lazy, base, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(lazy_lse, base_lse, rtol=1e-5, atol=1e-5)
     # Query 5 meets key 150 (third 64-key step) 20 (log2) above everything before it.
     q2, k2 = q.clone(), k.clone()
     k2[:, :, 150] = q2[:, :, 5] * (20 * math.log(2) * 8 / q2[:, :, 5].square().sum(-1, keepdim=True))
@@ -647,7 +649,8 @@ def test_lazy_rescale_and_softmax_steps():
     assert torch.isfinite(got).all()
     assert ref.relative_l1(got, want) < 2e-3
     for bad in (dict(softmax_block=48), dict(softmax_block=96), dict(lazy_rescale=8.0, pv_dtype="e4m3"),
-                dict(softmax_block=64, v_granularity="tile", pv_dtype="e4m3"), dict(rescale_rows=0)):
+                dict(softmax_block=64, v_granularity="tile", pv_dtype="e4m3"), dict(rescale_rows=0),
+                dict(integer_max=True)):
         with pytest.raises(ValueError):
             ref.sage_attention_reference(q, k, v, block_k=128, **bad)
 
