@@ -640,6 +640,18 @@ def test_lazy_rescale_and_softmax_steps():
                                                           integer_max=integer_max, **kw)
             torch.testing.assert_close(lazy, base, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(lazy_lse, base_lse, rtol=1e-5, atol=1e-5)
+    # integer_max moves m to an integer in base 2 (the kernel's folded exponent): with one key,
+    # P~ = 1 exactly at the exact max, 2^(m - ceil m) otherwise, whose FP16 rounding (divided by
+    # the unrounded sum) then shows in the output.
+    one = dict(qk_dtype="fp16", pv_dtype="fp16", softmax_block=64, lazy_rescale=8.0, block_k=128,
+               fp22=False, two_level=False, smooth_k=False, return_lse=True)  # (a smoothed lone key is 0)
+    k1, v1 = k[:, :, :1], v[:, :, :1]
+    exact_max, exact_lse = ref.sage_attention_reference(q, k1, v1, **one)
+    rounded_max, rounded_lse = ref.sage_attention_reference(q, k1, v1, integer_max=True, **one)
+    torch.testing.assert_close(exact_max, v1.half().float().expand_as(exact_max), rtol=0, atol=0)
+    assert not torch.equal(rounded_max, exact_max)
+    torch.testing.assert_close(rounded_max, exact_max, rtol=2 ** -10, atol=1e-6)
+    torch.testing.assert_close(rounded_lse, exact_lse, rtol=1e-6, atol=1e-6)
     # Query 5 meets key 150 (third 64-key step) 20 (log2) above everything before it.
     q2, k2 = q.clone(), k.clone()
     k2[:, :, 150] = q2[:, :, 5] * (20 * math.log(2) * 8 / q2[:, :, 5].square().sum(-1, keepdim=True))
