@@ -58,7 +58,7 @@ struct AttentionMmaKernel {
   // The dequantization folded into the exponent (the KV loop says how): for P~ in the input
   // dtype without Delta-S (sageattn's INT8 default on sm_80/sm_90), whose lazy running max
   // already lets P~ exceed 1 (up to 256), so the max may be rounded up to an integer. At head_dim
-  // 64 only: +5-8 % there on the H100; at 128, whose loop runs at 255 registers, it measured
+  // 64 only: +4-7 % there on the H100; at 128, whose loop runs at 255 registers, it measured
   // within 1 % and kept a value in local memory (benchmarks/RESULTS.md, session 24).
   static constexpr bool kFoldedExponent = !kFp8Pv && !kSmoothQ && kHeadDim == 64;
   // The folded exponent's least scale: only all-zero Q or K groups (codes 0) have a smaller one
@@ -459,13 +459,14 @@ struct AttentionMmaKernel {
       // Keys 2t and 2t+1 of every 8 are K group t (Eq. 8), so one K scale per thread too.
       // kFoldedExponent: each score stays f = 1.5 * 2^23 + x (x its integer dot product) until
       // its exponent, which is then one FFMA, f * s - (1.5 * 2^23 * s + m) = x * s - m rounded
-      // once: three dependent instructions per score fewer than dequantizing and then subtracting
-      // the row max m (a tenth of the loop's instructions). A thread takes its max on its f (they
-      // order as x does). The constant is exact: s keeps 20 significant bits (a relative change
-      // below 1e-6), so 1.5 * 2^23 * s has at most 22, and m is an integer (the row max rounded
-      // up), both on the grid of their sum while s < 0.67; beyond (scores of 2^22 units of s,
-      // the end of the INT8 range) the constant is rounded by at most a third of a unit of s, far
-      // below the quantization error. With FP8 P~ and with Delta-S, scores are dequantized first.
+      // once, where dequantizing and then subtracting the row max m took FADD, FMUL, FADD (two
+      // instructions per score fewer: a tenth of the loop's). A thread takes its max on its f
+      // (they order as x does). The constant is exact: s keeps 20 significant bits (a relative
+      // change below 1e-6), so 1.5 * 2^23 * s has at most 22, and m is an integer (the row max
+      // rounded up), both on the grid of their sum while s < 0.67 (|q| and |k| of ~250 at
+      // head_dim 64); above, the constant's rounding moves an exponent by at most a third of a
+      // unit of s, far below the quantization error. With FP8 P~ or Delta-S, scores are
+      // dequantized first.
       const float k_scale = s.k_scale(stage)[t];
       float qk_scale[kSlabs];
 #pragma unroll
