@@ -56,7 +56,6 @@ if args.no_bench:
 from hopper_timing import CUDNN, FLASH, anchors_inputs, kernel_alone, ms, sdpa_ms, tops  # noqa: E402
 
 
-
 def ops_one_by_one(fn):
     """fn with sageattn's Hopper path run as its chain of ops from Python (sageattn_wgmma_chain,
     the path before session 21) instead of the one C++ op: the host cost of the op calls."""
