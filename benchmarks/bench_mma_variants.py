@@ -6,13 +6,15 @@ q, k, v = randn(4, 32, N, D) fp16 (HND); TOPS = 4*B*H*N*N*D / time (halved for c
 median of triton's do_bench(warmup=25, rep=150). Columns: SDPA flash (FA2); the INT8 QK + FP16 PV
 variant (the one that runs natively on sm_80 and sm_90) as the full sageattn call (its defaults
 with pv_quant="none", every preprocessing launch included, strict=True) and as the kernel alone
-(which quantizes Q itself); the INT8 + FP8 and INT4 +
+(which quantizes Q itself), the full call also with SAGEATTN_PDL=0 (its launches serialised); the
+INT8 + FP8 and INT4 +
 FP8 variants, kernel alone. On the H100 the FP8 and INT4 mma.sync are emulated (ANCHORS.md), so
 those two columns say nothing of Ada; they are here to show what the same source costs on Hopper.
 """
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Callable
 
 import torch
@@ -63,8 +65,8 @@ def main() -> None:
     args = parser.parse_args()
     dims = (128,) if args.quick else (128, 64)
     fp8 = torch.cuda.get_device_capability() >= (8, 9)
-    rows = ["| D | N | causal | SDPA flash | INT8+FP16 full | INT8+FP16 kernel | full / flash | INT8+FP8 kernel "
-            "| INT4+FP8 kernel |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| D | N | causal | SDPA flash | INT8+FP16 full | full, SAGEATTN_PDL=0 | INT8+FP16 kernel | full / flash "
+            "| INT8+FP8 kernel | INT4+FP8 kernel |", "|---|---|---|---|---|---|---|---|---|---|"]
     print(torch.cuda.get_device_name(), "| TOPS, B=4 H=32 fp16")
     for d in dims:
         for n in (1024, 4096, 16384):
@@ -73,12 +75,20 @@ def main() -> None:
                 ops_count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
                 tops = lambda ms: ops_count / ms / 1e9  # noqa: E731
                 flash = tops(flash_ms(q, k, v, causal))
-                full = tops(median_ms(lambda: sageattn(q, k, v, is_causal=causal, pv_quant="none", strict=True)))
+                call = lambda: sageattn(q, k, v, is_causal=causal, pv_quant="none", strict=True)  # noqa: E731
+                full = tops(median_ms(call))
+                # The same call with its launches serialised (no programmatic dependent launch).
+                os.environ["SAGEATTN_PDL"] = "0"
+                try:
+                    serial = tops(median_ms(call))
+                finally:
+                    del os.environ["SAGEATTN_PDL"]
                 kernel = tops(kernel_ms(q, k, v, causal, "int8", False))
                 # The emulated variants take ~1 s a call at 16K: measured up to 4K.
                 emulated = [tops(kernel_ms(q, k, v, causal, qk, True)) if fp8 and n <= 4096 else float("nan")
                             for qk in ("int8", "int4")]
-                row = (f"| {d} | {n} | {causal} | {flash:.0f} | {full:.0f} | {kernel:.0f} | {full / flash:.2f}x "
+                row = (f"| {d} | {n} | {causal} | {flash:.0f} | {full:.0f} | {serial:.0f} | {kernel:.0f} "
+                       f"| {full / flash:.2f}x "
                        f"| {emulated[0]:.0f} | {emulated[1]:.0f} |")
                 rows.append(row)
                 print(row, flush=True)

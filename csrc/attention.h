@@ -54,4 +54,18 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
 AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
                                          bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse);
 
+// The warp-level path of a sageattn call in one op, for the same reason (docs/DESIGN.md "Ops"):
+// at most one smoothing_stats launch (Q's mean with smooth_q; K's over every sample_stride-th
+// token with smooth_k, or over all tokens with FP8 PV, whose V range needs them all), quantize_kv
+// for block_k 128, then attention_mma, each launch a programmatic dependent of the one before.
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const std::string& qk_dtype, const std::string& pv_dtype,
+                                                     bool smooth_q, bool smooth_k, bool smooth_v,
+                                                     int64_t sample_stride, double sm_scale, bool is_causal,
+                                                     bool out_nhd, bool return_lse);
+AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const std::string& qk_dtype, const std::string& pv_dtype, bool smooth_q,
+                                       bool smooth_k, bool smooth_v, int64_t sample_stride, bool out_nhd,
+                                       bool return_lse);
+
 }  // namespace sageattention2

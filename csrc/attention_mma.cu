@@ -1,6 +1,7 @@
 // Instantiations and launch of the warp-level attention kernel (no ATen here: see
 // preprocess_params.h). The dispatch switch over variant x dtype x head_dim x causal lives here.
 #include "attention_mma_kernel.cuh"
+#include "launch.cuh"
 
 namespace sageattention2 {
 namespace {
@@ -25,8 +26,7 @@ cudaError_t launch(const AttentionMmaParams& p, cudaStream_t stream) {
   status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
   if (status != cudaSuccess) return status;
   const dim3 grid(static_cast<unsigned>((p.q_len + kMmaBlockQ - 1) / kMmaBlockQ), p.q_heads, p.batch);
-  kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
-  return cudaGetLastError();
+  return launch_kernel(kernel, grid, dim3(Kernel::kThreads), Kernel::kSmemBytes, stream, p.after_quantize_kv, p);
 }
 
 // Q smoothing is a variant, not a runtime test: its Delta-S operand (16 registers a tile at

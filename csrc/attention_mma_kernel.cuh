@@ -313,6 +313,11 @@ struct AttentionMmaKernel {
           raw[r][j] = query < p.q_len ? ptx::ld_global_nc_v4(q_head + query * p.q_stride_n + (4 * j + t) * 8)
                                       : make_uint4(0, 0, 0, 0);
       }
+      // Launched after quantize_kv (after_quantize_kv), the kernel may read only the caller's Q
+      // before this, and write nothing: the means, K, V and Delta-S come from the launches
+      // before it. Q's loads are in flight while it waits. (The next slab's wait returns at
+      // once, as does every wait of a grid launched the ordinary way.)
+      ptx::griddepcontrol_wait();
       float x[2][kVecs][8];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {

@@ -37,9 +37,9 @@ void check_q(const at::Tensor& q) {
     TORCH_CHECK(q.sym_stride(i) % 8 == 0, "q.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
 }
 
-// The composite op's own arguments, before its three steps validate theirs (so that a bad k
-// or v is named as such, not as a preprocessing output).
-void check_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sample_stride) {
+// A composite op's own arguments (sageattn_wgmma, sageattn_mma), before its three steps validate
+// theirs (so that a bad k or v is named as such, not as a preprocessing output).
+void check_chain_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sample_stride) {
   TORCH_CHECK(sample_stride >= 1, "sample_stride must be >= 1, got ", sample_stride);
   TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k and v must be 4-D [batch, kv_heads, kv_len, head_dim] tensors, got ",
               k.dim(), "-D and ", v.dim(), "-D");
@@ -152,14 +152,18 @@ AttentionOutputs allocate_attention_mma(const at::Tensor& q, const std::optional
   return allocate_outputs(batch, q_heads, q_len, head_dim, q.options(), out_nhd, return_lse);
 }
 
-std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
-                                                      const at::Tensor& k_codes, const at::Tensor& k_scale,
-                                                      const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
-                                                      const std::optional<at::Tensor>& v_scale,
-                                                      const std::optional<at::Tensor>& v_mean,
-                                                      const std::optional<at::Tensor>& k_mean,
-                                                      const std::string& qk_dtype, int64_t kv_len, double sm_scale,
-                                                      bool is_causal, bool out_nhd, bool return_lse) {
+namespace {
+
+// attention_mma, launched the ordinary way or (after_quantize_kv) as a programmatic dependent of
+// the quantize_kv launched just before it by the same call.
+std::tuple<at::Tensor, at::Tensor> launch_mma(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
+                                              const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                              const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                              const std::optional<at::Tensor>& v_scale,
+                                              const std::optional<at::Tensor>& v_mean,
+                                              const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
+                                              int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd,
+                                              bool return_lse, bool after_quantize_kv) {
   AttentionOutputs out = allocate_attention_mma(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean,
                                                 qk_dtype, kv_len, out_nhd, return_lse);
   check_launchable(q, "q");
@@ -186,6 +190,7 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const
   p.qk = qk_dtype == "int4" ? QkCodes::kInt4 : QkCodes::kInt8;
   p.pv = fp8_v ? PvOperands::kFp8 : PvOperands::kInput;
   p.causal = is_causal;
+  p.after_quantize_kv = after_quantize_kv;
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status != cudaErrorNotSupported, "attention_mma: ",
@@ -193,6 +198,20 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const
                     : "this variant needs more shared memory per block than this GPU allows");
   C10_CUDA_CHECK(status);
   return {out.out, out.lse};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
+                                                      const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                                      const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                                      const std::optional<at::Tensor>& v_scale,
+                                                      const std::optional<at::Tensor>& v_mean,
+                                                      const std::optional<at::Tensor>& k_mean,
+                                                      const std::string& qk_dtype, int64_t kv_len, double sm_scale,
+                                                      bool is_causal, bool out_nhd, bool return_lse) {
+  return launch_mma(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean, qk_dtype, kv_len, sm_scale,
+                    is_causal, out_nhd, return_lse, false);
 }
 
 AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
@@ -295,7 +314,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
 
 AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
                                          bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse) {
-  check_sageattn_wgmma(q, k, v, sample_stride);
+  check_chain_inputs(q, k, v, sample_stride);
   std::optional<at::Tensor> k_mean, v_mean;
   if (smooth_k || smooth_v) {
     SmoothingStatsOutputs stats = allocate_smoothing_stats(
@@ -311,7 +330,7 @@ AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        bool smooth_k, bool smooth_v, int64_t sample_stride,
                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
-  check_sageattn_wgmma(q, k, v, sample_stride);
+  check_chain_inputs(q, k, v, sample_stride);
   std::optional<at::Tensor> k_mean, v_mean;
   // All of smoothing_stats' outputs live until the end: quantize_kv, launched as its programmatic
   // dependent, may write before it completes (V without v_mean), so none of its outputs may
@@ -346,6 +365,82 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
   PreparedKV kv = prepare_kv_cuda(k, v, k_mean, v_mean, key_blocks, prepare_sms, static_cast<int>(first_heads));
   return launch_wgmma(q, kv.kv.k_codes, kv.kv.k_scales, kv.kv.v_codes, kv.kv.v_tile_scale, v_mean, k_mean, k.size(2),
                       sm_scale, is_causal, out_nhd, return_lse, kv.ready.data_ptr<int>(), prepare_sms, false);
+}
+
+namespace {
+
+// What sageattn_mma's steps take, from its arguments (ops.sageattn_mma_chain is the same in
+// Python): which statistics run, and over which tokens.
+struct MmaChainPlan {
+  bool fp8;    // P~ and V in E4M3 (V's per-channel scale from the statistics)
+  bool stats;  // a smoothing_stats launch runs
+  std::optional<at::Tensor> stats_q, stats_k, stats_v;
+
+  MmaChainPlan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& pv_dtype,
+               bool smooth_q, bool smooth_k, int64_t sample_stride) {
+    TORCH_CHECK(pv_dtype == "fp8" || pv_dtype == "input", "pv_dtype must be 'fp8' or 'input', got '", pv_dtype, "'");
+    fp8 = pv_dtype == "fp8";
+    stats = smooth_q || smooth_k || fp8;
+    if (smooth_q) stats_q = q;
+    // smoothing_stats takes K and V over the same tokens: with FP8 PV, V's range needs all of them.
+    if (smooth_k) stats_k = fp8 ? k : *token_sample(k, true, sample_stride);
+    if (fp8) stats_v = v;
+  }
+};
+
+}  // namespace
+
+AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const std::string& qk_dtype, const std::string& pv_dtype, bool smooth_q,
+                                       bool smooth_k, bool smooth_v, int64_t sample_stride, bool out_nhd,
+                                       bool return_lse) {
+  check_chain_inputs(q, k, v, sample_stride);
+  const MmaChainPlan plan(q, k, v, pv_dtype, smooth_q, smooth_k, sample_stride);
+  std::optional<at::Tensor> q_mean, k_mean, v_mean, v_scale;
+  if (plan.stats) {
+    SmoothingStatsOutputs stats =
+        allocate_smoothing_stats(plan.stats_q, plan.stats_k, plan.stats_v, plan.fp8 && smooth_v);
+    if (smooth_q) q_mean = stats.q_mean;
+    if (smooth_k) k_mean = stats.k_mean;
+    if (plan.fp8) v_scale = stats.v_scale;
+    if (plan.fp8 && smooth_v) v_mean = stats.v_mean;
+  }
+  QuantizeKVOutputs kv = allocate_quantize_kv(k, plan.fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean,
+                                              v_mean, v_scale, q_mean, kMmaBlockK, qk_dtype);
+  return allocate_attention_mma(q, q_mean, kv.k_codes, kv.k_scales,
+                                q_mean ? std::optional<at::Tensor>(kv.delta_s) : std::nullopt,
+                                plan.fp8 ? kv.v_codes : v, v_scale, v_mean, k_mean, qk_dtype,
+                                k.sym_size(2).guard_int(__FILE__, __LINE__), out_nhd, return_lse);
+}
+
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const std::string& qk_dtype, const std::string& pv_dtype,
+                                                     bool smooth_q, bool smooth_k, bool smooth_v,
+                                                     int64_t sample_stride, double sm_scale, bool is_causal,
+                                                     bool out_nhd, bool return_lse) {
+  check_chain_inputs(q, k, v, sample_stride);
+  const MmaChainPlan plan(q, k, v, pv_dtype, smooth_q, smooth_k, sample_stride);
+  std::optional<at::Tensor> q_mean, k_mean, v_mean, v_scale;
+  // As in sageattn_wgmma_cuda: the statistics' outputs live until the end, so that nothing
+  // quantize_kv writes can reuse memory a still-running smoothing_stats touches.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats;
+  if (plan.stats) {
+    stats = smoothing_stats_cuda(plan.stats_q, plan.stats_k, plan.stats_v, plan.fp8 && smooth_v);
+    if (smooth_q) q_mean = std::get<0>(stats);
+    if (smooth_k) k_mean = std::get<1>(stats);
+    if (plan.fp8) v_scale = std::get<3>(stats);
+    if (plan.fp8 && smooth_v) v_mean = std::get<2>(stats);
+  }
+  const bool programmatic = programmatic_launches();
+  // The same double product as sageattn's sm_scale * log2(e): the Delta-S multiplier of
+  // quantize_kv and the Q scales of attention_mma then match the ops called one by one.
+  auto kv = quantize_kv_after_cuda(k, plan.fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean, v_mean, v_scale,
+                                   q_mean, kMmaBlockK, qk_dtype, sm_scale * 1.4426950408889634,
+                                   programmatic && plan.stats);
+  return launch_mma(q, q_mean, std::get<0>(kv), std::get<1>(kv),
+                    q_mean ? std::optional<at::Tensor>(std::get<3>(kv)) : std::nullopt,
+                    plan.fp8 ? std::get<2>(kv) : v, v_scale, v_mean, k_mean, qk_dtype, k.size(2), sm_scale, is_causal,
+                    out_nhd, return_lse, programmatic);
 }
 
 }  // namespace sageattention2

@@ -63,6 +63,10 @@ struct AttentionMmaParams {
   int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   int64_t q_len = 0, kv_len = 0, k_padded = 0;
   bool causal = false;
+  // Launched as a programmatic dependent of quantize_kv, launched just before it by the same call
+  // (sageattn_mma): the CTAs are placed and load their Q while that launch ends, and wait for it
+  // before reading anything else (AttentionMmaKernel::quantize_q_block).
+  bool after_quantize_kv = false;
 };
 
 // dtype is q's and the output's (and, for PvOperands::kInput, V's). cudaErrorNotSupported for an FP8

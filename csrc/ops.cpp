@@ -63,6 +63,16 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_meta(const at::Tensor& q, cons
   return {o.out, o.lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const std::string& qk_dtype, const std::string& pv_dtype,
+                                                     bool smooth_q, bool smooth_k, bool smooth_v,
+                                                     int64_t sample_stride, double /*sm_scale*/, bool /*is_causal*/,
+                                                     bool out_nhd, bool return_lse) {
+  auto o = allocate_sageattn_mma(q, k, v, qk_dtype, pv_dtype, smooth_q, smooth_k, smooth_v, sample_stride, out_nhd,
+                                 return_lse);
+  return {o.out, o.lse};
+}
+
 }  // namespace
 }  // namespace sageattention2
 
@@ -90,6 +100,10 @@ TORCH_LIBRARY(sageattention2, m) {
   m.def(
       "sageattn_wgmma(Tensor q, Tensor k, Tensor v, bool smooth_k, bool smooth_v, int sample_stride, float sm_scale, "
       "bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
+  m.def(
+      "sageattn_mma(Tensor q, Tensor k, Tensor v, str qk_dtype, str pv_dtype, bool smooth_q, bool smooth_k, "
+      "bool smooth_v, int sample_stride, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "
+      "-> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
@@ -99,6 +113,7 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("attention_mma", &sageattention2::attention_mma_cuda);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
   m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_cuda);
+  m.impl("sageattn_mma", &sageattention2::sageattn_mma_cuda);
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
@@ -108,4 +123,5 @@ TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("attention_mma", &sageattention2::attention_mma_meta);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);
   m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_meta);
+  m.impl("sageattn_mma", &sageattention2::sageattn_mma_meta);
 }

@@ -40,7 +40,6 @@ _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16)
 _HEAD_DIM_MULTIPLE = 8
 _MIN_CAPABILITY = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16 with FP32 accumulation
-_LOG2E = math.log2(math.e)
 # K's smoothing vector (and, on the Hopper path, V's with smooth_v) is a mean over at most this
 # many tokens, a strided sample (smoothing_sample_stride): any vector subtracted from every key shifts
 # each row of S by a constant (and V's mean is added back), so only the quantization error can
@@ -553,33 +552,13 @@ def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
 
 def _mma(call: AttentionCall, choice: KernelChoice, q: Tensor, k: Tensor, v: Tensor,
          sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The warp-level kernel's call (docs/DESIGN.md): at most one smoothing_stats pass (Q's
-    per-head mean when Q is smoothed; K's mean, over the token sample of
-    :func:`smoothing_sample_stride` unless V's statistics need the whole of K's tokens anyway;
-    for FP8 PV, V's per-channel range and, with smooth_v, mean), one quantize_kv pass
-    (per-thread INT8/INT4 K, Delta-S of Q's mean, for FP8 PV V in E4M3 transposed in the PV-MMA
-    order), then attention_mma, which quantizes Q itself (``sm_scale * log2(e)`` folded into its
-    scales) and returns the complete LSE."""
-    multiplier = sm_scale * _LOG2E
-    smooth_q = _smooths_q(call, choice)
-    fp8 = choice.pv == "fp8"
-    q_mean = k_mean = v_mean = v_scale = None
-    if smooth_q or call.smooth_k or fp8:
-        # smoothing_stats takes K and V over the same tokens: with FP8 PV, V's range needs all.
-        k_rows = k if fp8 else k[:, :, ::smoothing_sample_stride(k.shape[2])]
-        stats = ops.smoothing_stats(q if smooth_q else None, k_rows if call.smooth_k else None,
-                                    v if fp8 else None, fp8 and call.smooth_v)
-        q_mean = stats.q_mean if smooth_q else None
-        k_mean = stats.k_mean if call.smooth_k else None
-        if fp8:
-            v_scale = stats.v_scale
-            v_mean = stats.v_mean if call.smooth_v else None
-    kv = ops.quantize_kv(k, v if fp8 else None, k_mean, v_mean, v_scale, q_mean, ops.MMA_BLOCK_K,
-                         choice.qk, multiplier)
-    return ops.attention_mma(
-        q, q_mean, kv.k_quant, kv.k_scale, kv.delta_s if q_mean is not None else None,
-        kv.v_fp8 if fp8 else v, v_scale, v_mean, k_mean, choice.qk, k.shape[2], sm_scale,
-        call.is_causal, call.tensor_layout == "NHD", call.return_lse,
+    """The warp-level kernel's call, one op (``ops.sageattn_mma_chain`` says what it runs: the
+    statistics, K's mean over the token sample of :func:`smoothing_sample_stride`, quantize_kv,
+    then attention_mma, which quantizes Q itself and returns the complete LSE)."""
+    return ops.sageattn_mma(
+        q, k, v, choice.qk, choice.pv, _smooths_q(call, choice), call.smooth_k, call.smooth_v,
+        smoothing_sample_stride(k.shape[2]), sm_scale, call.is_causal,
+        call.tensor_layout == "NHD", call.return_lse,
     )
 
 

@@ -1,5 +1,6 @@
-"""The compiled extension: its three preprocessing ops, the two attention ops, and the Hopper
-path of sageattn as one op (``sageattn_wgmma``: statistics, quantize_kv and attention_wgmma).
+"""The compiled extension: its three preprocessing ops, the two attention ops, and each kernel's
+path of sageattn as one op (``sageattn_wgmma``, ``sageattn_mma``: statistics, quantize_kv and the
+attention op).
 
 ``sageattention2._C`` registers the ops of ``docs/DESIGN.md`` (namespace ``sageattention2``) with
 their CUDA implementations. This module
@@ -9,8 +10,8 @@ their CUDA implementations. This module
 * registers, for each preprocessing op, a CPU implementation calling the pure-PyTorch reference
   (``sageattention2.reference``), so ``torch.library.opcheck`` runs on machines without a GPU
   (the attention ops have CUDA and Meta implementations only; ``has_op`` says whether the loaded
-  build registers one; ``sageattn_wgmma``'s CPU implementation is its chain of ops,
-  :func:`sageattn_wgmma_chain`).
+  build registers one; the CPU implementations of ``sageattn_wgmma`` and ``sageattn_mma`` are
+  their chains of ops, :func:`sageattn_wgmma_chain` and :func:`sageattn_mma_chain`).
   Output shapes for FakeTensor / ``torch.compile`` come from the extension's own Meta kernels
   (``csrc/preprocess_shapes.cpp``, SymInt-aware, so dynamic sequence lengths trace once): the
   one place that knows the shapes,
@@ -21,6 +22,7 @@ Everything is registered only when the extension loaded: without it the ops do n
 from __future__ import annotations
 
 import importlib
+import math
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -66,11 +68,15 @@ __all__ = [
     "kernels_for_capability",
     "quantize_kv",
     "quantize_q",
+    "sageattn_mma",
     "sageattn_wgmma",
     "smoothing_stats",
 ]
 
 NAMESPACE = "sageattention2"
+# The attention kernels work in base 2: sm_scale * LOG2E (one double product, rounded once where
+# a kernel takes it) is what sageattn folds into the Q scales and the Delta-S of Q smoothing.
+LOG2E = math.log2(math.e)
 OP_NAMES = ("smoothing_stats", "quantize_q", "quantize_kv")
 QK_DTYPES = ("int8", "int4")
 # Tile geometry of the warp-level attention kernel (csrc/attention_params.h: kMmaBlockQ, kMmaWarps,
@@ -145,7 +151,7 @@ _OP_HANDLES: dict[str, Any] = {}
 # Every op the extension has is looked up now, at import: the dict then never changes, so a
 # torch.compile'd caller (dynamo guards on it) is not recompiled when an op is first used.
 if HAS_EXTENSION:
-    for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma"):
+    for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma", "sageattn_mma"):
         if hasattr(getattr(torch.ops, NAMESPACE), _name):
             _OP_HANDLES[_name] = getattr(getattr(torch.ops, NAMESPACE), _name).default
 
@@ -331,6 +337,66 @@ def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, smooth_k: bool, smooth
                            k.shape[2], *attention)
 
 
+def sageattn_mma(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qk_dtype: str,
+    pv_dtype: str,
+    smooth_q: bool,
+    smooth_k: bool,
+    smooth_v: bool,
+    sample_stride: int,
+    sm_scale: float,
+    is_causal: bool,
+    out_nhd: bool,
+    return_lse: bool,
+) -> tuple[Tensor, Tensor]:
+    """The warp-level path of sageattn in one op (DESIGN.md): :func:`sageattn_mma_chain`, run by
+    the extension in C++, each launch a programmatic dependent of the one before. ``q``, ``k``,
+    ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last dimension contiguous, other
+    strides multiples of 8); ``pv_dtype`` "fp8" or "input". Returns attention_mma's
+    ``(out, lse)``."""
+    out, lse = _op("sageattn_mma")(
+        q, k, v, qk_dtype, pv_dtype, smooth_q, smooth_k, smooth_v, sample_stride, sm_scale,
+        is_causal, out_nhd, return_lse,
+    )
+    return out, lse
+
+
+def sageattn_mma_chain(q: Tensor, k: Tensor, v: Tensor, qk_dtype: str, pv_dtype: str,
+                       smooth_q: bool, smooth_k: bool, smooth_v: bool, sample_stride: int,
+                       sm_scale: float, *attention: Any) -> tuple[Tensor, Tensor]:
+    """What sageattn_mma computes, op by op (its CPU implementation, and what the GPU tests
+    compare its C++ chain with bit for bit): at most one smoothing_stats pass (Q's per-head mean
+    with ``smooth_q``; K's mean with ``smooth_k``, over every ``sample_stride``-th token unless
+    FP8 PV's V statistics need all of K's tokens anyway; with FP8 PV, V's per-channel range and,
+    with ``smooth_v``, mean), one quantize_kv pass (per-thread INT8/INT4 K, the Delta-S of Q's
+    mean, FP8 V transposed in the PV-MMA order), then attention_mma, which quantizes Q itself
+    (``sm_scale * log2(e)`` folded into its scales) and returns the complete LSE. ``attention``
+    is the rest of sageattn_mma's arguments, ``(is_causal, out_nhd, return_lse)``."""
+    if pv_dtype not in ("fp8", "input"):
+        raise ValueError(f"pv_dtype must be 'fp8' or 'input', got {pv_dtype!r}")
+    fp8 = pv_dtype == "fp8"
+    multiplier = sm_scale * LOG2E
+    q_mean = k_mean = v_mean = v_scale = None
+    if smooth_q or smooth_k or fp8:
+        k_rows = k if fp8 else k[:, :, ::sample_stride]
+        stats = smoothing_stats(q if smooth_q else None, k_rows if smooth_k else None,
+                                v if fp8 else None, fp8 and smooth_v)
+        q_mean = stats.q_mean if smooth_q else None
+        k_mean = stats.k_mean if smooth_k else None
+        if fp8:
+            v_scale = stats.v_scale
+            v_mean = stats.v_mean if smooth_v else None
+    kv = quantize_kv(k, v if fp8 else None, k_mean, v_mean, v_scale, q_mean, MMA_BLOCK_K, qk_dtype,
+                     multiplier)
+    return attention_mma(
+        q, q_mean, kv.k_quant, kv.k_scale, kv.delta_s if q_mean is not None else None,
+        kv.v_fp8 if fp8 else v, v_scale, v_mean, k_mean, qk_dtype, k.shape[2], sm_scale, *attention,
+    )
+
+
 # --------------------------------------------------------------------------------------------
 # CPU implementations: the pure-PyTorch reference (for opcheck / CI without a GPU)
 # --------------------------------------------------------------------------------------------
@@ -352,6 +418,9 @@ def _register_python_impls() -> None:
     qualname = f"{NAMESPACE}::sageattn_wgmma"
     if has_op("sageattn_wgmma") and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
         torch.library.register_kernel(qualname, "cpu", lambda *args: sageattn_wgmma_chain(*args))
+    qualname = f"{NAMESPACE}::sageattn_mma"
+    if has_op("sageattn_mma") and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
+        torch.library.register_kernel(qualname, "cpu", lambda *args: sageattn_mma_chain(*args))
 
 
 if HAS_EXTENSION:

@@ -1,7 +1,8 @@
 """Host (CPU) cost of one sageattn call next to its GPU time, at short sequences where the two
 are close: CPU microseconds per call (launches queued, no sync) and do_bench GPU time.
 
-    python3 scripts/host_overhead.py            (the table)
+    python3 scripts/host_overhead.py            (the table, the Hopper path)
+    python3 scripts/host_overhead.py --mma      (the table, the warp-level path: pv_quant="none")
     python3 scripts/host_overhead.py --profile  (where a call's CPU time goes: each op alone,
                                                  and cProfile's top functions of sageattn)
 
@@ -35,7 +36,12 @@ def cpu_us(fn, calls: int = 50) -> float:
     return best
 
 
-def table() -> None:
+def table(path: str) -> None:
+    """``path`` "wgmma" or "mma": the call as one op (sageattn_<path>) and as its chain of ops
+    called from Python (sageattn_<path>_chain, what sageattn ran before the op existed)."""
+    kwargs = {} if path == "wgmma" else {"pv_quant": "none", "strict": True}
+    op = f"sageattn_{path}"
+    print(f"{path} path")
     print("| D | N | causal | sageattn CPU us/call | GPU us/call (do_bench) | sageattn, ops from Python: CPU | GPU "
           "| ops only CPU us/call |")
     print("|---|---|---|---|---|---|---|---|")
@@ -48,18 +54,19 @@ def table() -> None:
                     kv = ops.quantize_kv(k, v, st.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
                     ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, st.k_mean, n,
                                         d ** -0.5, causal, False, False)
-                full = lambda: sageattn(q, k, v, is_causal=causal)  # noqa: E731
+                full = lambda: sageattn(q, k, v, is_causal=causal, **kwargs)  # noqa: E731
                 gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
                 cpu = cpu_us(full)
-                # The Hopper path as its chain of ops called from Python (before session 21).
-                one_op, ops.sageattn_wgmma = ops.sageattn_wgmma, ops.sageattn_wgmma_chain
+                one_op = getattr(ops, op)
+                setattr(ops, op, getattr(ops, f"{op}_chain"))
                 try:
                     chain_gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
                     chain_cpu = cpu_us(full)
                 finally:
-                    ops.sageattn_wgmma = one_op
+                    setattr(ops, op, one_op)
+                only = f"{cpu_us(ops_only):.0f}" if path == "wgmma" else "-"
                 print(f"| {d} | {n} | {causal} | {cpu:.0f} | {gpu:.0f} | {chain_cpu:.0f} | {chain_gpu:.0f} "
-                      f"| {cpu_us(ops_only):.0f} |", flush=True)
+                      f"| {only} |", flush=True)
 
 
 def profile() -> None:
@@ -102,4 +109,6 @@ def profile() -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--profile", action="store_true")
-    profile() if parser.parse_args().profile else table()
+    parser.add_argument("--mma", action="store_true", help="the warp-level path instead of the Hopper one")
+    args = parser.parse_args()
+    profile() if args.profile else table("mma" if args.mma else "wgmma")

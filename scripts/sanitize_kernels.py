@@ -88,3 +88,19 @@ if hasattr(torch.ops.sageattention2, "sageattn_wgmma") and torch.cuda.get_device
                 ops.sageattn_wgmma(q, k, v, True, causal, 3, d ** -0.5, causal, causal, True)
     torch.cuda.synchronize()
     print("sanitize: sageattn_wgmma with K and V prepared beside the kernel ran")
+
+# sageattn's warp-level path as one op (sageattn_mma: each launch a programmatic dependent of the
+# one before), every variant, with and without a statistics launch before quantize_kv.
+if hasattr(torch.ops.sageattention2, "sageattn_mma"):
+    fp8 = torch.cuda.get_device_capability() >= (8, 9)
+    variants = [("int8", "input")] + ([("int8", "fp8"), ("int4", "fp8")] if fp8 else [])
+    for n, d in ((130, 128), (33, 64)):
+        q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(1, 2, 3 * n + 7, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        for qk, pv in variants:
+            for smooth_q, smooth_k in ((True, True), (False, False)):
+                for causal in (False, True):
+                    ops.sageattn_mma(q, k, v, qk, pv, smooth_q, smooth_k, pv == "fp8", 3, d ** -0.5, causal,
+                                     causal, True)
+    torch.cuda.synchronize()
+    print(f"sanitize: sageattn_mma variants ran: {variants}")

@@ -461,7 +461,7 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
     monkeypatch.setattr(ops, "build_info", lambda: ops.BuildInfo("13.0", archs, dict(kernels)))
     monkeypatch.setattr(ops, "has_op", lambda name: name in (
         "smoothing_stats", "quantize_q", "quantize_kv", "attention_mma", "attention_wgmma",
-        "sageattn_wgmma"))
+        "sageattn_wgmma", "sageattn_mma"))
     for name in ("_wgmma_runs_on", "_mma_fp8_runs_on", "_arch_reason"):
         monkeypatch.setattr(api, name, getattr(api, name).__wrapped__)
     monkeypatch.setattr(api, "_device_reason", lambda device: None)
@@ -1403,6 +1403,53 @@ def test_sageattn_wgmma_meta_shapes() -> None:
         call(v=v[:, :, :-1], smooth_v=False)  # by quantize_kv
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         call(q=q[:, :3])
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        call(q=q[..., :32], k=k[..., :32], v=v[..., :32])
+
+
+def test_sageattn_mma_meta_shapes() -> None:
+    """sageattn_mma's Meta implementation runs the Meta chain of its three ops for every variant
+    (INT8 or INT4 QK, FP8 or input-dtype PV, Q/K/V smoothing on and off): shapes and dtypes of
+    out and lse, the NHD memory of out_nhd; bad inputs raise naming the argument."""
+    if not ops.has_op("sageattn_mma"):
+        pytest.skip("this build has no sageattn_mma")
+    b, hq, hkv, nq, nk, d = 2, 8, 2, 200, 333, 128
+    meta = dict(device="meta", dtype=torch.float16)
+    q, k, v = (torch.empty(b, h, n, d, **meta) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
+    for qk, pv, smooth_q, smooth_k, smooth_v, out_nhd, lse in (
+            ("int8", "input", False, True, False, False, True),
+            ("int8", "input", False, False, False, True, False),
+            ("int8", "fp8", True, True, True, True, True),
+            ("int4", "fp8", True, False, False, False, True)):
+        out, lse_out = ops.sageattn_mma(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, qk, pv,
+                                        smooth_q, smooth_k, smooth_v, 3, 0.1, True, out_nhd, lse)
+        assert out.shape == (b, hq, nq, d) and out.dtype == torch.float16
+        assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
+        assert lse_out.shape == ((b, hq, nq) if lse else (0,)) and lse_out.dtype == torch.float32
+
+    def call(**changes: Any) -> None:
+        args = dict(q=q, k=k, v=v, qk_dtype="int8", pv_dtype="fp8", smooth_q=True, smooth_k=True,
+                    smooth_v=True, sample_stride=1, sm_scale=0.1, is_causal=False, out_nhd=False,
+                    return_lse=True)
+        args.update(changes)
+        ops.sageattn_mma(**args)
+
+    with pytest.raises(RuntimeError, match="pv_dtype must be 'fp8' or 'input'"):
+        call(pv_dtype="fp16")
+    with pytest.raises(RuntimeError, match="qk_dtype must be"):
+        call(qk_dtype="int2")
+    with pytest.raises(RuntimeError, match="runs with FP8 PV only"):
+        call(qk_dtype="int4", pv_dtype="input")
+    with pytest.raises(RuntimeError, match="sample_stride must be >= 1"):
+        call(sample_stride=0)
+    with pytest.raises(RuntimeError, match="k and v must be 4-D"):
+        call(k=k[0])
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        call(q=q.bfloat16())
+    with pytest.raises(RuntimeError, match="multiple of kv heads"):
+        call(q=q[:, :3], smooth_q=False)
+    with pytest.raises(RuntimeError, match="q_mean's heads .* multiple of k's heads"):
+        call(q=q[:, :3])  # found by Q's statistics
     with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
         call(q=q[..., :32], k=k[..., :32], v=v[..., :32])
 

@@ -624,6 +624,48 @@ def test_sageattn_wgmma_is_its_chain(shape: tuple[int, ...], smoothing: tuple[bo
             assert lse.shape == ((b, hq, nq) if return_lse else (0,))
 
 
+@pytest.mark.parametrize("variant", OP_VARIANTS)
+@pytest.mark.parametrize("shape", [(1, 2, 2, 1, 1, 128), (2, 4, 2, 300, 1000, 64),
+                                   (1, 4, 1, 1000, 257, 128)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("smoothing", [*SMOOTHING, (False, False)],
+                         ids=["smooth-qk", "smooth-k", "smooth-q", "no-smooth"])
+@pytest.mark.parametrize("env", [{}, {"SAGEATTN_PDL": "0"}],
+                         ids=["default", "no-programmatic-launch"])
+def test_sageattn_mma_is_its_chain(variant: str, shape: tuple[int, ...],
+                                   smoothing: tuple[bool, bool], env: dict[str, str],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """sageattn_mma (the op sageattn runs for the warp-level kernel: the statistics, quantize_kv
+    and attention_mma from one C++ call, by default each launch a programmatic dependent of the
+    one before) gives its chain's output and LSE (ops.sageattn_mma_chain: the ops one by one)
+    bit for bit, on poisoned memory, for HND and NHD views; without any statistics launch too
+    (no smoothing, FP16/BF16 PV)."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    kernel, smooth_v = OP_VARIANTS[variant]
+    require_kernel(kernel)
+    smooth_q, smooth_k = smoothing
+    b, hq, hkv, nq, nk, d = shape
+    for causal, layout, dtype in ((False, "HND", torch.float16), (True, "NHD", torch.bfloat16)):
+        q4, k4, v4 = make_qkv(b, hq, hkv, nq, nk, d, dtype, seed=nq + nk,
+                              bias=(1.0, 4.0, 4.0 if smooth_v else 1.0))
+        out_nhd = layout == "NHD"
+        q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) if out_nhd else t
+                   for t in (q4, k4, v4))
+        for return_lse in (True, False):
+            args = (q, k, v, kernel.qk, kernel.pv, smooth_q, smooth_k, smooth_v,
+                    api.smoothing_sample_stride(nk), 0.07, causal, out_nhd, return_lse)
+            poison_allocator()
+            want, want_lse = ops.sageattn_mma_chain(*args)
+            poison_allocator()
+            out, lse = ops.sageattn_mma(*args)
+            assert out.shape == (b, hq, nq, d) and out.dtype == dtype
+            assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
+            assert_finite(out, lse)
+            assert torch.equal(out, want) and torch.equal(lse, want_lse)
+            assert lse.shape == ((b, hq, nq) if return_lse else (0,))
+
+
 @pytest.mark.usefixtures("wgmma_kernel")
 def test_wgmma_op_reads_broadcast_and_size_one_views() -> None:
     """The kernel reads q through a tensor map of its strides: a broadcast view (stride 0 over
@@ -1063,15 +1105,15 @@ def test_sageattn_runs_the_kernel_it_names(monkeypatch: pytest.MonkeyPatch, d: i
     PV in the input dtype otherwise."""
     ran: list[tuple[str, str, bool]] = []
 
-    def recording_mma(*args: Any, _real: Any = ops.attention_mma) -> Any:
-        ran.append(("mma", args[9], args[5].dtype == torch.float8_e4m3fn))
+    def recording_mma(*args: Any, _real: Any = ops.sageattn_mma) -> Any:
+        ran.append(("mma", args[3], args[4] == "fp8"))
         return _real(*args)
 
     def recording_wgmma(*args: Any, _real: Any = ops.sageattn_wgmma) -> Any:
         ran.append(("wgmma", "int8", True))
         return _real(*args)
 
-    monkeypatch.setattr(ops, "attention_mma", recording_mma)
+    monkeypatch.setattr(ops, "sageattn_mma", recording_mma)
     monkeypatch.setattr(ops, "sageattn_wgmma", recording_wgmma)
     q, k, v = make_qkv(1, 4, 4, 200, 200, d, torch.float16, seed=d)
     fp8_here = mma_fp8_on_device()
