@@ -552,9 +552,10 @@ def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
 
 def _mma(call: AttentionCall, choice: KernelChoice, q: Tensor, k: Tensor, v: Tensor,
          sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The warp-level kernel's call, one op (``ops.sageattn_mma_chain`` says what it runs: the
-    statistics, K's mean over the token sample of :func:`smoothing_sample_stride`, quantize_kv,
-    then attention_mma, which quantizes Q itself and returns the complete LSE)."""
+    """The warp-level kernel's call, one op (``ops.sageattn_mma_chain`` says what it runs: at
+    most one statistics launch, whose K mean takes the token sample of
+    :func:`smoothing_sample_stride` with PV in the input dtype, quantize_kv, then attention_mma,
+    which quantizes Q itself and returns the complete LSE)."""
     return ops.sageattn_mma(
         q, k, v, choice.qk, choice.pv, _smooths_q(call, choice), call.smooth_k, call.smooth_v,
         smoothing_sample_stride(k.shape[2]), sm_scale, call.is_causal,
