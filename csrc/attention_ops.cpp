@@ -15,6 +15,10 @@
 namespace sageattention2 {
 namespace {
 
+// log2(e) in double: sageattn's sm_scale * log2(e) (ops.LOG2E) is one double product, rounded to
+// float once where a kernel takes it, so the chain and the ops called one by one agree bit for bit.
+constexpr double kLog2e = 1.4426950408889634;
+
 void check_codes(const at::Tensor& t, const char* name, int64_t block) {
   TORCH_CHECK(t.dim() == 4, name, " must be 4-D [batch, heads, padded_tokens, head_dim] (from quantize_*)");
   TORCH_CHECK(t.scalar_type() == at::kChar, name, " must be int8 codes, got ", t.scalar_type());
@@ -176,7 +180,7 @@ std::tuple<at::Tensor, at::Tensor> launch_mma(const at::Tensor& q, const std::op
   // The product in double, then rounded once: the scale_multiplier quantize_q and quantize_kv
   // receive from the same double (sageattn's sm_scale * log2(e)), so the codes and scales match
   // theirs bit for bit.
-  p.q_scale_multiplier = static_cast<float>(sm_scale * 1.4426950408889634);
+  p.q_scale_multiplier = static_cast<float>(sm_scale * kLog2e);
   p.sm_scale = static_cast<float>(sm_scale);
   p.k_codes = k_codes.data_ptr<int8_t>();
   p.k_scale = k_scale.data_ptr<float>();
@@ -432,10 +436,9 @@ std::tuple<at::Tensor, at::Tensor> sageattn_mma_cuda(const at::Tensor& q, const 
     if (plan.fp8 && smooth_v) v_mean = std::get<2>(stats);
   }
   const bool programmatic = programmatic_launches();
-  // The same double product as sageattn's sm_scale * log2(e): the Delta-S multiplier of
-  // quantize_kv and the Q scales of attention_mma then match the ops called one by one.
+  // The Delta-S multiplier of quantize_kv: the Q scales' sm_scale * log2(e) (kLog2e).
   auto kv = quantize_kv_after_cuda(k, plan.fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean, v_mean, v_scale,
-                                   q_mean, kMmaBlockK, qk_dtype, sm_scale * 1.4426950408889634,
+                                   q_mean, kMmaBlockK, qk_dtype, sm_scale * kLog2e,
                                    programmatic && plan.stats);
   return launch_mma(q, q_mean, std::get<0>(kv), std::get<1>(kv),
                     q_mean ? std::optional<at::Tensor>(std::get<3>(kv)) : std::nullopt,
