@@ -413,14 +413,14 @@ def _register_python_impls() -> None:
             continue
         impl = getattr(reference, f"{name}_reference")
         torch.library.register_kernel(qualname, "cpu", lambda *args, _impl=impl: tuple(_impl(*args)))
-    # The composite runs its chain of ops, each looked up in this module at call time (a test
-    # stands in for attention_wgmma, which has no CPU implementation).
-    qualname = f"{NAMESPACE}::sageattn_wgmma"
-    if has_op("sageattn_wgmma") and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
-        torch.library.register_kernel(qualname, "cpu", lambda *args: sageattn_wgmma_chain(*args))
-    qualname = f"{NAMESPACE}::sageattn_mma"
-    if has_op("sageattn_mma") and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
-        torch.library.register_kernel(qualname, "cpu", lambda *args: sageattn_mma_chain(*args))
+    # Each composite runs its chain of ops (sageattn_<kernel>_chain), each looked up in this
+    # module at call time (tests stand in for the attention ops, which have no CPU
+    # implementation).
+    for name in ("sageattn_wgmma", "sageattn_mma"):
+        qualname = f"{NAMESPACE}::{name}"
+        if has_op(name) and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
+            torch.library.register_kernel(
+                qualname, "cpu", lambda *args, _chain=f"{name}_chain": globals()[_chain](*args))
 
 
 if HAS_EXTENSION:
