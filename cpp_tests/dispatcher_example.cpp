@@ -9,8 +9,7 @@
 int main() {
   using torch::Tensor;
   auto& dispatcher = c10::Dispatcher::singleton();
-  for (const char* name : {"sageattention2::smoothing_stats", "sageattention2::quantize_q",
-                           "sageattention2::quantize_kv"})
+  for (const char* name : {"sageattention2::smoothing_stats", "sageattention2::quantize_kv"})
     std::printf("%s\n", toString(dispatcher.findSchemaOrThrow(name, "").schema()).c_str());
 
   auto stats = dispatcher.findSchemaOrThrow("sageattention2::smoothing_stats", "")

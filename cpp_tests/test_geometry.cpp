@@ -13,35 +13,6 @@
 
 using namespace sageattention2;
 
-TEST(QGroups, AppendixA6Geometry) {
-  // b_q = 128, c_w = 4: each warp owns 32 rows; rows {i, 8+i, 16+i, 24+i} share a scale.
-  const QGroupGeometry g{128, 4};
-  ASSERT_TRUE(g.valid());
-  EXPECT_EQ(g.groups_per_block(), 32);
-  for (int warp = 0; warp < 4; ++warp)
-    for (int i = 0; i < 8; ++i) {
-      const int expected = warp * 8 + i;
-      for (int m = 0; m < 4; ++m) EXPECT_EQ(g.group_of_row(warp * 32 + 8 * m + i), expected);
-    }
-}
-
-TEST(QGroups, SixteenRowWarpsGiveTwoRowGroups) {
-  const QGroupGeometry g{128, 8};  // a wgmma-style geometry: 16 rows per warp
-  ASSERT_TRUE(g.valid());
-  std::vector<int> count(g.groups_per_block(), 0);
-  for (int r = 0; r < 128; ++r) ++count[g.group_of_row(r)];
-  for (int c : count) EXPECT_EQ(c, 2);
-  EXPECT_EQ(g.group_of_row(3), g.group_of_row(11));
-  EXPECT_NE(g.group_of_row(3), g.group_of_row(19));
-}
-
-TEST(QGroups, RejectsGeometriesThatSplitAnMmaSlab) {
-  EXPECT_FALSE((QGroupGeometry{128, 3}.valid()));
-  EXPECT_FALSE((QGroupGeometry{64, 8}.valid()));   // 8 rows per warp
-  EXPECT_FALSE((QGroupGeometry{256, 4}.valid()));  // beyond the supported block
-  EXPECT_TRUE((QGroupGeometry{64, 4}.valid()));
-}
-
 TEST(KGroups, FragmentColumnPairs) {
   // Group g = keys {8m + 2g, 8m + 2g + 1}: 16 keys of a 64-key block each.
   for (int g = 0; g < 4; ++g) {
@@ -136,30 +107,4 @@ TEST(Int4Packing, RoundTripsAllPairs) {
       EXPECT_EQ(unpack_int4_high(b), hi);
     }
   EXPECT_EQ(pack_int4x2(1, -1), 0xF1);
-}
-
-TEST(PrepareKV, EveryKeyBlockOnceInTheOrderTheKernelNeedsThem) {
-  // 7 heads of 5 key blocks in waves of 3 heads (the last wave has 1), and waves of 1 and 7.
-  const int heads = 7, tiles = 5;
-  for (int per_wave : {3, 1, 7, 9}) {
-    std::set<std::pair<int, int>> seen;
-    int last_wave = -1, last_tile = -1;
-    for (int item = 0; item < heads * tiles; ++item) {
-      const PrepareItem w = prepare_item(item, heads, tiles, per_wave);
-      ASSERT_GE(w.head, 0);
-      ASSERT_LT(w.head, heads);
-      ASSERT_GE(w.tile, 0);
-      ASSERT_LT(w.tile, tiles);
-      EXPECT_TRUE(seen.insert({w.head, w.tile}).second) << "item " << item << " repeats a key block";
-      // Waves of heads in order; inside a wave, key blocks in order (all of the wave's heads
-      // for block j before block j + 1): the attention CTAs of a wave walk their tiles in step.
-      const int wave = w.head / per_wave;
-      EXPECT_GE(wave, last_wave);
-      if (wave == last_wave) EXPECT_GE(w.tile, last_tile);
-      if (wave != last_wave) EXPECT_EQ(w.tile, 0);
-      last_wave = wave;
-      last_tile = w.tile;
-    }
-    EXPECT_EQ(static_cast<int>(seen.size()), heads * tiles);
-  }
 }

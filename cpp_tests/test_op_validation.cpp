@@ -17,15 +17,6 @@ auto op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
-std::tuple<Tensor, Tensor, Tensor> quantize_q(const Tensor& q, const std::optional<Tensor>& mean,
-                                              int64_t block_q, int64_t warps, const std::string& dtype,
-                                              bool smooth_block) {
-  static auto handle = op("sageattention2::quantize_q")
-                           .typed<std::tuple<Tensor, Tensor, Tensor>(const Tensor&, const std::optional<Tensor>&,
-                                                                     int64_t, int64_t, const std::string&, bool, double)>();
-  return handle.call(q, mean, block_q, warps, dtype, smooth_block, 1.0);
-}
-
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> quantize_kv(const Tensor& k, const std::optional<Tensor>& v,
                                                        const std::optional<Tensor>& v_scale,
                                                        const std::optional<Tensor>& q_mean, int64_t block_k,
@@ -49,41 +40,24 @@ std::string error_of(Fn&& fn) {
   return "";
 }
 
-TEST(QuantizeQ, ShapesAndPadding) {
-  auto q = torch::empty({2, 8, 1000, 128}, meta());
-  auto [codes, scales, block_mean] = quantize_q(q, std::nullopt, 128, 4, "int8", true);
-  EXPECT_EQ(codes.sizes(), (c10::IntArrayRef{2, 8, 1024, 128}));
-  EXPECT_EQ(codes.scalar_type(), torch::kChar);
-  EXPECT_EQ(scales.sizes(), (c10::IntArrayRef{2, 8, 8, 32}));
-  EXPECT_EQ(block_mean.sizes(), (c10::IntArrayRef{2, 8, 8, 128}));
-  auto [codes4, scales4, none] = quantize_q(q, std::nullopt, 128, 8, "int4", false);
-  EXPECT_EQ(codes4.sizes(), (c10::IntArrayRef{2, 8, 1024, 64}));
-  EXPECT_EQ(scales4.sizes(), (c10::IntArrayRef{2, 8, 8, 64}));
-  EXPECT_EQ(none.numel(), 0);
-}
-
-TEST(QuantizeQ, NonContiguousViewsAreAccepted) {
+TEST(QuantizeKV, NonContiguousViewsAreAccepted) {
   auto nhd = torch::empty({2, 300, 4, 64}, meta()).transpose(1, 2);  // [B, H, N, D] view of NHD
-  auto [codes, scales, _] = quantize_q(nhd, std::nullopt, 64, 4, "int8", false);
+  auto [codes, scales, v_codes, delta_s, v_tile_scale] = quantize_kv(nhd, nhd, std::nullopt, std::nullopt, 64, "int8");
   EXPECT_EQ(codes.sizes(), (c10::IntArrayRef{2, 4, 320, 64}));
+  EXPECT_EQ(v_tile_scale.sizes(), (c10::IntArrayRef{2, 4, 5}));
 }
 
-TEST(QuantizeQ, ErrorsNameTheArgument) {
-  auto q = torch::empty({1, 2, 64, 128}, meta());
-  EXPECT_NE(error_of([&] { quantize_q(q, std::nullopt, 128, 3, "int8", false); }).find("warps"), std::string::npos);
-  EXPECT_NE(error_of([&] { quantize_q(q, std::nullopt, 128, 4, "fp8", false); }).find("qk_dtype"), std::string::npos);
-  EXPECT_NE(error_of([&] { quantize_q(torch::empty({1, 2, 64, 100}, meta()), std::nullopt, 128, 4, "int8", false); })
-                .find("head_dim"), std::string::npos);
-  EXPECT_NE(error_of([&] { quantize_q(torch::empty({2, 64, 128}, meta()), std::nullopt, 128, 4, "int8", false); })
-                .find("4-D"), std::string::npos);
-  EXPECT_NE(error_of([&] { quantize_q(torch::empty({1, 2, 64, 128}, meta(torch::kFloat)), std::nullopt, 128, 4, "int8", false); })
-                .find("float16 or bfloat16"), std::string::npos);
-  EXPECT_NE(error_of([&] { quantize_q(torch::empty({1, 2, 0, 128}, meta()), std::nullopt, 128, 4, "int8", false); })
-                .find("at least one token"), std::string::npos);
-  auto mean = torch::empty({1, 2, 128}, meta(torch::kFloat));
-  EXPECT_NE(error_of([&] { quantize_q(q, mean, 128, 4, "int8", true); }).find("not both"), std::string::npos);
-  auto wrong_mean = torch::empty({1, 3, 128}, meta(torch::kFloat));
-  EXPECT_NE(error_of([&] { quantize_q(q, wrong_mean, 128, 4, "int8", false); }).find("q_mean"), std::string::npos);
+TEST(QuantizeKV, TensorErrorsNameTheArgument) {
+  const auto error = [](const Tensor& k) {
+    return error_of([&] { quantize_kv(k, std::nullopt, std::nullopt, std::nullopt, 64, "int8"); });
+  };
+  EXPECT_NE(error(torch::empty({1, 2, 64, 100}, meta())).find("head_dim"), std::string::npos);
+  EXPECT_NE(error(torch::empty({2, 64, 128}, meta())).find("4-D"), std::string::npos);
+  EXPECT_NE(error(torch::empty({1, 2, 64, 128}, meta(torch::kFloat))).find("float16 or bfloat16"), std::string::npos);
+  EXPECT_NE(error(torch::empty({1, 2, 0, 128}, meta())).find("at least one token"), std::string::npos);
+  auto k = torch::empty({1, 2, 64, 128}, meta());
+  EXPECT_NE(error_of([&] { quantize_kv(k, std::nullopt, std::nullopt, std::nullopt, 64, "fp8"); }).find("qk_dtype"),
+            std::string::npos);
 }
 
 TEST(QuantizeKV, ShapesWithGqaDeltaS) {

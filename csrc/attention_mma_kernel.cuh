@@ -71,7 +71,7 @@ struct AttentionMmaKernel {
   // MMAs, which halves the shared-memory traffic per MMA (8 warps of one slab read 384 KB per
   // 128 x 128 tile, more than half the tile's time at 365 TOPS on the H100), and the CTA fits
   // in 91 KB, so two run per SM (and one on a 99 KB Ada/Ampere SM). The per-thread groups are
-  // the same either way: Q groups of 16-row slabs (quantize_q(warps=kMmaWarps)), K groups of
+  // the same either way: Q groups of 16-row slabs (reference.quantize_q_reference(warps=kMmaWarps)), K groups of
   // kMmaBlockK-key blocks, of which a 64-key tile is half (its keys 8i + 2t + {0,1} are still
   // group t).
   static constexpr int kWarps = kFp8Pv ? kMmaWarps : kMmaInputPvWarps;
@@ -284,7 +284,7 @@ struct AttentionMmaKernel {
   }
 
   // The CTA's Q block to per-thread codes in shared memory (paper Eq. 8, the groups and the
-  // arithmetic of quantize_q(block_q=128, warps=8): the same codes and scales, bit for bit), so
+  // arithmetic of reference.quantize_q_reference(block_q=128, warps=8): the same codes and scales, bit for bit), so
   // Q costs no pass before the kernel. The quad that shares rows {g, g+8} of a 16-row slab
   // holds one group: thread t reads the rows' 16-byte vectors t, t + 4, ... (a warp's load
   // covers 64 contiguous bytes of 8 rows), takes the group max over the quad and writes its

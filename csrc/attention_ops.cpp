@@ -177,9 +177,9 @@ std::tuple<at::Tensor, at::Tensor> launch_mma(const at::Tensor& q, const std::op
   set_shared_params(p, q, k_codes, out, kv_len, return_lse);
   p.q_mean = q_mean ? q_mean->data_ptr<float>() : nullptr;
   p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
-  // The product in double, then rounded once: the scale_multiplier quantize_q and quantize_kv
-  // receive from the same double (sageattn's sm_scale * log2(e)), so the codes and scales match
-  // theirs bit for bit.
+  // The product in double, then rounded once, as the reference's scale_multiplier and
+  // quantize_kv's delta_s_multiplier are (sageattn's sm_scale * log2(e)), so the codes and scales
+  // match theirs bit for bit.
   p.q_scale_multiplier = static_cast<float>(sm_scale * kLog2e);
   p.sm_scale = static_cast<float>(sm_scale);
   p.k_codes = k_codes.data_ptr<int8_t>();
@@ -253,14 +253,13 @@ AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor&
 
 namespace {
 
-// attention_wgmma, after quantize_kv (tile_ready null; after_quantize_kv: launched by the same
-// call just before) or beside prepare_kv.
+// attention_wgmma (after_quantize_kv: quantize_kv was launched by the same call just before).
 std::tuple<at::Tensor, at::Tensor> launch_wgmma(const at::Tensor& q, const at::Tensor& k_codes,
                                                 const at::Tensor& k_scale, const at::Tensor& v_fp8,
                                                 const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
                                                 const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                 double sm_scale, bool is_causal, bool out_nhd, bool return_lse,
-                                                const int* tile_ready, int prepare_sms, bool after_quantize_kv) {
+                                                bool after_quantize_kv) {
   AttentionOutputs out =
       allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
   check_launchable(q, "q");
@@ -275,8 +274,6 @@ std::tuple<at::Tensor, at::Tensor> launch_wgmma(const at::Tensor& q, const at::T
   p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
   p.sm_scale = static_cast<float>(sm_scale);
   p.causal = is_causal;
-  p.tile_ready = tile_ready;
-  p.prepare_sms = prepare_sms;
   p.after_quantize_kv = after_quantize_kv;
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
@@ -284,18 +281,6 @@ std::tuple<at::Tensor, at::Tensor> launch_wgmma(const at::Tensor& q, const at::T
               "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
   C10_CUDA_CHECK(status);
   return {out.out, out.lse};
-}
-
-// How many SMs prepare K and V beside the Hopper kernel (prepare_kv); 0: quantize_kv runs
-// before it, the default. Measured (benchmarks/RESULTS.md, session 22): preparing beside the
-// kernel costs as much SM time as the separate pass, which is bound by its instructions rather
-// than by DRAM, so it only pays once those are cheaper; the path is kept, tested and timed for
-// that. SAGEATTN_PREPARE_SMS=n forces n SMs (benchmarks, tests).
-int prepare_sms_for(int sms) {
-  const char* forced = std::getenv("SAGEATTN_PREPARE_SMS");
-  if (forced == nullptr) return 0;
-  const int n = std::atoi(forced);
-  return n < 0 ? 0 : (n >= sms ? sms - 1 : n);
 }
 
 // Whether sageattn_wgmma launches each step as a programmatic dependent of the one before
@@ -313,7 +298,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
   return launch_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
-                      return_lse, nullptr, 0, false);
+                      return_lse, false);
 }
 
 AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
@@ -346,29 +331,11 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
     if (smooth_k) k_mean = std::get<1>(stats);
     if (smooth_v) v_mean = std::get<2>(stats);
   }
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int prepare_sms = q.dim() == 4 && q.size(2) > 0 && (q.size(3) == 64 || q.size(3) == 128) &&
-                                  k.size(1) > 0 && k.size(2) > 0 && q.size(1) % k.size(1) == 0
-                              ? prepare_sms_for(sms)
-                              : 0;  // (bad shapes: quantize_kv and attention_wgmma name them)
-  if (prepare_sms == 0) {
-    const bool programmatic = programmatic_launches();
-    auto kv = quantize_kv_after_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0,
-                                     programmatic && (smooth_k || smooth_v));
-    return launch_wgmma(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean,
-                        k.size(2), sm_scale, is_causal, out_nhd, return_lse, nullptr, 0, programmatic);
-  }
-  // The attention CTAs resident at first (one per SM left) start on this many KV heads.
-  const int64_t q_blocks = (q.size(2) + kWgmmaBlockQ - 1) / kWgmmaBlockQ;
-  const int64_t units_per_kv_head = (q.size(1) / k.size(1)) * ((q_blocks + 1) / 2);  // AttentionWgmmaKernel::schedule
-  const int64_t first_heads = (sms - prepare_sms + units_per_kv_head - 1) / units_per_kv_head;
-  // The key blocks the attention kernel reads (causal: up to the last query's, SDPA's alignment).
-  const int64_t kv_blocks = (k.size(2) + kWgmmaBlockK - 1) / kWgmmaBlockK;
-  const int64_t causal_blocks = (q.size(2) - 1) / kWgmmaBlockK + 1;
-  const int64_t key_blocks = is_causal && causal_blocks < kv_blocks ? causal_blocks : kv_blocks;
-  PreparedKV kv = prepare_kv_cuda(k, v, k_mean, v_mean, key_blocks, prepare_sms, static_cast<int>(first_heads));
-  return launch_wgmma(q, kv.kv.k_codes, kv.kv.k_scales, kv.kv.v_codes, kv.kv.v_tile_scale, v_mean, k_mean, k.size(2),
-                      sm_scale, is_causal, out_nhd, return_lse, kv.ready.data_ptr<int>(), prepare_sms, false);
+  const bool programmatic = programmatic_launches();
+  auto kv = quantize_kv_after_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0,
+                                   programmatic && (smooth_k || smooth_v));
+  return launch_wgmma(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean, k.size(2),
+                      sm_scale, is_causal, out_nhd, return_lse, programmatic);
 }
 
 namespace {

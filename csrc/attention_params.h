@@ -11,9 +11,9 @@
 namespace sageattention2 {
 
 // Quantization geometry of the warp-level kernel: b_q = 128 queries in 8 slabs of 16 rows, and
-// b_k = 128 keys (Eq. 8 with c_w = 8): the per-thread scale groups are those
-// quantize_q(block_q=128, warps=8) and quantize_kv(block_k=128) produce, Q groups of 2 rows
-// {g, g+8} of a slab, K groups of 32 keys. The FP8 variants run one slab per warp over 128-key
+// b_k = 128 keys (Eq. 8 with c_w = 8): the per-thread scale groups are those of
+// reference.quantize_q_reference(block_q=128, warps=8) and quantize_kv(block_k=128), Q groups
+// of 2 rows {g, g+8} of a slab, K groups of 32 keys. The FP8 variants run one slab per warp over 128-key
 // tiles: that keeps O, S and the fragments in registers without spilling at head_dim 128 on
 // Ada, and 128-key tiles halve the per-tile fixed costs (+10 % over 64 on the H100).
 inline constexpr int kMmaBlockQ = 128;
@@ -39,7 +39,7 @@ enum class PvOperands : int {
 
 struct AttentionMmaParams {
   // [B, Hq, q_len, D] fp16/bf16 with the strides below (last dimension contiguous): the kernel
-  // quantizes each CTA's Q block itself, in quantize_q(block_q=128, warps=8)'s groups.
+  // quantizes each CTA's Q block itself, in reference.quantize_q_reference(block_q=128, warps=8)'s groups.
   const void* q = nullptr;
   int64_t q_stride_b = 0, q_stride_h = 0, q_stride_n = 0;
   const float* q_mean = nullptr;    // [B, Hq, D] or null (Q smoothed per head; delta_s then set)
@@ -101,14 +101,9 @@ struct AttentionWgmmaParams {
   int64_t q_len = 0, kv_len = 0, k_padded = 0;
   float sm_scale = 1.0f;             // softmax scale (natural units)
   bool causal = false;
-  // K and V prepared while this kernel runs (prepare_kv, launched just before it): [B * Hkv]
-  // [k_padded / 128] counters, a tile readable once its counter is 2; null when quantize_kv ran
-  // before. prepare_sms: the SMs prepare_kv's grid holds (a persistent grid leaves them out).
-  const int* tile_ready = nullptr;
-  int prepare_sms = 0;
   // Launched as a programmatic dependent of quantize_kv, launched just before it by the same
-  // call (tile_ready null): the CTAs start, load their first Q and set up while that launch
-  // ends, and wait for it before anything it writes is read (AttentionWgmmaKernel).
+  // call: the CTAs start, load their first Q and set up while that launch ends, and wait for it
+  // before anything it writes is read (AttentionWgmmaKernel).
   bool after_quantize_kv = false;
 };
 

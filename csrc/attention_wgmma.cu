@@ -3,9 +3,6 @@
 // causal switch. The kernel has sm_90a code only; other archs of the build compile it empty.
 #include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
-#include <cstdlib>
-#include <cstring>
-
 #include "attention_wgmma_kernel.cuh"
 #include "launch.cuh"
 
@@ -54,30 +51,20 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   // their start-up and drain, overlapped with the neighbouring items, weigh most (+2..10 % at 1K).
   // Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item time
   // variation that a static round-robin accumulates (-2..4 % persistent at 16K; A/B in one
-  // process: scripts/ab_env.py, benchmarks/RESULTS.md).
+  // process, benchmarks/RESULTS.md).
   int device = 0, sms = 0;
   status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (status != cudaSuccess) return status;
   const int64_t units = Kernel::schedule(p.q_len, p.batch, p.q_heads).units;
   bool persistent = units <= 8 * static_cast<int64_t>(sms);
-  // Benchmark override: SAGEATTN_WGMMA_GRID=persistent|units.
-  if (const char* mode = std::getenv("SAGEATTN_WGMMA_GRID")) {
-    if (std::strcmp(mode, "units") == 0) persistent = false;
-    if (std::strcmp(mode, "persistent") == 0) persistent = true;
-  }
   if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
-  // Beside prepare_kv, a persistent grid takes only the SMs it leaves: a CTA waiting for one of
-  // them would start its whole static share late.
-  const int free_sms = p.tile_ready != nullptr && p.prepare_sms < sms ? sms - p.prepare_sms : sms;
-  const int64_t ctas = persistent && units > free_sms ? free_sms : units;
-  // After prepare_kv: a programmatic dependent launch, which starts as soon as every prepare_kv
-  // CTA has started (they trigger at once) and reads each tile after its counter, not after
-  // that grid's end. Without it the launch would wait for all of prepare_kv. After quantize_kv
-  // (after_quantize_kv): one that starts once that grid's last CTAs have started, and waits for
-  // its end at griddepcontrol.wait (AttentionWgmmaKernel).
+  const int64_t ctas = persistent && units > sms ? sms : units;
+  // After quantize_kv (after_quantize_kv): a programmatic dependent launch, which starts once that
+  // grid's last CTAs have started, and waits for its end at griddepcontrol.wait
+  // (AttentionWgmmaKernel).
   return launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), dim3(Kernel::kThreads), Kernel::kSmemBytes, stream,
-                       p.tile_ready != nullptr || p.after_quantize_kv, p, k_map, v_map);
+                       p.after_quantize_kv, p, k_map, v_map);
 }
 
 template <typename T, int kHeadDim>

@@ -149,8 +149,8 @@ struct AttentionWgmmaKernel {
     ptx::prefetch_tensor_map(k_map);
     ptx::prefetch_tensor_map(v_map);
     // K, its scales and V: complete once quantize_kv, the launch before, is (after_quantize_kv;
-    // otherwise it returns at once). Beside prepare_kv, each tile's counter says so instead.
-    if (p.tile_ready == nullptr) ptx::griddepcontrol_wait();
+    // otherwise it returns at once).
+    ptx::griddepcontrol_wait();
     const Schedule sc = schedule(p.q_len, p.batch, p.q_heads);
     uint32_t seq = 0;  // tiles streamed so far: the ring position
     int64_t unit = blockIdx.x;
@@ -162,11 +162,6 @@ struct AttentionWgmmaKernel {
       for (int it = 0; it < w.kv_tiles; ++it, ++seq) {
         const int stage = seq % kStages;
         const uint32_t phase = (seq / kStages) & 1;
-        if (p.tile_ready != nullptr) {  // prepare_kv writes the tile while this grid runs
-          const int* ready = p.tile_ready + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) + it;
-          while (ptx::ld_acquire_gpu(ready) < 2) __nanosleep(256);
-          ptx::fence_proxy_async_global();
-        }
         ptx::mbarrier_wait_sleeping(&s.empty_k[stage], phase ^ 1);
         ptx::mbarrier_arrive_expect_tx(&s.full_k[stage], kKBytes + 16);
         ptx::tma_load_3d(s.k[stage], k_map, 0, it * kBlockK, bhk, &s.full_k[stage]);
@@ -420,7 +415,7 @@ struct AttentionWgmmaKernel {
     if (have) stage_q(p, w, consumer * 64 + slab_row, t, stage, lane);
     // Up to here only the caller's Q is read (complete before smoothing_stats started); the means
     // and V's tile scales are written by the launches before (after_quantize_kv).
-    if (p.tile_ready == nullptr) ptx::griddepcontrol_wait();
+    ptx::griddepcontrol_wait();
     uint32_t seq = 0;  // tiles consumed so far: the ring position
     while (have) {
       int64_t next_unit = unit;
@@ -463,8 +458,8 @@ struct AttentionWgmmaKernel {
     float racc[kRaccRegs];
     uint32_t pa[kPvSteps][4];
     // V's per-tile scales: R of tile j is in units of s_j, O in those of the last folded tile.
-    // Read through L2 (.cg), not the read-only path: prepare_kv may write them while this grid
-    // runs, and an L1 line holding a neighbouring tile's scale could predate the tile.
+    // Read through L2 (.cg). Nothing writes them while this grid runs any more, so the read-only
+    // path would do as well; .cg keeps the KV loop's code as it was measured.
     const float* v_tile_scale =
         p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
     float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do

@@ -27,23 +27,6 @@ constexpr RowTiling row_tiling(int head_dim, int threads = kPreprocessThreads) {
   return RowTiling{per_row, threads / per_row};
 }
 
-// Per-thread quantization geometry (docs/DESIGN.md, paper Eq. 8 / appendix A.6).
-struct QGroupGeometry {
-  int block_q;
-  int warps;
-  constexpr int rows_per_warp() const { return block_q / warps; }
-  constexpr int groups_per_block() const { return warps * 8; }
-  constexpr int group_of_row(int row_in_block) const {
-    return (row_in_block / rows_per_warp()) * 8 + (row_in_block % 8);
-  }
-  // Rows of a warp come in 16-row MMA slabs; the accumulator fragment gives lane l the rows
-  // l/4 and l/4 + 8, so a warp's rows must be a multiple of 16.
-  constexpr bool valid() const {
-    return block_q > 0 && warps > 0 && warps <= 8 && block_q % warps == 0 &&
-           rows_per_warp() % 16 == 0 && block_q <= 128;
-  }
-};
-
 inline constexpr int kKGroupsPerBlock = 4;
 // Lane l of an m16n8 accumulator fragment holds columns 2*(l%4) and 2*(l%4)+1 of every
 // 8-column slab, so key j shares its lane (and scale) with the keys of equal (j % 8) / 2.
@@ -87,23 +70,6 @@ constexpr StatsGrid stats_grid(int64_t max_rows, int64_t jobs, int sm_count,
   if (chunks > max_chunks) chunks = max_chunks;
   if (chunks < 1) chunks = 1;
   return StatsGrid{static_cast<int>(chunks), ceil_div(max_rows, chunks)};
-}
-
-// The order prepare_kv takes key blocks in (a block: its K and V tiles): the order the attention
-// kernel first needs them. Its resident CTAs start on heads_per_wave KV heads at once and walk
-// their tiles in step, so within each wave of heads the blocks go by key block, then head.
-struct PrepareItem {
-  int head;  // b * Hkv + hkv
-  int tile;  // 128-key block
-};
-// 32-bit: heads * tiles blocks of 128 keys x 64 one-byte codes fit in 32 bits for any K that fits
-// in device memory (2^31 blocks would be 2^44 bytes of codes).
-constexpr PrepareItem prepare_item(int item, int heads, int tiles, int heads_per_wave) {
-  const int per_wave = heads_per_wave * tiles;
-  const int wave = item / per_wave, first = wave * heads_per_wave;
-  const int in_wave = heads - first < heads_per_wave ? heads - first : heads_per_wave;
-  const int r = item - wave * per_wave;
-  return PrepareItem{first + r % in_wave, r / in_wave};
 }
 
 }  // namespace sageattention2

@@ -30,7 +30,7 @@ pybind11::dict build_info() {
   pybind11::dict kernels;
   // The preprocessing and the warp-level kernels compile for every arch of the build; the Hopper
   // kernel has code for sm_90a only (other archs compile it empty).
-  kernels["preprocess (smoothing_stats, quantize_q, quantize_kv)"] = archs;
+  kernels["preprocess (smoothing_stats, quantize_kv)"] = archs;
   kernels["attention_mma (INT8 QK, fp16/bf16 PV, mma.sync)"] = archs;
   // FP8 MMA exists from sm_89 on; the FP8 variants of older archs are stubs.
   std::vector<std::string> fp8, hopper;

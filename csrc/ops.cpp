@@ -15,13 +15,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_meta(
   return {o.q_mean, o.k_mean, o.v_mean, o.v_scale};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q_meta(
-    const at::Tensor& q, const std::optional<at::Tensor>& q_mean, int64_t block_q, int64_t warps,
-    const std::string& qk_dtype, bool smooth_block, double /*scale_multiplier*/) {
-  auto o = allocate_quantize_q(q, q_mean, block_q, warps, qk_dtype, smooth_block);
-  return {o.codes, o.scales, o.block_mean};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_meta(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
@@ -82,10 +75,6 @@ TORCH_LIBRARY(sageattention2, m) {
       "smoothing_stats(Tensor? q, Tensor? k, Tensor? v, bool smooth_v) "
       "-> (Tensor q_mean, Tensor k_mean, Tensor v_mean, Tensor v_scale)");
   m.def(
-      "quantize_q(Tensor q, Tensor? q_mean, int block_q, int warps, str qk_dtype, "
-      "bool smooth_block, float scale_multiplier) "
-      "-> (Tensor q_codes, Tensor q_scale, Tensor q_block_mean)");
-  m.def(
       "quantize_kv(Tensor k, Tensor? v, Tensor? k_mean, Tensor? v_mean, Tensor? v_scale, "
       "Tensor? q_mean, int block_k, str qk_dtype, float delta_s_multiplier) "
       "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s, Tensor v_tile_scale)");
@@ -108,7 +97,6 @@ TORCH_LIBRARY(sageattention2, m) {
 
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("smoothing_stats", &sageattention2::smoothing_stats_cuda);
-  m.impl("quantize_q", &sageattention2::quantize_q_cuda);
   m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
   m.impl("attention_mma", &sageattention2::attention_mma_cuda);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
@@ -118,7 +106,6 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
 
 TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("smoothing_stats", &sageattention2::smoothing_stats_meta);
-  m.impl("quantize_q", &sageattention2::quantize_q_meta);
   m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
   m.impl("attention_mma", &sageattention2::attention_mma_meta);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);

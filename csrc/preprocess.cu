@@ -31,19 +31,6 @@ cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dt
   return cudaGetLastError();
 }
 
-cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool int4, cudaStream_t stream) {
-  const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.geometry.block_q), p.q.heads, p.q.batch);
-  const size_t smem = static_cast<size_t>(p.geometry.block_q) * p.q.head_dim * 2;
-  cudaError_t status = cudaSuccess;
-  dispatch_input_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    auto kernel = int4 ? quantize_q_kernel<T, true> : quantize_q_kernel<T, false>;
-    status = allow_dynamic_smem(kernel, smem);
-    if (status == cudaSuccess) kernel<<<grid, kPreprocessThreads, smem, stream>>>(p);
-  });
-  return status != cudaSuccess ? status : cudaGetLastError();
-}
-
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
                                bool after_smoothing_stats) {
   const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.block_k * (p.has_v ? 2 : 1)), p.k.heads, p.k.batch);
@@ -65,22 +52,6 @@ cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool
     status = allow_dynamic_smem(kernel, smem);
     if (status == cudaSuccess)
       status = launch_kernel(kernel, grid, dim3(kPreprocessThreads), smem, stream, after_smoothing_stats, p);
-  });
-  return status != cudaSuccess ? status : cudaGetLastError();
-}
-
-cudaError_t launch_prepare_kv(const PrepareKVParams& p, InputDtype dtype, int ctas, cudaStream_t stream) {
-  const size_t smem = static_cast<size_t>(kPrepareParts) * kRegisterKBlock * kv_tile_pitch(p.kv.k.head_dim) * 2;
-  cudaError_t status = cudaSuccess;
-  dispatch_input_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    auto kernel = p.kv.k.head_dim == 64 ? prepare_kv_kernel<T, 64> : prepare_kv_kernel<T, 128>;
-    // Its body is sm_90+ code: elsewhere the kernel is empty and its counters would never move.
-    cudaFuncAttributes attributes{};
-    status = cudaFuncGetAttributes(&attributes, kernel);
-    if (status == cudaSuccess && attributes.binaryVersion < 90) status = cudaErrorNotSupported;
-    if (status == cudaSuccess) status = allow_dynamic_smem(kernel, smem);
-    if (status == cudaSuccess) kernel<<<ctas, kPrepareParts * kPreprocessThreads, smem, stream>>>(p);
   });
   return status != cudaSuccess ? status : cudaGetLastError();
 }

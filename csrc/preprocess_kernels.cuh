@@ -221,70 +221,6 @@ __device__ __forceinline__ void store_tile_codes(const T* tile, int pitch, int r
 }
 
 // ---------------------------------------------------------------------------------------------
-// Q: one CTA per (Q block, head, batch). Reads the block once into shared memory, smooths it
-// (head mean, or the block's own mean: paper Eq. 2), takes per-thread group maxima (Eq. 8) and
-// writes codes plus scales already multiplied by sm_scale * log2(e) (so the attention kernel
-// uses exp2 with no extra multiply).
-// ---------------------------------------------------------------------------------------------
-
-
-template <typename T, bool kInt4>
-__global__ void __launch_bounds__(kPreprocessThreads)
-    quantize_q_kernel(const __grid_constant__ QuantizeQParams p) {
-  using Codes = IntCodes<kInt4>;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  T* tile = reinterpret_cast<T*>(smem_raw);  // [block_q][D]
-  __shared__ float mean[kMaxHeadDim];
-  __shared__ float group_inv[64];
-  __shared__ unsigned group_amax[64];
-
-  const int qb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-  const int head_dim = p.q.head_dim, vecs = head_dim / kElemsPerVector;
-  const int block_q = p.geometry.block_q, groups = p.geometry.groups_per_block();
-  const int64_t row0 = static_cast<int64_t>(qb) * block_q;
-  const int valid = static_cast<int>(p.q.tokens - row0 < block_q ? p.q.tokens - row0 : block_q);
-  const int64_t bh = static_cast<int64_t>(b) * p.q.heads + h;
-  const int64_t blocks = p.padded_tokens / block_q;
-
-  for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads) {
-    const int r = i / vecs, c = i % vecs;
-    *reinterpret_cast<uint4*>(tile + r * head_dim + c * kElemsPerVector) =
-        ptx::ld_global_nc_v4(row_ptr<T>(p.q, b, h, row0 + r) + c * kElemsPerVector);
-  }
-  for (int g = threadIdx.x; g < groups; g += kPreprocessThreads) group_amax[g] = 0u;
-  __syncthreads();
-
-  for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads) {
-    float m = 0.0f;
-    if (p.head_mean != nullptr) {
-      m = p.head_mean[bh * head_dim + d];
-    } else if (p.smooth_block) {
-      float s = 0.0f;
-      for (int r = 0; r < valid; ++r) s += widen1<T>(tile[r * head_dim + d]);
-      m = s / static_cast<float>(valid);
-      p.block_mean[(bh * blocks + qb) * head_dim + d] = m * p.scale_multiplier;
-    }
-    mean[d] = m;
-  }
-  __syncthreads();
-
-  const auto q_group = [&](int r) { return p.geometry.group_of_row(r); };
-  tile_group_absmax<T>(tile, head_dim, valid, vecs, mean, q_group, group_amax);
-  __syncthreads();
-
-  for (int g = threadIdx.x; g < groups; g += kPreprocessThreads) {
-    const float scale = quant_scale(__uint_as_float(group_amax[g]), static_cast<float>(Codes::kQmax));
-    group_inv[g] = quant_inverse(scale);
-    p.scales[(bh * blocks + qb) * groups + g] = scale * p.scale_multiplier;
-  }
-  __syncthreads();
-
-  const int code_dim = kInt4 ? head_dim / 2 : head_dim;
-  store_tile_codes<T, kInt4>(tile, head_dim, block_q, valid, vecs, mean, q_group, group_inv,
-                             p.codes + (bh * p.padded_tokens + row0) * code_dim, code_dim);
-}
-
-// ---------------------------------------------------------------------------------------------
 // K and V: two CTAs per (KV block, kv head, batch), one per tensor (one tile of shared memory
 // each, so an SM holds twice as many CTAs as with both tiles in one: more loads in flight while
 // other CTAs quantize). The K CTA smooths K by its token mean, quantizes per thread (4 groups per
@@ -301,27 +237,14 @@ __device__ __forceinline__ int head_dim_of(const BhndView& view) {
   return kHeadDim != 0 ? kHeadDim : view.head_dim;
 }
 
-// The threads that quantize one K or V tile together: a whole CTA of kPreprocessThreads
-// (quantize_kv), or one such part of a prepare_kv CTA, whose parts take tiles independently and
-// each synchronise on their own barrier.
-struct WholeCta {
-  __device__ __forceinline__ int thread() const { return static_cast<int>(threadIdx.x); }
-  __device__ __forceinline__ void sync() const { __syncthreads(); }
-};
-struct CtaPart {
-  int index;  // the part's threads are index * kPreprocessThreads + [0, kPreprocessThreads)
-  __device__ __forceinline__ int thread() const { return static_cast<int>(threadIdx.x) - index * kPreprocessThreads; }
-  __device__ __forceinline__ void sync() const { ptx::barrier_sync(1 + index, kPreprocessThreads); }  // 0: __syncthreads
-};
-
 // The valid rows of a K or V tile go to shared memory by cp.async, all in flight from the CTA's
 // first instructions on (loaded one 16-byte vector at a time, then processed, the launch reached
 // 40-50 % of DRAM bandwidth: ncu, B4 H32 N1024-4096).
-template <typename T, int kHeadDim, typename Threads = WholeCta>
+template <typename T, int kHeadDim>
 __device__ __forceinline__ void start_kv_tile_copy(T* tile, const BhndView& view, int b, int h, int64_t row0,
-                                                   int valid, Threads threads = {}) {
+                                                   int valid) {
   const int head_dim = head_dim_of<kHeadDim>(view), vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
-  for (int i = threads.thread(); i < valid * vecs; i += kPreprocessThreads) {
+  for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads) {
     const int r = i / vecs, c = i % vecs;
     ptx::cp_async_16(tile + r * pitch + c * kElemsPerVector, row_ptr<T>(view, b, h, row0 + r) + c * kElemsPerVector,
                      true);
@@ -416,15 +339,15 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
 // scales bit for bit, without its divisions, second pass over shared memory and shared atomics:
 // at B4 H32 N4096 hd128 the K + V launch went from 68 % of the issue slots and 62 % of DRAM
 // bandwidth to 57 % and 83 % (ncu; benchmarks/RESULTS.md, session 12).
-template <typename T, bool kInt4, int kHeadDim, typename Threads = WholeCta>
+template <typename T, bool kInt4, int kHeadDim>
 __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVParams& p, KVTileSmem& sm, int kb, int h,
-                                                              int b, Threads threads = {}) {
+                                                              int b) {
   using Codes = IntCodes<kInt4>;
   constexpr int kBlockK = kRegisterKBlock, kWarps = kPreprocessThreads / 32, kWarpRows = kBlockK / kWarps;
   constexpr int kVecs = kHeadDim / kElemsPerVector, kRowsPerPass = 32 / kVecs, kPasses = kWarpRows / kRowsPerPass;
   static_assert(32 % kVecs == 0 && kWarpRows % kRowsPerPass == 0 && kWarpRows % 8 == 0, "lane geometry");
   constexpr int kCodeDim = kInt4 ? kHeadDim / 2 : kHeadDim;
-  const int tid = threads.thread();
+  const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, c = lane % kVecs, sub = lane / kVecs;
   const int64_t row0 = static_cast<int64_t>(kb) * kBlockK;
   const int valid = static_cast<int>(p.k.tokens - row0 < kBlockK ? p.k.tokens - row0 : kBlockK);
@@ -464,7 +387,7 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
     const float group_max = warp_max(amax[g]);
     if (lane == 0) warp_amax[warp * kKGroupsPerBlock + g] = group_max;
   }
-  threads.sync();
+  __syncthreads();
   float* group_inv = sm.aux + kWarps * kKGroupsPerBlock;
   if (tid < kKGroupsPerBlock) {
     float group_max = 0.0f;
@@ -473,7 +396,7 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
     group_inv[tid] = quant_inverse(scale);
     p.k_scales[(bh * (p.padded_tokens / kBlockK) + kb) * kKGroupsPerBlock + tid] = scale;
   }
-  threads.sync();
+  __syncthreads();
 
   int8_t* dst = p.k_codes + (bh * p.padded_tokens + row0 + first_row) * kCodeDim + c * Codes::kBytesPer8;
 #pragma unroll
@@ -491,12 +414,10 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
   }
 }
 
-// copy_started: the caller has already issued the tile's start_kv_tile_copy (prepare_kv, which
-// quantizes the K tile while the V tile's copy is in flight).
-template <typename T, int kHeadDim, typename Threads = WholeCta>
+template <typename T, int kHeadDim>
 __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_tile, KVTileSmem& sm, int kb, int h,
-                                                int b, Threads threads = {}, bool copy_started = false) {
-  const int tid = threads.thread();
+                                                int b) {
+  const int tid = threadIdx.x;
   float* mean = sm.mean;
   float* channel_inv = sm.aux;
   const int head_dim = head_dim_of<kHeadDim>(p.v), pitch = kv_tile_pitch(head_dim);
@@ -505,7 +426,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   const int valid = static_cast<int>(p.v.tokens - row0 < block_k ? p.v.tokens - row0 : block_k);
   const int64_t bh = static_cast<int64_t>(b) * p.v.heads + h;
 
-  if (!copy_started) start_kv_tile_copy<T, kHeadDim>(v_tile, p.v, b, h, row0, valid, threads);
+  start_kv_tile_copy<T, kHeadDim>(v_tile, p.v, b, h, row0, valid);
   // The means, and every write, after the kernel before (quantize_kv_kernel); a V tile that
   // needs nothing of it and writes only memory it never touches need not wait.
   if (!(p.v_overlaps_prior_grid && p.v_mean == nullptr && p.v_scale == nullptr)) ptx::griddepcontrol_wait();
@@ -516,7 +437,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   }
   if (tid == 0) sm.tile_amax = 0u;
   ptx::cp_async_wait<0>();
-  threads.sync();
+  __syncthreads();
 
   // fp16 V without a mean under one scale per tile (sageattn's Hopper path by default) is
   // quantized in packed fp16, with the float path's codes bit for bit: its range is exact in
@@ -543,7 +464,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
     }
     a = warp_max(a);
     if (tid % 32 == 0) atomic_max_abs(&sm.tile_amax, a);
-    threads.sync();
+    __syncthreads();
     const float scale = v_tile_scale(__uint_as_float(sm.tile_amax));
     tile_inv = quant_inverse(scale);
     if (tid == 0) p.v_tile_scale[bh * (p.padded_tokens / block_k) + kb] = scale;
@@ -636,52 +557,6 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   } else {
     quantize_k_tile<T, kInt4, 0>(p, tile, sm, kb, h, b);
   }
-}
-
-// ---------------------------------------------------------------------------------------------
-// K and V prepared while the Hopper kernel runs (issue 4). A separate quantize_kv launch costs
-// the full call 10-35 % (it moves 3 bytes per K/V element at copy speed, before the first tile of
-// attention can start). prepare_kv quantizes the same tiles with the same functions on a few SMs;
-// the attention kernel, launched right after it as a programmatic dependent launch, runs on the
-// other SMs and starts each tile's copy once that tile's counter says both of its halves are out.
-// Every CTA triggers its dependents at once, so the attention grid starts while this one works;
-// it waits only on the counters, never on this grid's completion.
-// ---------------------------------------------------------------------------------------------
-
-template <typename T, int kHeadDim>
-__global__ void __launch_bounds__(kPrepareParts * kPreprocessThreads, 1)
-    prepare_kv_kernel(const __grid_constant__ PrepareKVParams p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  ptx::griddepcontrol_launch_dependents();
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ KVTileSmem part_smem[kPrepareParts];
-  const CtaPart part{static_cast<int>(threadIdx.x) / kPreprocessThreads};
-  T* v_tile = reinterpret_cast<T*>(smem_raw) + part.index * kRegisterKBlock * kv_tile_pitch(kHeadDim);
-  KVTileSmem& sm = part_smem[part.index];
-  const int heads = p.kv.k.batch * p.kv.k.heads;
-  const int row_tiles = static_cast<int>(p.kv.padded_tokens / kRegisterKBlock);  // the counters' row length
-  const int items = heads * p.tiles, stride = static_cast<int>(gridDim.x) * kPrepareParts;
-#pragma unroll 1
-  for (int item = static_cast<int>(blockIdx.x) * kPrepareParts + part.index; item < items; item += stride) {
-    // A part takes a key block's K and V tile together: the V tile's copy (cp.async, no
-    // registers) is in flight while the K tile loads into registers and is quantized.
-    const PrepareItem w = prepare_item(item, heads, p.tiles, p.heads_per_wave);
-    const int b = w.head / p.kv.k.heads, h = w.head % p.kv.k.heads;
-    const int64_t row0 = static_cast<int64_t>(w.tile) * kRegisterKBlock;
-    const int valid = static_cast<int>(p.kv.v.tokens - row0 < kRegisterKBlock ? p.kv.v.tokens - row0 : kRegisterKBlock);
-    start_kv_tile_copy<T, kHeadDim>(v_tile, p.kv.v, b, h, row0, valid, part);
-    quantize_k_block_in_registers<T, false, kHeadDim>(p.kv, sm, w.tile, h, b, part);
-    part.sync();  // sm is the V tile's now
-    quantize_v_tile<T, kHeadDim>(p.kv, v_tile, sm, w.tile, h, b, part, true);
-    // The attention kernel reads these codes with the copy engine (the async proxy).
-    ptx::fence_proxy_async_global();
-    part.sync();  // the part's writes, then its counter; also frees sm and v_tile for the next item
-    if (part.thread() == 0) {  // (w again: cheaper than holding it in registers through the tiles)
-      const PrepareItem done = prepare_item(item, heads, p.tiles, p.heads_per_wave);
-      ptx::red_add_release_gpu(p.ready + static_cast<int64_t>(done.head) * row_tiles + done.tile, 2);
-    }
-  }
-#endif
 }
 
 }  // namespace sageattention2

@@ -36,7 +36,7 @@ void check_optional_launchable(const std::optional<at::Tensor>& t, const char* n
   if (t) check_launchable(*t, name);
 }
 
-// The kernel parameters of quantize_kv and prepare_kv (which share the tile code).
+// The kernel parameters of quantize_kv.
 QuantizeKVParams quantize_kv_params(const at::Tensor& k, const std::optional<at::Tensor>& v,
                                     const std::optional<at::Tensor>& k_mean, const std::optional<at::Tensor>& v_mean,
                                     const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& q_mean,
@@ -120,29 +120,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
   return {out.q_mean, out.k_mean, out.v_mean, out.v_scale};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> quantize_q_cuda(
-    const at::Tensor& q, const std::optional<at::Tensor>& q_mean, int64_t block_q, int64_t warps,
-    const std::string& qk_dtype, bool smooth_block, double scale_multiplier) {
-  QuantizeQOutputs out = allocate_quantize_q(q, q_mean, block_q, warps, qk_dtype, smooth_block);
-  check_launchable(q, "q");
-  check_optional_launchable(q_mean, "q_mean");
-  const c10::cuda::CUDAGuard guard(q.device());
-
-  QuantizeQParams p;
-  p.q = make_view(q);
-  p.head_mean = optional_ptr(q_mean);
-  p.smooth_block = smooth_block;
-  p.scale_multiplier = static_cast<float>(scale_multiplier);
-  p.geometry = QGroupGeometry{static_cast<int>(block_q), static_cast<int>(warps)};
-  p.padded_tokens = out.codes.size(2);
-  p.codes = out.codes.data_ptr<int8_t>();
-  p.scales = out.scales.data_ptr<float>();
-  p.block_mean = smooth_block ? out.block_mean.data_ptr<float>() : nullptr;
-  const bool int4 = parse_qk_dtype(qk_dtype) == QkDtype::kInt4;
-  C10_CUDA_CHECK(launch_quantize_q(p, input_dtype(q), int4, at::cuda::getCurrentCUDAStream()));
-  return {out.codes, out.scales, out.block_mean};
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
@@ -170,32 +147,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   C10_CUDA_CHECK(
       launch_quantize_kv(p, input_dtype(k), int4, at::cuda::getCurrentCUDAStream(), after_smoothing_stats));
   return {out.k_codes, out.k_scales, out.v_codes, out.delta_s, out.v_tile_scale};
-}
-
-PreparedKV prepare_kv_cuda(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_mean,
-                           const std::optional<at::Tensor>& v_mean, int64_t key_blocks, int ctas, int heads_per_wave) {
-  PreparedKV out;
-  out.kv = allocate_quantize_kv(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kRegisterKBlock, "int8");
-  check_launchable(k, "k");
-  check_launchable(v, "v");
-  check_optional_launchable(k_mean, "k_mean");
-  check_optional_launchable(v_mean, "v_mean");
-  const c10::cuda::CUDAGuard guard(k.device());
-  PrepareKVParams p;
-  p.kv = quantize_kv_params(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kRegisterKBlock, 1.0, out.kv);
-  TORCH_CHECK(k_block_in_registers(p.kv), "prepare_kv: head_dim must be 64 or 128");
-  const int64_t row_tiles = p.kv.padded_tokens / kRegisterKBlock;
-  TORCH_CHECK(key_blocks >= 1 && key_blocks <= row_tiles, "prepare_kv: key_blocks must be in [1, ", row_tiles, "]");
-  out.ready = at::empty({static_cast<int64_t>(p.kv.k.batch) * p.kv.k.heads * row_tiles}, k.options().dtype(at::kInt));
-  p.ready = out.ready.data_ptr<int>();
-  p.tiles = key_blocks;
-  p.heads_per_wave = heads_per_wave;
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  C10_CUDA_CHECK(cudaMemsetAsync(p.ready, 0, out.ready.nbytes(), stream));
-  const cudaError_t status = launch_prepare_kv(p, input_dtype(k), ctas, stream);
-  TORCH_CHECK(status != cudaErrorNotSupported, "prepare_kv: this build has no sm_90 code for this GPU");
-  C10_CUDA_CHECK(status);
-  return out;
 }
 
 }  // namespace sageattention2

@@ -46,18 +46,6 @@ struct StatsParams {
   float* partial_min = nullptr;
 };
 
-struct QuantizeQParams {
-  BhndView q;
-  const float* head_mean = nullptr;  // [B, H, D] or null
-  bool smooth_block = false;
-  float scale_multiplier = 1.0f;
-  QGroupGeometry geometry{128, 4};
-  int64_t padded_tokens = 0;
-  int8_t* codes = nullptr;          // [B, H, padded_tokens, D or D/2]
-  float* scales = nullptr;          // [B, H, blocks, warps * 8]
-  float* block_mean = nullptr;      // [B, H, blocks, D] or null
-};
-
 struct QuantizeKVParams {
   BhndView k, v;
   bool has_v = false;
@@ -89,25 +77,6 @@ constexpr bool k_block_in_registers(const QuantizeKVParams& p) {
   return p.block_k == kRegisterKBlock && p.q_mean == nullptr && (p.k.head_dim == 64 || p.k.head_dim == 128);
 }
 
-// prepare_kv: quantize_kv's K and V tiles for the Hopper kernel, prepared on a few SMs while the
-// attention kernel runs on the others and streams each tile as soon as it is ready (issue 4:
-// the full call within 10 % of the kernel). Same codes and scales as quantize_kv, bit for bit.
-struct PrepareKVParams {
-  QuantizeKVParams kv;  // block_k 128, no q_mean, head_dim 64 or 128 (k_block_in_registers)
-  // [B * Hkv][padded_tokens / 128] zeroed counters: +2 once a key block's K and V tiles are
-  // written, with release semantics (the attention kernel waits for 2).
-  int* ready = nullptr;
-  // The key blocks of every head that the attention kernel reads (causal: up to the last
-  // query's). Only those are prepared, so that once the attention kernel has completed, every
-  // write of this grid has been made: nothing of it can land in memory freed after the call.
-  int tiles = 0;
-  int heads_per_wave = 1;  // KV heads the attention kernel's first resident CTAs share
-};
-// Threads of a prepare_kv CTA: parts of kPreprocessThreads that take key blocks independently
-// (part p of CTA c takes items c * kPrepareParts + p + j * all parts), so that an SM has several
-// blocks' loads in flight. 3 parts at 80 registers: 4 (at 64) spilled ~190 bytes at head_dim 128.
-inline constexpr int kPrepareParts = 3;
-
 // Shared-memory rows are padded by one 16-byte vector so that threads reading 16 bytes of
 // consecutive rows (the Delta-S dot products) fall in different banks.
 constexpr int kv_tile_pitch(int head_dim) { return head_dim + kElemsPerVector; }
@@ -116,14 +85,10 @@ enum class InputDtype { kFloat16, kBFloat16 };
 
 // Each returns the launch status (cudaGetLastError after the launch).
 cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dtype, cudaStream_t stream);
-cudaError_t launch_quantize_q(const QuantizeQParams& p, InputDtype dtype, bool int4, cudaStream_t stream);
 // after_smoothing_stats: as a programmatic dependent of smoothing_stats, launched just before it
 // by the same call (quantize_kv_kernel); p.v_overlaps_prior_grid says what else the caller
 // guarantees.
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
                                bool after_smoothing_stats = false);
-// `ctas` CTAs of kPrepareParts * kPreprocessThreads threads, one per SM. cudaErrorNotSupported
-// where this build's code for the GPU predates sm_90 (it runs beside the Hopper kernel only).
-cudaError_t launch_prepare_kv(const PrepareKVParams& p, InputDtype dtype, int ctas, cudaStream_t stream);
 
 }  // namespace sageattention2

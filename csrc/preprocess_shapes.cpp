@@ -103,32 +103,6 @@ SmoothingStatsOutputs allocate_smoothing_stats(const std::optional<at::Tensor>& 
   return out;
 }
 
-QuantizeQOutputs allocate_quantize_q(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
-                                     int64_t block_q, int64_t warps, const std::string& qk_dtype,
-                                     bool smooth_block) {
-  check_bhnd(q, "q");
-  const QkDtype dtype = parse_qk_dtype(qk_dtype);
-  const QGroupGeometry geometry{static_cast<int>(block_q), static_cast<int>(warps)};
-  TORCH_CHECK(block_q > 0 && warps > 0 && geometry.valid(),
-              "block_q / warps must give each warp a multiple of 16 rows, with block_q <= 128 and "
-              "warps <= 8; got block_q=", block_q, ", warps=", warps);
-  TORCH_CHECK(!(q_mean && smooth_block),
-              "pass either q_mean (one smoothing vector per head) or smooth_block=True (the mean "
-              "of each Q block), not both");
-  const c10::SymInt batch = q.sym_size(0), heads = q.sym_size(1), tokens = q.sym_size(2);
-  const int64_t d = q.sym_size(3).guard_int(__FILE__, __LINE__);
-  if (q_mean) check_channel_vector(*q_mean, "q_mean", batch, heads, d, q);
-  const c10::SymInt blocks = (tokens + (block_q - 1)) / block_q;
-  const int64_t code_dim = dtype == QkDtype::kInt4 ? d / 2 : d;
-  auto opts = q.options();
-  QuantizeQOutputs out;
-  out.codes = at::empty_symint({batch, heads, blocks * block_q, code_dim}, opts.dtype(at::kChar));
-  out.scales = at::empty_symint({batch, heads, blocks, warps * 8}, opts.dtype(at::kFloat));
-  out.block_mean = smooth_block ? at::empty_symint({batch, heads, blocks, d}, opts.dtype(at::kFloat))
-                                : empty_absent(q);
-  return out;
-}
-
 QuantizeKVOutputs allocate_quantize_kv(const at::Tensor& k, const std::optional<at::Tensor>& v,
                                        const std::optional<at::Tensor>& k_mean,
                                        const std::optional<at::Tensor>& v_mean,

@@ -85,12 +85,6 @@ __device__ __forceinline__ void griddepcontrol_wait() {
 #endif
 }
 
-// PTX ISA, "bar.sync" with a barrier id held in a register (warp-uniform): the barrier of one
-// part of a CTA whose parts work independently.
-__device__ __forceinline__ void barrier_sync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
-}
-
 // PTX ISA, "Warp-level matrix load instruction: ldmatrix", .x4 (four 8x8 b16 matrices; lanes
 // 8i..8i+7 give the row addresses of matrix i) and .trans (each matrix transposed).
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const void* smem_row) {
@@ -257,23 +251,6 @@ template <int kId, int kThreads>
 __device__ __forceinline__ void named_barrier_arrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
-// PTX ISA, "Parallel Synchronization and Communication Instructions: red", .release.gpu: adds to
-// a global counter after every memory access this thread (and, through a barrier before it, its
-// CTA) made; a reader that acquires the new value sees them (PTX memory model, release pattern).
-__device__ __forceinline__ void red_add_release_gpu(int* counter, int value) {
-  asm volatile("red.release.gpu.global.add.s32 [%0], %1;" ::"l"(counter), "r"(value) : "memory");
-}
-// PTX ISA, "ld" with .acquire.gpu: the matching read; later accesses of this thread see what the
-// releasing threads wrote before their red.
-__device__ __forceinline__ int ld_acquire_gpu(const int* counter) {
-  int value;
-  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(counter) : "memory");
-  return value;
-}
-// PTX ISA, "membar/fence", fence.proxy.async.global: orders this thread's generic-proxy accesses
-// of global memory with its later async-proxy ones (copy-engine reads of data other threads
-// wrote with ordinary stores, after the acquire that made those stores visible).
-__device__ __forceinline__ void fence_proxy_async_global() { asm volatile("fence.proxy.async.global;" ::: "memory"); }
 // PTX ISA, "prefetch.tensormap": bring a tensor map (a kernel parameter) into the cache.
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(tensor_map) : "memory");

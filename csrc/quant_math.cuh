@@ -99,8 +99,8 @@ __device__ __forceinline__ float quad_sum(float x) {
 }
 
 // Per-thread quantization of a 16-byte vector of 8 channels (the arithmetic above), stored as
-// 8 INT8 bytes or 4 bytes of packed INT4: quantize_q, quantize_kv and the warp-level attention
-// kernel's own Q quantizer all write their codes through this.
+// 8 INT8 bytes or 4 bytes of packed INT4: quantize_kv and the warp-level attention kernel's own
+// Q quantizer write their codes through this.
 template <bool kInt4>
 struct IntCodes {
   static constexpr int kQmax = kInt4 ? 7 : 127;

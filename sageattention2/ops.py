@@ -1,4 +1,4 @@
-"""The compiled extension: its three preprocessing ops, the two attention ops, and each kernel's
+"""The compiled extension: its two preprocessing ops, the two attention ops, and each kernel's
 path of sageattn as one op (``sageattn_wgmma``, ``sageattn_mma``: statistics, quantize_kv and the
 attention op).
 
@@ -47,7 +47,6 @@ __all__ = [
     "QK_DTYPES",
     "BuildInfo",
     "QuantizedKV",
-    "QuantizedQ",
     "SmoothingStats",
     "MMA_BLOCK_K",
     "MMA_BLOCK_Q",
@@ -67,7 +66,6 @@ __all__ = [
     "kernel_family",
     "kernels_for_capability",
     "quantize_kv",
-    "quantize_q",
     "sageattn_mma",
     "sageattn_wgmma",
     "smoothing_stats",
@@ -77,12 +75,12 @@ NAMESPACE = "sageattention2"
 # The attention kernels work in base 2: sm_scale * LOG2E (one double product, rounded once where
 # a kernel takes it) is what sageattn folds into the Q scales and the Delta-S of Q smoothing.
 LOG2E = math.log2(math.e)
-OP_NAMES = ("smoothing_stats", "quantize_q", "quantize_kv")
+OP_NAMES = ("smoothing_stats", "quantize_kv")
 QK_DTYPES = ("int8", "int4")
 # Tile geometry of the warp-level attention kernel (csrc/attention_params.h: kMmaBlockQ, kMmaWarps,
-# kMmaBlockK): it quantizes Q itself in the groups of quantize_q(block_q=MMA_BLOCK_Q,
-# warps=MMA_WARPS) and takes quantize_kv(block_k=MMA_BLOCK_K): the per-thread groups each thread
-# dequantizes with.
+# kMmaBlockK): it quantizes Q itself in the groups of reference.quantize_q_reference(
+# block_q=MMA_BLOCK_Q, warps=MMA_WARPS) and takes quantize_kv(block_k=MMA_BLOCK_K): the
+# per-thread groups each thread dequantizes with.
 # tests/test_api.py checks that these match the C++ constants.
 MMA_BLOCK_Q = 128
 MMA_WARPS = 8
@@ -112,12 +110,6 @@ class SmoothingStats(NamedTuple):
     k_mean: Tensor  # [B, Hkv, D] f32, or [0]
     v_mean: Tensor  # [B, Hkv, Dv] f32 (smooth_v only), or [0]
     v_scale: Tensor  # [B, Hkv, Dv] f32, or [0]
-
-
-class QuantizedQ(NamedTuple):
-    q_quant: Tensor  # [B, Hq, Nq_pad, D] int8 (int4: D/2 packed)
-    q_scale: Tensor  # [B, Hq, Nq_pad/block_q, warps*8] f32
-    q_block_mean: Tensor  # [B, Hq, Nq_pad/block_q, D] f32 ("block" smoothing), or [0]
 
 
 class QuantizedKV(NamedTuple):
@@ -179,21 +171,6 @@ def smoothing_stats(
     return SmoothingStats(*_op("smoothing_stats")(q, k, v, smooth_v))
 
 
-def quantize_q(
-    q: Tensor,
-    q_mean: Tensor | None,
-    block_q: int,
-    warps: int,
-    qk_dtype: str,
-    smooth_block: bool,
-    scale_multiplier: float,
-) -> QuantizedQ:
-    """Quantize Q per thread group (INT8 or packed INT4), padded to ``block_q`` rows."""
-    return QuantizedQ(
-        *_op("quantize_q")(q, q_mean, block_q, warps, qk_dtype, smooth_block, scale_multiplier)
-    )
-
-
 def quantize_kv(
     k: Tensor,
     v: Tensor | None,
@@ -238,7 +215,7 @@ def attention_mma(
 
     ``q`` is fp16/bf16 ``[B, Hq, q_len, D]``, any view whose last dimension is contiguous: the
     kernel quantizes it itself, in the groups and with the arithmetic of
-    quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, qk_dtype,
+    reference.quantize_q_reference(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, qk_dtype,
     scale_multiplier=sm_scale*log2(e)), minus ``q_mean [B, Hq, D]`` when given (Q smoothed per
     head: ``delta_s`` must then be quantize_kv's Delta-S of that mean, and is None otherwise).
     ``qk_dtype`` is "int8" or "int4" (packed K codes, last dimension D/2). PV runs either

@@ -630,7 +630,8 @@ def quantize_q_reference(
     *,
     block_mean: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Reference of ``sageattention2::quantize_q`` -> (q_quant, q_scale, q_block_mean).
+    """Per-thread quantization of Q as the attention kernels do it inside (no op of its own since
+    both kernels quantize Q themselves) -> (q_quant, q_scale, q_block_mean).
 
     q [B,Hq,Nq,D] any strides. Subtracts q_mean [B,Hq,D] if given ("head" mode), else, if
     smooth_block, each block's own mean over its valid rows ("block" mode, paper Eq. 2), then

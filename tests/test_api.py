@@ -440,7 +440,7 @@ def test_build_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
 
 ALL_ARCHS = ["sm_80", "sm_89", "sm_90a"]
 # The kernel families of a default build (csrc/module.cpp): what build_info() reports.
-PREPROCESS_KEY = "preprocess (smoothing_stats, quantize_q, quantize_kv)"
+PREPROCESS_KEY = "preprocess (smoothing_stats, quantize_kv)"
 MMA_KEY = "attention_mma (INT8 QK, fp16/bf16 PV, mma.sync)"
 MMA_FP8_KEY = "attention_mma_fp8 (INT8/INT4 QK, FP8 PV, mma.sync)"
 WGMMA_KEY = "attention_wgmma (INT8 QK, FP8 PV, wgmma)"
@@ -460,7 +460,7 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
     monkeypatch.setattr(ops, "HAS_EXTENSION", True)
     monkeypatch.setattr(ops, "build_info", lambda: ops.BuildInfo("13.0", archs, dict(kernels)))
     monkeypatch.setattr(ops, "has_op", lambda name: name in (
-        "smoothing_stats", "quantize_q", "quantize_kv", "attention_mma", "attention_wgmma",
+        "smoothing_stats", "quantize_kv", "attention_mma", "attention_wgmma",
         "sageattn_wgmma", "sageattn_mma"))
     for name in ("_wgmma_runs_on", "_mma_fp8_runs_on", "_arch_reason"):
         monkeypatch.setattr(api, name, getattr(api, name).__wrapped__)
@@ -742,8 +742,8 @@ def attention_mma_stand_in(q: torch.Tensor, q_mean: torch.Tensor | None, k_codes
                            sm_scale: float, is_causal: bool, out_nhd: bool,
                            return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The op's contract (DESIGN.md) in float64: Q (minus q_mean) quantized as
-    quantize_q(block_q=MMA_BLOCK_Q, warps=MMA_WARPS, scale_multiplier=sm_scale*log2(e)) does
-    (the reference quantizer), the per-thread groups dequantized (INT8, or INT4 unpacked from
+    reference.quantize_q_reference(block_q=MMA_BLOCK_Q, warps=MMA_WARPS,
+    scale_multiplier=sm_scale*log2(e)) does, the per-thread groups dequantized (INT8, or INT4 unpacked from
     its nibbles), Delta-S added, exact base-2 softmax, top-left causal mask; V as given
     (fp16/bf16) or dequantized from FP8 (keys un-permuted, code * v_scale, plus v_mean); output
     in q's dtype and the requested memory layout, natural-log LSE of the scores the kernel sees
@@ -1623,18 +1623,17 @@ def op_inputs(dtype: torch.dtype = torch.float16, nq: int = 100, nk: int = 70,
 
 def op_cases() -> list[Any]:
     q, k, v = op_inputs()
-    qn = op_inputs(torch.bfloat16)[0].transpose(1, 2).contiguous().transpose(1, 2)  # NHD view
+    q_bf16, k_bf16, _ = op_inputs(torch.bfloat16)
+    qn, kn = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q_bf16, k_bf16))  # NHD views
     f32 = lambda *s: torch.randn(*s, generator=torch.Generator().manual_seed(6))  # noqa: E731
     q_mean, k_mean, v_scale = f32(2, 4, 64), f32(2, 2, 64), f32(2, 2, 64).abs() / 448
     cases = [
         ("smoothing_stats", (q, k, v, True)),
         ("smoothing_stats", (None, k, v, False)),
         ("smoothing_stats", (qn, None, None, False)),
-        ("quantize_q", (q, q_mean, 128, 4, "int8", False, 0.18)),
-        ("quantize_q", (qn, None, 64, 4, "int4", True, 1.0)),
-        ("quantize_q", (q, None, 32, 2, "int8", False, 1.0)),
         ("quantize_kv", (k, v, k_mean, f32(2, 2, 64), v_scale, q_mean, 64, "int8", 1.4)),
         ("quantize_kv", (k, None, None, None, None, None, 128, "int4", 1.0)),
+        ("quantize_kv", (kn, kn, None, None, None, None, 64, "int4", 1.0)),
         ("quantize_kv", (k, v, None, None, v_scale, None, 32, "int8", 1.0)),
         ("quantize_kv", (k, v, k_mean, f32(2, 2, 64), None, None, 128, "int8", 1.0)),  # V per tile
     ]
@@ -1658,9 +1657,8 @@ def test_torch_compile_dynamic_lengths_trace_once() -> None:
 
     def preprocess(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         stats = ops.smoothing_stats(q, k, v, True)
-        qq = ops.quantize_q(q, stats.q_mean, 128, 4, "int8", False, 0.1)
         kv = ops.quantize_kv(k, v, stats.k_mean, stats.v_mean, stats.v_scale, stats.q_mean, 64, "int4", 0.1)
-        return qq.q_quant.float().sum() + kv.k_quant.float().sum() + kv.delta_s.sum()
+        return stats.q_mean.sum() + kv.k_quant.float().sum() + kv.delta_s.sum()
 
     torch._dynamo.reset()
     counters.clear()
@@ -1676,10 +1674,9 @@ def test_torch_compile_dynamic_lengths_trace_once() -> None:
 def test_torch_compile_fullgraph() -> None:
     def preprocess(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         stats = ops.smoothing_stats(q, k, v, True)
-        qq = ops.quantize_q(q, stats.q_mean, 128, 4, "int8", False, 0.125 * math.log2(math.e))
         kv = ops.quantize_kv(k, v, stats.k_mean, stats.v_mean, stats.v_scale, stats.q_mean, 64,
-                             "int4", 1.0)
-        return (*qq, *kv)
+                             "int4", 0.125 * math.log2(math.e))
+        return (*stats, *kv)
 
     q, k, v = op_inputs()
     compiled = torch.compile(preprocess, fullgraph=True, backend="aot_eager")
@@ -1769,4 +1766,4 @@ def test_extension_uses_the_shared_libstdcxx() -> None:
 def test_op_errors_format_numbers() -> None:
     bad = torch.empty(1, 2, 64, 100, dtype=torch.float16, device="meta")
     with pytest.raises(RuntimeError, match=r"head_dim\) must be a multiple of 8 in \[8, 256\], got 100"):
-        ops.quantize_q(bad, None, 128, 4, "int8", False, 1.0)
+        ops.quantize_kv(bad, None, None, None, None, None, 128, "int8", 1.0)

@@ -12,7 +12,8 @@ Three references:
   criterion), both outputs rounded to the kernel's output dtype (bf16 rounding alone is ~1.4e-3
   rel. L1), and the LSE to ~1e-3 (INT8; INT4's coarser codes move it further, see
   LSE_EMULATION_ATOL).
-  attention_mma: per-thread INT8/INT4 groups of quantize_q(block_q=128, warps=ops.MMA_WARPS)
+  attention_mma: per-thread INT8/INT4 groups of reference.quantize_q_reference(block_q=128,
+  warps=ops.MMA_WARPS)
   (quantized in the kernel; Q smoothed per head or not) and quantize_kv(block_k=ops.MMA_BLOCK_K);
   PV either with P and V rounded to
   the input dtype, FP32 accumulation, no two-level buffer, or (FP8 variants) P~ (x448) and V per
@@ -588,19 +589,14 @@ def test_wgmma_op_reads_q_views(layout: str, shape: tuple[int, ...], causal: boo
                          ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("smoothing", [*WGMMA_SMOOTHING, (False, True)],
                          ids=["smooth-k", "smooth-kv", "no-smooth", "smooth-v"])
-@pytest.mark.parametrize("env", [{}, {"SAGEATTN_PDL": "0"}, {"SAGEATTN_PREPARE_SMS": "0"},
-                                 {"SAGEATTN_PREPARE_SMS": "1"}, {"SAGEATTN_PREPARE_SMS": "131"}],
-                         ids=["default", "no-programmatic-launch", "quantize-kv-first", "prepare-1-sm",
-                              "attention-1-sm"])
+@pytest.mark.parametrize("env", [{}, {"SAGEATTN_PDL": "0"}], ids=["default", "no-programmatic-launch"])
 def test_sageattn_wgmma_is_its_chain(shape: tuple[int, ...], smoothing: tuple[bool, bool],
                                      env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> None:
-    """sageattn_wgmma (the op sageattn runs on Hopper: statistics over the token sample, K and V
-    prepared beside the kernel or quantize_kv before it, and the kernel, from one C++ call) gives
-    run_wgmma_op's output and LSE (the ops one by one) bit for bit, its intermediates and outputs
-    on poisoned memory, for HND and NHD k and v (the sample is a strided view of either). The
-    SM split is forced to its extremes too: one SM preparing for all the attention CTAs (which
-    then wait on nearly every tile), and all SMs but one preparing; and by default (each launch
-    a programmatic dependent of the one before) and without that."""
+    """sageattn_wgmma (the op sageattn runs on Hopper: statistics over the token sample,
+    quantize_kv and the kernel, from one C++ call) gives run_wgmma_op's output and LSE (the ops
+    one by one) bit for bit, its intermediates and outputs on poisoned memory, for HND and NHD k
+    and v (the sample is a strided view of either), by default (each launch a programmatic
+    dependent of the one before) and without that."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     smooth_k, smooth_v = smoothing
@@ -705,20 +701,17 @@ def test_wgmma_op_without_lse_and_scale(out_nhd: bool, dtype: torch.dtype) -> No
 
 @pytest.mark.usefixtures("wgmma_kernel")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_wgmma_grid_modes_agree(causal: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_wgmma_grid_modes_agree(causal: bool) -> None:
     """attention_wgmma's two grids (attention_wgmma.cu): persistent CTAs walking several units
-    each (512 units here, more than any GPU's SMs) and one CTA per unit. Each item's arithmetic
+    each (up to 8 units per SM: 512 units here, more than any GPU's SMs) and one CTA per unit
+    (beyond: the same inputs repeated 9 times over the batch, 4608 units). Each item's arithmetic
     does not depend on which CTA runs it, so the outputs agree bit for bit; with an odd number of
     Q blocks (a unit holding the middle block alone), GQA and q_len < kv_len."""
     q4, k4, v4 = make_qkv(4, 16, 8, 1900, 2100, 64, torch.float16, seed=11, bias=(1.0, 4.0, 4.0))
-    got = {}
-    for mode in ("persistent", "units"):
-        monkeypatch.setenv("SAGEATTN_WGMMA_GRID", mode)
-        got[mode] = run_wgmma_op(q4, k4, v4, causal)
-    monkeypatch.delenv("SAGEATTN_WGMMA_GRID")
-    out, lse = got["persistent"]
+    out, lse = run_wgmma_op(q4, k4, v4, causal)
+    out_units, lse_units = run_wgmma_op(*(t.repeat(9, 1, 1, 1) for t in (q4, k4, v4)), causal)
     assert_finite(out, lse)
-    assert torch.equal(out, got["units"][0]) and torch.equal(lse, got["units"][1])
+    assert torch.equal(out, out_units[:4]) and torch.equal(lse, lse_units[:4])
     want, want_lse = emulate(q4, k4, v4, causal, kernel=WGMMA)
     assert rel_l1(out, want.to(out.dtype)) <= EMULATION_L1
     torch.testing.assert_close(lse, want_lse, rtol=0, atol=WGMMA_OP_LSE_ATOL)

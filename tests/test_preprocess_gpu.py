@@ -115,44 +115,6 @@ def test_smoothing_stats(shape, layout, dtype):
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("layout", ["hnd", "nhd"])
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-@pytest.mark.parametrize("qk_dtype", ["int8", "int4"])
-@pytest.mark.parametrize("geometry", [(128, 4), (128, 8), (64, 4)], ids=["b128w4", "b128w8", "b64w4"])
-def test_quantize_q_bit_exact(shape, layout, dtype, qk_dtype, geometry):
-    block_q, warps = geometry
-    q, _, _ = make_qkv(*shape, dtype=dtype, layout=layout, seed=7)
-    head_dim = shape[-1]
-    multiplier = head_dim ** -0.5 * LOG2E
-    q_mean = ops.smoothing_stats(q, None, None, False)[0]
-    for mean in (None, q_mean):
-        poison_allocator()
-        codes, scales, block_mean = ops.quantize_q(q, mean, block_q, warps, qk_dtype, False, multiplier)
-        r_codes, r_scales, _ = ref.quantize_q_reference(cpu(q), cpu(mean), block_q, warps, qk_dtype,
-                                                        False, multiplier)
-        tag = "head-mean" if mean is not None else "no-smoothing"
-        assert_bits_equal(codes, r_codes, f"q codes ({tag})")
-        assert_bits_equal(scales, r_scales, f"q scales ({tag})")
-        assert block_mean.numel() == 0
-
-
-@pytest.mark.parametrize("shape", SHAPES[1:4], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("qk_dtype", ["int8", "int4"])
-def test_quantize_q_block_mean(shape, qk_dtype):
-    q, _, _ = make_qkv(*shape, dtype=torch.float16, layout="nhd", seed=11)
-    poison_allocator()
-    codes, scales, block_mean = ops.quantize_q(q, None, 128, 4, qk_dtype, True, 1.0)
-    r_codes, r_scales, r_mean = ref.quantize_q_reference(cpu(q), None, 128, 4, qk_dtype, True, 1.0)
-    torch.testing.assert_close(block_mean.cpu(), r_mean, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(scales.cpu(), r_scales, rtol=1e-5, atol=0)
-    if qk_dtype == "int4":
-        codes, r_codes = ref.unpack_int4(codes.cpu()), ref.unpack_int4(r_codes)
-    diff = (codes.cpu().int() - r_codes.int()).abs()
-    assert diff.max().item() <= 1
-    assert (diff > 0).float().mean().item() <= 1e-4
-
-
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("qk_dtype", ["int8", "int4"])
@@ -203,9 +165,8 @@ def test_repeated_runs_identical():
 
     def run():
         q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, True)
-        qo = ops.quantize_q(q, q_mean, 128, 4, "int8", False, 0.1)
         kvo = ops.quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, 64, "int4", 0.1)
-        return [q_mean, k_mean, v_mean, v_scale, *qo, *kvo]
+        return [q_mean, k_mean, v_mean, v_scale, *kvo]
 
     first = run()
     for _ in range(3):
@@ -228,26 +189,29 @@ def test_packed_qkv_layout():
 
 
 def test_launch_errors_are_clear():
-    q = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.float16)
-    flat = torch.empty(q.numel() + 4, device="cuda", dtype=torch.float16)
-    misaligned = flat[4:].view(q.shape)  # starts 8 bytes into a 16-byte vector
+    k = torch.randn(1, 2, 64, 128, device="cuda", dtype=torch.float16)
+    flat = torch.empty(k.numel() + 4, device="cuda", dtype=torch.float16)
+    misaligned = flat[4:].view(k.shape)  # starts 8 bytes into a 16-byte vector
+
+    def quantize_kv(k: torch.Tensor, qk_dtype: str = "int8") -> None:
+        ops.quantize_kv(k, None, None, None, None, None, 128, qk_dtype, 1.0)
+
     with pytest.raises(RuntimeError, match="16-byte aligned"):
-        ops.quantize_q(misaligned, None, 128, 4, "int8", False, 1.0)
+        quantize_kv(misaligned)
     with pytest.raises(RuntimeError, match="head_dim"):
-        ops.quantize_q(torch.randn(1, 2, 64, 100, device="cuda", dtype=torch.float16), None, 128, 4, "int8", False, 1.0)
+        quantize_kv(torch.randn(1, 2, 64, 100, device="cuda", dtype=torch.float16))
     with pytest.raises(RuntimeError, match="float16 or bfloat16"):
-        ops.quantize_q(q.float(), None, 128, 4, "int8", False, 1.0)
+        quantize_kv(k.float())
     with pytest.raises(RuntimeError, match="qk_dtype"):
-        ops.quantize_q(q, None, 128, 4, "int2", False, 1.0)
+        quantize_kv(k, "int2")
 
 
-@pytest.mark.parametrize("op_name", ["smoothing_stats", "quantize_q", "quantize_kv"])
+@pytest.mark.parametrize("op_name", ["smoothing_stats", "quantize_kv"])
 def test_opcheck_cuda(op_name):
     q, k, v = make_qkv(1, 4, 2, 200, 130, 64, dtype=torch.float16, layout="hnd", seed=1)
     q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, True)
     args = {
         "smoothing_stats": (q, k, v, True),
-        "quantize_q": (q, q_mean, 128, 4, "int4", False, 0.125),
         "quantize_kv": (k, v, k_mean, v_mean, v_scale, q_mean, 64, "int8", 0.125),
     }[op_name]
     torch.library.opcheck(getattr(torch.ops.sageattention2, op_name).default, args)
