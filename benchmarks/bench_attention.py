@@ -1,87 +1,76 @@
-"""Attention throughput, ANCHORS.md protocol, side by side in one process:
+"""Attention throughput, ANCHORS.md protocol (benchmarks/timing.py), side by side in one process:
 
-    python3 bench_attention.py [--quick] [--out results.md]
+    python3 benchmarks/bench_attention.py [--quick] [--out table.md] [--env NAME=VALUE ...]
+                                          [--no-sdpa] [--d 128 64] [--n 1024 4096 16384] [--rep 150]
 
-q, k, v = randn(4, 32, N, D) fp16 (HND); TOPS = 4*B*H*N*N*D / time (halved for causal); time =
-median of triton's do_bench(warmup=25, rep=150). Columns: SDPA flash (FA2), SDPA cuDNN, our
-sageattn (the full call: every preprocessing launch included, strict=True so a fallback cannot
-be timed) and the attention kernel sageattn runs on this GPU, alone, on pre-quantized inputs
-(attention_wgmma on sm_90, attention_mma elsewhere).
+TOPS of B=4 H=32 fp16 HND inputs. Columns: SDPA flash (FA2) and cuDNN; sageattn, the full call
+(every preprocessing launch included, strict=True so that a fallback cannot be timed); the
+attention kernel sageattn runs on this GPU alone, on K and V quantized once (attention_wgmma on
+sm_90, attention_mma elsewhere); with --env, the full call again under each launch setting
+(e.g. SAGEATTN_PDL=0: each launch waits for the one before to end), in the same process.
+--no-sdpa drops the SDPA columns (an A/B of two builds: SDPA is the same code on both sides).
 """
 from __future__ import annotations
 
 import argparse
-import inspect
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from common import median_ms
-from sageattention2 import api, ops, sageattn
-
-LOG2E = 1.4426950408889634
+import sageattention2
+import timing
+from sageattention2 import sageattn
 
 
-def sdpa_ms(backend: SDPBackend, q, k, v, causal: bool) -> float | None:
-    try:
-        with sdpa_kernel(backend):
-            return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal))
-    except RuntimeError:
-        return None
+def rows(table: timing.Table, args: argparse.Namespace, n: int, d: int, sdpa: tuple[str, ...]) -> None:
+    """The table's two rows (causal off, on) of one sequence length and head dim."""
+    q, k, v = timing.anchors_inputs(n, d)
+    for causal in (False, True):
+        def tops(ms: float | None) -> float:
+            return timing.tops(ms, n, d, causal)
 
+        def full() -> object:
+            return sageattn(q, k, v, is_causal=causal, strict=True)
 
-def kernel_ms(q, k, v, causal: bool) -> float:
-    d = q.shape[-1]
-    bound = inspect.signature(sageattn).bind(q, k, v, is_causal=causal, strict=True)
-    bound.apply_defaults()
-    choice = api._kernel_for(api._validate(**bound.arguments))
-    if choice.kernel == "wgmma":
-        stats = ops.smoothing_stats(None, k, None, False)
-        kv = ops.quantize_kv(k, v, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
-        return median_ms(lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8,
-                                                     kv.v_tile_scale, None, None, k.shape[2],
-                                                     d ** -0.5, causal, False, False))
-    mult = d ** -0.5 * LOG2E
-    fp8 = choice.pv == "fp8"
-    stats = ops.smoothing_stats(q, k, v if fp8 else None, False)
-    qc, qs, _ = ops.quantize_q(q, stats.q_mean, ops.MMA_BLOCK_Q, ops.MMA_WARPS, choice.qk, False, mult)
-    kv = ops.quantize_kv(k, v if fp8 else None, stats.k_mean, None, stats.v_scale if fp8 else None, stats.q_mean,
-                         ops.MMA_BLOCK_K, choice.qk, mult)
-    pv = (kv.v_fp8, stats.v_scale, None) if fp8 else (v, None, None)
-    return median_ms(lambda: ops.attention_mma(qc, qs, kv.k_quant, kv.k_scale, kv.delta_s, *pv, choice.qk,
-                                               q.shape[2], k.shape[2], q.dtype, causal, False, False))
+        base = [tops(timing.sdpa_ms(b, q, k, v, causal, args.rep)) for b in sdpa]
+        full_tops = tops(timing.median_ms(full, rep=args.rep))
+        alone = tops(timing.median_ms(timing.kernel_call(q, k, v, causal), rep=args.rep))
+        variants = []
+        for env in args.env:
+            with timing.environment(env.split(",")):
+                variants.append(tops(timing.median_ms(full, rep=args.rep)))
+        ratios = [f"{full_tops / b:.2f}x" if b == b else "-" for b in base]  # b != b: NaN, no SDPA time
+        table.row(d, n, causal, *base, full_tops, alone, *variants, *ratios)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="head_dim 128, N in {1K, 4K} only")
-    parser.add_argument("--out", help="also write the table as markdown here")
+    parser.add_argument("--d", type=int, nargs="+", help="head dims (default 128 64)")
+    parser.add_argument("--n", type=int, nargs="+", help="sequence lengths (default 1024 4096 16384)")
+    parser.add_argument("--env", action="append", default=[], metavar="NAME=VALUE[,NAME=VALUE]",
+                        help="a column of the full call under these environment variables (repeatable)")
+    parser.add_argument("--no-sdpa", action="store_true", help="without the SDPA columns")
+    # do_bench's time budget per measurement: one 16K hd128 call takes ~19 ms, so 150 ms gives
+    # ~8 samples and +-7 % (the notebook, RESULTS.md, session 23); ~1000 steadies that row.
+    parser.add_argument("--rep", type=int, default=timing.REP_MS, help="do_bench rep, ms")
+    parser.add_argument("--out", help="also write the table as Markdown here")
     args = parser.parse_args()
-    dims = (128,) if args.quick else (128, 64)
-    lengths = (1024, 4096) if args.quick else (1024, 4096, 16384)
-    rows = ["| D | N | causal | SDPA flash | SDPA cuDNN | sageattn full | kernel only | full / flash "
-            "| full / cuDNN |", "|---|---|---|---|---|---|---|---|---|"]
-    print(torch.cuda.get_device_name(), "| TOPS, B=4 H=32 fp16")
+    dims = args.d or ((128,) if args.quick else (128, 64))
+    lengths = args.n or ((1024, 4096) if args.quick else (1024, 4096, 16384))
+    kernel, qk, fp8_v = timing.default_kernel()
+    sdpa = () if args.no_sdpa else ("flash", "cudnn")
+    names = [{"flash": "flash", "cudnn": "cuDNN"}[b] for b in sdpa]
+    columns = ["D", "N", "causal", *(f"SDPA {b}" for b in names), "sageattn full", "kernel only",
+               *(f"full, {e}" for e in args.env), *(f"full / {b}" for b in names)]
+    title = (f"{torch.cuda.get_device_name()} | TOPS, B={timing.BATCH} H={timing.HEADS} fp16 | kernel only: "
+             f"attention_{kernel} {qk}{' + fp8 PV' if fp8_v else ''} | sageattention2 of "
+             f"{sageattention2.__path__[0]}")
+    table = timing.Table(columns, title)
     for d in dims:
         for n in lengths:
-            q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
-            for causal in (False, True):
-                ops_count = 4 * 4 * 32 * n * n * d / (2 if causal else 1)
-                tops = lambda ms: ops_count / ms / 1e9 if ms else float("nan")  # noqa: E731
-                flash = tops(sdpa_ms(SDPBackend.FLASH_ATTENTION, q, k, v, causal))
-                cudnn = tops(sdpa_ms(SDPBackend.CUDNN_ATTENTION, q, k, v, causal))
-                full = tops(median_ms(lambda: sageattn(q, k, v, is_causal=causal, strict=True)))
-                kernel = tops(kernel_ms(q, k, v, causal))
-                row = (f"| {d} | {n} | {causal} | {flash:.0f} | {cudnn:.0f} | {full:.0f} | {kernel:.0f} "
-                       f"| {full / flash:.2f}x | {full / cudnn:.2f}x |")
-                rows.append(row)
-                print(row)
-            del q, k, v
-            torch.cuda.empty_cache()
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(rows) + "\n")
+            rows(table, args, n, d, sdpa)
+            torch.cuda.empty_cache()  # the next size starts from the same free memory
+    table.write(args.out)
 
 
 if __name__ == "__main__":

@@ -1,26 +1,43 @@
-"""Reads the machine code of the built extension, arch by arch: which tensor-core instructions
-each attention kernel uses, its registers, and whether it spills (stack frame > 0).
+"""Reads the machine code of a built extension (no GPU needed: this is how the Ada (sm_89) and
+Ampere (sm_80) builds are checked here), in two modes:
 
-    python3 scripts/check_sass.py [path/to/_C.so] [--known-spill REGEX]
+    python3 scripts/check_sass.py [_C.so] [--known-spill REGEX] [--loops]
+    python3 scripts/check_sass.py --compare BEFORE AFTER [--allow REGEX] [--archs sm_90 ...]
 
-No GPU is needed: this is how the Ada (sm_89) and Ampere (sm_80) builds are checked here.
-Exit code 1 when an expected instruction is missing, or a kernel has a stack frame and its name
-does not match --known-spill.
+The check (default; the installed extension unless a path is given): per arch, which
+tensor-core instructions each attention kernel uses, its registers, its stack frame and the
+local loads/stores of its main loop. Exit code 1 when an expected instruction is missing, a
+stack frame exceeds the known one (known_stack; --known-spill REGEX allows more for kernel names
+it matches), or the Hopper kernel's KV loop has a long run of back-to-back MUFU instructions
+(longest_mufu_run). --loops also prints each Hopper kernel's KV-loop event line (events).
+
+--compare: every kernel of two builds, matched by demangled name and arch: registers, stack
+frame, static shared memory, instruction count and the instruction mix (a histogram of opcodes
+with their modifiers). Prints the differences and exits 1 when any kernel differs or exists in
+one build only, unless its demangled name matches --allow REGEX (kernels expected to change,
+or to go: e.g. --allow "quantize_q_kernel|prepare_kv_kernel" across their removal). A kernel
+whose name differs only in its namespaces is paired with its counterpart ("renamed"), which is
+not a difference. This is how a refactor proves that the kernels' SASS is unchanged. BEFORE
+and AFTER are .so files, or .json files of kernel records written by --save-json (keep a
+build's records without keeping the build).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
+import json
 import os
 import re
 import shutil
 import subprocess
 import sys
-from dataclasses import dataclass
+from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
 
 # Tensor-core instructions each kernel variant must contain, per arch (the PTX mma.sync and
-# wgmma shapes of csrc/ptx.cuh as the hardware runs them natively). A variant is the kernel's
+# wgmma shapes of the kernels as the hardware runs them natively). A variant is the kernel's
 # name with, for the warp-level kernel, its QK codes and PV operands (template parameters).
 # No expectation where the hardware has no native instruction: the FP8 variants are stubs before
 # sm_89 and emulate FP8 (and INT4) mma.sync on sm_90; the Hopper kernel has code for sm_90a only.
@@ -42,15 +59,33 @@ EXPECTED: dict[str, dict[str, tuple[str, ...]]] = {
     },
 }
 KERNEL_NAMES = ("attention_mma_kernel", "attention_wgmma_kernel")
-_QK_CODES = {"0": "int8", "1": "int4"}  # csrc/attention_params.h: QkCodes
-_PV_OPERANDS = {"0": "input", "1": "fp8"}  # PvOperands
+_QK_CODES = {"0": "int8", "1": "int4"}  # the kernels' QkCodes enum
+_PV_OPERANDS = {"0": "input", "1": "fp8"}  # their PvOperands enum
+# The most MUFU instructions the Hopper kernel's KV loop may issue back to back (longest_mufu_run).
+MUFU_RUN_LIMIT = 8
 
 
 def variant(name: str) -> str:
     """The EXPECTED key of a (mangled) kernel name, e.g. attention_mma_kernel<int4, fp8>."""
     kernel = next(k for k in KERNEL_NAMES if k in name)
-    m = re.search(r"QkCodesE(\d)ELNS_\d+PvOperandsE(\d)E", name)
+    # The enums' mangled namespaces are left open (a namespace move changes their substitutions).
+    m = re.search(r"QkCodesE(\d)E.*?PvOperandsE(\d)E", name)
     return f"{kernel}<{_QK_CODES[m.group(1)]}, {_PV_OPERANDS[m.group(2)]}>" if m else kernel
+
+
+def known_stack(name: str, arch: str, head_dim: int, causal: bool, smooth_q: bool) -> int:
+    """The largest stack frame (bytes) an attention_mma variant (``name`` its variant()) may have.
+    On sm_90 the FP8 and INT4 mma.sync are emulated (not the fast path there; the Hopper kernel
+    is): their extra registers spill. INT8 + FP16 PV at head_dim 128 runs its loop at 255
+    registers: its Q-smoothing variants, and built for sm_80/sm_89 its causal ones, keep one
+    8-byte value in local memory (at most one reload per tile). Every other variant spills
+    nothing: the sm_89 FP8 variants (the Ada fast path), and INT8 + FP16 PV without Q smoothing
+    (sageattn's default for INT8) on sm_90 and, non-causal, everywhere; the Hopper kernel."""
+    if "fp8" in name and arch == "sm_90":
+        return 96
+    if name.endswith("<int8, input>") and head_dim == 128 and (smooth_q or (causal and arch != "sm_90")):
+        return 8
+    return 0
 
 
 @dataclass
@@ -59,12 +94,20 @@ class Kernel:
     name: str
     registers: int
     stack: int
-    instructions: dict[str, int]
+    instructions: dict[str, int]  # tensor-core opcodes (with modifiers) and their counts
     loop_spills: int = 0  # local loads/stores in the main loop (where a spill costs every tile)
     loop_mufu_run: int = 0  # the main loop's longest run of back-to-back MUFU instructions
+    shared: int = 0  # static shared memory, bytes
+    mix: dict[str, int] = field(default_factory=dict)  # every opcode (with modifiers) and its count
+    loop_events: str = ""  # events() of the main loop
 
 
 _TENSOR_OPS = ("IMMA", "HMMA", "QMMA", "HGMMA", "QGMMA", "IGMMA")
+
+
+def opcode(text: str) -> str:
+    """The opcode with its modifiers of an instruction's text, without its predicate."""
+    return text.split()[1] if text.startswith("@") else text.split()[0]
 
 
 def main_loop(code: list[tuple[int, str]]) -> list[tuple[int, str]]:
@@ -94,12 +137,11 @@ def longest_mufu_run(code: list[tuple[int, str]]) -> int:
     """The most MUFU instructions a stretch of code issues back to back. In the Hopper kernel's
     KV loop a long run (x20 and more) was the sign of a slow schedule: ptxas had put the fold's
     FFMAs after the softmax's exponentials, which then queue on the MUFU pipe with nothing
-    independent beside them (benchmarks/RESULTS.md, session 17: 7 % slower at head_dim 128). The
-    kept kernel's loops have runs of 2-3."""
+    independent beside them (session 17 of the notebook: 7 % slower at head_dim 128). The kept
+    kernel's loops have runs of 2-3."""
     best = run = 0
     for _, text in code:
-        op = text.split()[1] if text.startswith("@") else text.split()[0]
-        run = run + 1 if op.startswith("MUFU") else 0
+        run = run + 1 if opcode(text).startswith("MUFU") else 0
         best = max(best, run)
     return best
 
@@ -107,6 +149,35 @@ def longest_mufu_run(code: list[tuple[int, str]]) -> int:
 def main_loop_spills(code: list[tuple[int, str]]) -> int:
     """LDL/STL in main_loop (where a spill costs every tile)."""
     return spill_instructions(main_loop(code))
+
+
+def events(loop: list[tuple[int, str]]) -> str:
+    """A loop's wgmma commits, waits, MUFU.EX2, shared stores and spills, runs merged, e.g.
+    "commit x2 | wait<=1 | EX2 x64 | wait<=0": the softmax's exponentials run between the wait
+    for S(it) and the wait for PV(it - 1), overlapped with the PV. ptxas places a
+    WARPGROUP.DEPBAR (wgmma.wait_group) before the first instruction that touches a register an
+    in-flight wgmma uses, so where a wait lands says which registers ptxas reused (session 16 of
+    the notebook)."""
+    out: list[list] = []
+    for _, text in loop:
+        op = opcode(text)
+        if op.split(".")[0] in ("IGMMA", "QGMMA", "HGMMA"):
+            name = "commit" if "gsb0" in text else None
+        elif op.startswith("WARPGROUP.DEPBAR"):
+            name = "wait<=" + str(int(text.split(",")[-1].strip(), 16))
+        elif op.startswith("MUFU.EX2"):
+            name = "EX2"
+        elif op.split(".")[0] in ("LDL", "STL", "STS"):
+            name = op.split(".")[0]
+        else:
+            name = None
+        if name is None:
+            continue
+        if out and out[-1][0] == name:
+            out[-1][1] += 1
+        else:
+            out.append([name, 1])
+    return " | ".join(n if c == 1 else f"{n} x{c}" for n, c in out)
 
 
 def find_cuobjdump() -> str | None:
@@ -151,6 +222,7 @@ def parse_instruction(line: str) -> tuple[int, str] | None:
 
 
 def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
+    """Every kernel of every arch in ``library`` (arch names without the "a" of sm_90a)."""
     usage = subprocess.run([cuobjdump, "--dump-resource-usage", library], capture_output=True, text=True,
                            check=True).stdout
     sass = subprocess.run([cuobjdump, "--dump-sass", library], capture_output=True, text=True, check=True).stdout
@@ -164,7 +236,8 @@ def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
             res = lines[i + 1]
             reg = int(re.search(r"REG:(\d+)", res).group(1))
             stack = int(re.search(r"STACK:(\d+)", res).group(1))
-            kernels[(arch, m.group(1))] = Kernel(arch, m.group(1), reg, stack, {})
+            shared = int(re.search(r"SHARED:(\d+)", res).group(1))
+            kernels[(arch, m.group(1))] = Kernel(arch, m.group(1), reg, stack, {}, shared=shared)
     arch, current = "?", None
     code: list[tuple[int, str]] = []
 
@@ -173,6 +246,9 @@ def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
             loop = main_loop(code)
             current.loop_spills = spill_instructions(loop)
             current.loop_mufu_run = longest_mufu_run(loop)
+            current.loop_events = events(loop)
+            current.mix = dict(Counter(opcode(t) for _, t in code))
+            current.instructions = {op: n for op, n in current.mix.items() if op.startswith(_TENSOR_OPS)}
 
     for line in sass.splitlines():
         if m := re.search(r"arch = (sm_\d+a?)", line):
@@ -183,12 +259,151 @@ def read_kernels(cuobjdump: str, library: str) -> list[Kernel]:
             continue
         if current is not None and (instruction := parse_instruction(line)):
             code.append(instruction)
-        if current is not None and (m := re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)):
-            op = m.group(1)
-            if op.startswith(_TENSOR_OPS):
-                current.instructions[op] = current.instructions.get(op, 0) + 1
     close()
     return list(kernels.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# --compare
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Difference:
+    arch: str
+    name: str  # demangled
+    what: list[str]  # e.g. ["registers 228 -> 232", "mix +2 IMAD -1 IADD3"]; ["renamed from X"] only
+    allowed: bool = False  # the name matches --allow, or the kernel was only renamed
+
+
+def demangle(names: list[str]) -> dict[str, str]:
+    """Mangled -> demangled names (cu++filt or c++filt; the names themselves without either)."""
+    tool = shutil.which("cu++filt") or shutil.which("c++filt")
+    if tool is None or not names:
+        return {n: n for n in names}
+    out = subprocess.run([tool], input="\n".join(names) + "\n", capture_output=True, text=True, check=True).stdout
+    return dict(zip(names, out.splitlines()))
+
+
+def _without_namespaces(name: str) -> str:
+    return re.sub(r"\b[A-Za-z_]\w*::", "", name)
+
+
+def kernel_differences(before: Kernel, after: Kernel) -> list[str]:
+    """What differs between two builds of one kernel: resources, instruction count and mix."""
+    what = [f"{label} {getattr(before, attr)} -> {getattr(after, attr)}"
+            for label, attr in (("registers", "registers"), ("stack", "stack"), ("shared", "shared"))
+            if getattr(before, attr) != getattr(after, attr)]
+    count_before, count_after = sum(before.mix.values()), sum(after.mix.values())
+    if count_before != count_after:
+        what.append(f"instructions {count_before} -> {count_after}")
+    delta = Counter(after.mix)
+    delta.subtract(before.mix)
+    changed = sorted(((op, n) for op, n in delta.items() if n), key=lambda x: (-abs(x[1]), x[0]))
+    if changed:
+        shown = " ".join(f"{n:+d} {op}" for op, n in changed[:8])
+        what.append(f"mix {shown}" + (f" (+{len(changed) - 8} more opcodes)" if len(changed) > 8 else ""))
+    return what
+
+
+def compare_kernels(before: list[Kernel], after: list[Kernel], allow: str | None = None,
+                    names: dict[str, str] | None = None) -> list[Difference]:
+    """The differences between two builds' kernels, matched by (arch, demangled name); ``names``
+    maps mangled to demangled names (identity where absent). A kernel found in one build only
+    is paired with one whose name differs only in its namespaces, if there is exactly one."""
+    def key(k: Kernel) -> tuple[str, str]:
+        return k.arch, (names or {}).get(k.name, k.name)
+
+    old = {key(k): k for k in before}
+    new = {key(k): k for k in after}
+    pairs = [(old[k], new[k], "") for k in old.keys() & new.keys()]
+    only_old = {k: old[k] for k in old.keys() - new.keys()}
+    only_new = {k: new[k] for k in new.keys() - old.keys()}
+    for k_old in sorted(only_old):
+        loose = [k for k in only_new if k[0] == k_old[0] and _without_namespaces(k[1]) == _without_namespaces(k_old[1])]
+        if len(loose) == 1:
+            pairs.append((only_old.pop(k_old), only_new.pop(loose[0]), f"renamed from {k_old[1]}"))
+    out = []
+    for b, a, renamed in pairs:
+        arch, name = key(a)
+        what = kernel_differences(b, a)
+        if what or renamed:
+            out.append(Difference(arch, name, what + ([renamed] if renamed else []), not what))
+    out += [Difference(arch, name, ["only in BEFORE"]) for arch, name in only_old]
+    out += [Difference(arch, name, ["only in AFTER"]) for arch, name in only_new]
+    for d in out:
+        d.allowed = d.allowed or bool(allow and re.search(allow, d.name))
+    return sorted(out, key=lambda d: (d.arch, d.name))
+
+
+def load(path: str, cuobjdump: str | None) -> list[Kernel]:
+    """The kernel records of a .so (read with cuobjdump) or of a --save-json file."""
+    if path.endswith(".json"):
+        with open(path) as f:
+            return [Kernel(**record) for record in json.load(f)]
+    if cuobjdump is None:
+        sys.exit("cuobjdump not found (set CUOBJDUMP)")
+    return read_kernels(cuobjdump, path)
+
+
+def compare(before_path: str, after_path: str, allow: str | None, archs: list[str] | None,
+            cuobjdump: str | None) -> int:
+    before, after = load(before_path, cuobjdump), load(after_path, cuobjdump)
+    if archs:
+        before, after = ([k for k in ks if k.arch in archs] for ks in (before, after))
+    names = demangle(sorted({k.name for k in before + after}))
+    diffs = compare_kernels(before, after, allow, names)
+    # An arch built on one side only: one line, not one per kernel.
+    for side, kernels, other in (("BEFORE", before, after), ("AFTER", after, before)):
+        for arch in sorted({k.arch for k in kernels} - {k.arch for k in other}):
+            print(f"{arch:<7}DIFFERS  every kernel: {sum(k.arch == arch for k in kernels)} only in {side} "
+                  "(the other build has no code for this arch; --archs compares the common ones)")
+    lone = {k.arch for k in before} ^ {k.arch for k in after}
+    for d in diffs:
+        if d.arch in lone:
+            continue
+        renamed_only = len(d.what) == 1 and d.what[0].startswith("renamed")
+        tag = "DIFFERS" if not d.allowed else "renamed" if renamed_only else "allowed"
+        print(f"{d.arch:<7}{tag:<9}{d.name}")
+        for line in d.what:
+            print(f"{'':16}{line}")
+    failed = [d for d in diffs if not d.allowed]
+    archs = sorted({k.arch for k in before + after})
+    print(f"{len(before)} kernels before, {len(after)} after, on {', '.join(archs) or 'no arch'}: "
+          f"{len(failed)} differ" + (f", {len(diffs) - len(failed)} allowed or renamed" if len(diffs) > len(failed)
+                                     else "") + f": {'FAILED' if failed else 'OK'}")
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The check
+# ---------------------------------------------------------------------------------------------
+
+
+def check(kernels: list[Kernel], known_spill: str | None, loops: bool) -> int:
+    kernels = [k for k in kernels if any(f in k.name for f in KERNEL_NAMES)]
+    failures = []
+    print(f"{'arch':<7}{'kernel':<56}{'regs':>5}{'stack':>7}{'in loop':>8}  tensor-core instructions")
+    for k in sorted(kernels, key=lambda k: (k.arch, demangled_short(k.name))):
+        name = variant(k.name)
+        want = EXPECTED[name].get(k.arch, ())
+        missing = [w for w in want if not any(op.startswith(w) for op in k.instructions)]
+        limit = known_stack(name, k.arch, *mma_flags(k.name)) if "attention_mma_kernel" in k.name else 0
+        spill = k.stack > limit and not (known_spill and re.search(known_spill, k.name))
+        mufu = "attention_wgmma_kernel" in k.name and k.loop_mufu_run > MUFU_RUN_LIMIT
+        ops = ", ".join(f"{op} x{n}" for op, n in sorted(k.instructions.items()))
+        flag = (" MISSING " + ",".join(missing) if missing else "") + (" SPILLS" if spill else "")
+        flag += " (known spill)" if k.stack > 0 and not spill else ""
+        flag += f" MUFU RUN x{k.loop_mufu_run}" if mufu else ""
+        print(f"{k.arch:<7}{demangled_short(k.name):<56}{k.registers:>5}{k.stack:>7}{k.loop_spills:>8}  {ops}{flag}")
+        if loops and "attention_wgmma_kernel" in k.name:
+            print(f"{'':12}KV loop: {k.loop_events}")
+        if missing or spill or mufu:
+            failures.append(k)
+    archs = sorted({k.arch for k in kernels})
+    print(f"{len(kernels)} kernels on {', '.join(archs) or 'no arch'}: "
+          f"{'OK' if not failures and kernels else 'FAILED'}")
+    return 0 if kernels and not failures else 1
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -196,29 +411,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("library", nargs="?", help="the extension .so (default: the installed one)")
     parser.add_argument("--known-spill", default=None,
                         help="regex of kernel names whose stack frame is a known, reported issue")
+    parser.add_argument("--loops", action="store_true", help="print the Hopper kernels' KV-loop event lines")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE", "AFTER"),
+                        help="compare every kernel of two builds (.so or --save-json files)")
+    parser.add_argument("--allow", default=None, help="with --compare: regex of kernel names expected to differ")
+    parser.add_argument("--archs", nargs="+", help="with --compare: only these archs (e.g. sm_90 sm_89)")
+    parser.add_argument("--save-json", metavar="PATH", help="also write the library's kernel records here")
     args = parser.parse_args(argv)
-    library = args.library or importlib.import_module("sageattention2._C").__file__
     cuobjdump = find_cuobjdump()
-    if cuobjdump is None:
-        print("cuobjdump not found (set CUOBJDUMP)", file=sys.stderr)
-        return 2
-    kernels = [k for k in read_kernels(cuobjdump, library) if any(f in k.name for f in KERNEL_NAMES)]
-    failures = []
-    print(f"{'arch':<7}{'kernel':<56}{'regs':>5}{'stack':>7}{'in loop':>8}  tensor-core instructions")
-    for k in sorted(kernels, key=lambda k: (k.arch, demangled_short(k.name))):
-        want = EXPECTED[variant(k.name)].get(k.arch, ())
-        missing = [w for w in want if not any(op.startswith(w) for op in k.instructions)]
-        spill = k.stack > 0 and not (args.known_spill and re.search(args.known_spill, k.name))
-        ops = ", ".join(f"{op} x{n}" for op, n in sorted(k.instructions.items()))
-        flag = (" MISSING " + ",".join(missing) if missing else "") + (" SPILLS" if spill else "")
-        flag += " (known spill)" if k.stack > 0 and not spill else ""
-        print(f"{k.arch:<7}{demangled_short(k.name):<56}{k.registers:>5}{k.stack:>7}{k.loop_spills:>8}  {ops}{flag}")
-        if missing or spill:
-            failures.append(k)
-    archs = sorted({k.arch for k in kernels})
-    print(f"{len(kernels)} kernels on {', '.join(archs) or 'no arch'}: "
-          f"{'OK' if not failures and kernels else 'FAILED'}")
-    return 0 if kernels and not failures else 1
+    if args.compare:
+        return compare(*args.compare, args.allow, args.archs, cuobjdump)
+    library = args.library or importlib.import_module("sageattention2._C").__file__
+    kernels = load(library, cuobjdump)
+    if args.save_json:
+        with open(args.save_json, "w") as f:
+            json.dump([dataclasses.asdict(k) for k in kernels], f)
+    return check(kernels, args.known_spill, args.loops)
 
 
 if __name__ == "__main__":

@@ -1,41 +1,166 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: install exactly as the README says, print `info`, run the GPU
-# tests and the benchmarks. Logs go to $OUT (the device tool brings them back).
-#   bash scripts/device_check.sh [pytest -k expression]
+# The one GPU check: run on the device machine from the repo root; logs under $OUT.
+# shellcheck disable=SC2317,SC2086  # steps are called through `bash -c`; $QUICK may be empty
+usage() {
+  cat <<'EOF'
+usage: OUT=$OUT bash scripts/device_check.sh [--arch LIST] [--timeout S] [--quick] STEP...
+
+Steps run in the order given. The working tree is built and installed (pip install .) once,
+before the first step that needs it. Each step has a time limit; the log ends with one line per
+step (exit code, seconds) and the script exits with the first failing step's code.
+
+options
+  --arch LIST       TORCH_CUDA_ARCH_LIST of every build (default 9.0a)
+  --timeout S       time limit of every step, seconds (default: each step's own)
+  --quick           --smoke, --bench and --ab in their quick forms (hd128, N 1K/4K)
+steps
+  --info            GPU, driver, `python3 -m sageattention2 info`, the libstdc++ the build links
+  --tests [K]       pytest of tests/ from /tmp with --import-mode=importlib (-k K if given)
+  --smoke           scripts/smoke.py: every kernel variant vs its emulation and float64
+  --bench           benchmarks/bench_attention.py, the ANCHORS table ($OUT/bench_attention.md)
+  --sanitize        compute-sanitizer memcheck, racecheck, synccheck on scripts/sanitize_kernels.py
+                    (racecheck's known ptx::bulk_load report, RACECHECK_KNOWN, does not fail it)
+  --sass            scripts/check_sass.py on the installed build
+  --ncu "RE ARGS"   Nsight Compute on one launch matching RE of
+                    `scripts/profile_attention.py launch ARGS` (repeatable)
+  --ab TAR          A/B of two builds: A the tree in TAR (make it before the device call, in the
+                    repo root: git archive REV -o base.tar), B the working tree; each is built
+                    into its own --target dir, then bench_attention.py --no-sdpa runs A, B, A
+                    and one table shows the three runs and B/A
+EOF
+}
 set -uo pipefail
-OUT=${OUT:-/tmp/sage_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16}
-PY=python3
+OUT=${OUT:-/tmp/sage_out}; mkdir -p "$OUT"
+R=$(pwd); QUICK=; STEP_TIMEOUT=
+export OUT R QUICK PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a
+steps=()
+while [ $# -gt 0 ]; do
+  case $1 in --arch|--timeout|--ncu|--ab) [ $# -gt 1 ] || { echo "$1 needs a value" >&2; exit 2; } ;; esac
+  case $1 in
+    --arch) TORCH_CUDA_ARCH_LIST=$2; shift ;;
+    --timeout) STEP_TIMEOUT=$2; shift ;;
+    --quick) QUICK=--quick ;;
+    --info|--smoke|--bench|--sanitize|--sass) steps+=("${1#--}") ;;
+    --tests) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("tests $2"); shift; else steps+=(tests); fi ;;
+    --ncu|--ab) steps+=("${1#--} $2"); shift ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
+  esac
+  shift
+done
+[ ${#steps[@]} -gt 0 ] || { usage >&2; exit 2; }
 
-step() { echo; echo "=== $* ==="; }
+# Each step_NAME runs in a child bash under `timeout` (see run); from /tmp, `import sageattention2`
+# finds the installed package, not the checkout.
+step_install() {
+  python3 -m pip install --no-build-isolation --no-deps . > "$OUT/install.log" 2>&1 \
+    || { tail -30 "$OUT/install.log"; return 1; }
+}
+step_info() {
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
+  cd /tmp && python3 -m sageattention2 info 2>&1 | tee "$OUT/info.txt" || return 1
+  # One libstdc++ per process: a static copy crashed on integer formatting (setup.py says why).
+  ldd "$(python3 -c 'import sageattention2._C as c; print(c.__file__)')" | grep -E 'stdc\+\+' \
+    || echo "NO shared libstdc++"
+}
+step_tests() {
+  cd /tmp && python3 -m pytest "$R/tests" -q -p no:cacheprovider --import-mode=importlib -rxf ${1:+-k "$1"} \
+    > "$OUT/pytest.txt" 2>&1
+  local rc=$?; grep -vE '^[.sxXF]+( +\[ *[0-9]+%\])?$' "$OUT/pytest.txt" | tail -25; return $rc
+}
+step_smoke() {
+  cd /tmp && python3 "$R/scripts/smoke.py" $QUICK > "$OUT/smoke.txt" 2>&1
+  local rc=$?; grep -E "FAIL|^smoke|Error" "$OUT/smoke.txt"; return $rc
+}
+step_bench() {
+  cd /tmp && python3 "$R/benchmarks/bench_attention.py" $QUICK --out "$OUT/bench_attention.md"
+}
+# racecheck's report on the Hopper kernel's K-scale bulk copy (ptx::bulk_load) is known since
+# session 10 of the notebook: it alone does not fail the step.
+RACECHECK_KNOWN=${RACECHECK_KNOWN:-ptx::bulk_load}
+export RACECHECK_KNOWN
+step_sanitize() {
+  local tool log note rc=0
+  for tool in memcheck racecheck synccheck; do
+    log=$OUT/sanitize_$tool.txt; note=
+    if ! (cd /tmp && compute-sanitizer --tool $tool --error-exitcode 1 python3 "$R/scripts/sanitize_kernels.py") > "$log" 2>&1; then
+      if [ $tool = racecheck ] && grep -q "^sanitize: sageattn_mma" "$log" \
+          && ! grep "Race reported" "$log" | grep -vq "$RACECHECK_KNOWN"; then
+        note=" (only the known $RACECHECK_KNOWN report: not a failure)"
+      else
+        rc=1
+      fi
+    fi
+    echo "$tool: $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$log" | tail -1)$note"
+    grep -E "^sanitize:|Error" "$log" | cut -c1-200 | sed 's/^/  /'
+  done
+  return $rc
+}
+step_sass() {
+  cd /tmp && python3 "$R/scripts/check_sass.py" --loops > "$OUT/sass.txt" 2>&1
+  local rc=$?
+  grep -E "SPILLS|MISSING|MUFU RUN|Error" "$OUT/sass.txt" | head -20
+  grep "KV loop" "$OUT/sass.txt" | sort | uniq -c; tail -1 "$OUT/sass.txt"; return $rc
+}
+step_ncu() {
+  local regex=${1%% *} args="" log
+  log="$OUT/ncu_$(echo "$1" | tr -c 'A-Za-z0-9_\n-' '_').txt"
+  [[ $1 == *" "* ]] && args=${1#* }
+  cd /tmp && ncu --clock-control none -k "regex:$regex" --launch-skip 2 --launch-count 1 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section LaunchStats \
+    --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+    --metrics "regex:sm__pipe_.*_cycles_active\.avg\.pct_of_peak_sustained_active,regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
+    python3 "$R/scripts/profile_attention.py" launch $args > "$log" 2>&1
+  local rc=$?
+  grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\)|Achieved Occupancy|Registers Per|Issue Slots|Eligible Warps|No Eligible|Warp Cycles Per Issued|stalled|pipe_" "$log" \
+    | awk '$NF+0 > 0.05 || !/stalled|pipe_/' | head -60
+  return $rc
+}
+step_ab() {
+  local tar=$1 side i=0 runs=()
+  [[ $tar == /* ]] || tar=$R/$tar
+  rm -rf /tmp/ab_src_A && mkdir -p /tmp/ab_src_A && tar -xf "$tar" -C /tmp/ab_src_A || return 1
+  # Both sides build at once: the build is a few long nvcc units, which leave most cores idle.
+  for side in A B; do
+    src=$R; [ $side = A ] && src=/tmp/ab_src_A
+    rm -rf "/tmp/ab_$side"
+    (cd "$src" && python3 -m pip install --no-build-isolation --no-deps --target "/tmp/ab_$side" . \
+      > "$OUT/ab_install_$side.log" 2>&1) &
+  done
+  for side in A B; do wait -n || { jobs -p | xargs -r kill; tail -20 "$OUT"/ab_install_*.log; return 1; }; done
+  cd /tmp || return 1
+  for side in A B A; do
+    i=$((i + 1))
+    PYTHONPATH=/tmp/ab_$side python3 "$R/benchmarks/bench_attention.py" --no-sdpa $QUICK \
+      --out "$OUT/ab_${i}_$side.md" > "$OUT/ab_${i}_$side.txt" 2>&1 || { tail -20 "$OUT/ab_${i}_$side.txt"; return 1; }
+    head -1 "$OUT/ab_${i}_$side.txt"
+    runs+=("$side=$OUT/ab_${i}_$side.md")
+  done
+  python3 "$R/benchmarks/timing.py" merge "${runs[@]}" | tee "$OUT/ab.md"
+}
+export -f step_install step_info step_tests step_smoke step_bench step_sanitize step_sass step_ncu step_ab
 
-step "GPU"
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
-
-step "install"
-start=$(date +%s)
-$PY -m pip install --no-build-isolation --no-deps -v . > "$OUT/install.log" 2>&1
-rc=$?
-echo "pip install rc=$rc in $(( $(date +%s) - start )) s"
-if [ $rc -ne 0 ]; then grep -E "error|Error" "$OUT/install.log" | head -40; exit $rc; fi
-REPO=$(pwd)
-cd /tmp  # from here `import sageattention2` finds the installed package, not the checkout
-
-step "one libstdc++ per process (a static copy crashed on integer formatting: see setup.py)"
-ldd "$($PY -c "import sageattention2._C as c; print(c.__file__)")" | grep -E "stdc\+\+" || echo "NO shared libstdc++ dependency"
-$PY "$REPO/scripts/repro_errors.py"
-
-step "info"
-$PY -m sageattention2 info 2>&1 | tee "$OUT/info.txt"
-
-step "GPU tests"
-K=${1:-}
-$PY -m pytest "$REPO/tests" -q -p no:cacheprovider --import-mode=importlib ${K:+-k "$K"} 2>&1 \
-  | tee "$OUT/pytest.txt" | tail -40
-test_rc=${PIPESTATUS[0]}
-
-step "benchmarks"
-(cd "$REPO/benchmarks" && $PY bench_preprocess.py 2>&1 | tee "$OUT/bench_preprocess.txt")
-(cd "$REPO/benchmarks" && $PY bench_attention.py --out "$OUT/bench_attention.md" 2>&1 | tee "$OUT/bench_attention.txt")
-exit $test_rc
+declare -A LIMIT=([install]=480 [info]=60 [tests]=420 [smoke]=300 [bench]=420 [sanitize]=540 [sass]=120
+                  [ncu]=240 [ab]=590)
+summary=(); first_rc=0; installed=0
+run() {  # run NAME [ARG]: one step under its time limit, its exit code and time in the summary
+  local name=$1 t0=$SECONDS rc
+  echo; echo "=== $* ($(date +%T)) ==="
+  timeout "${STEP_TIMEOUT:-${LIMIT[$name]}}" bash -c 'set -o pipefail; step_'"$name"' "$@"' _ "${@:2}"
+  rc=$?
+  [ $rc = 124 ] && echo "(timed out)"
+  summary+=("$(printf '%-40s rc=%-4s %5ss' "$*" "$rc" "$((SECONDS - t0))")")
+  [ $first_rc = 0 ] && first_rc=$rc
+  return $rc
+}
+for step in "${steps[@]}"; do
+  name=${step%% *}
+  if [ $installed = 0 ] && [ "$name" != ab ]; then
+    installed=1
+    run install || break
+  fi
+  if [ "$name" = "$step" ]; then run "$name"; else run "$name" "${step#* }"; fi
+done
+echo; echo "=== summary (TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST) ==="
+printf '%s\n' "${summary[@]}"
+exit $first_rc

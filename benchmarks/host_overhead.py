@@ -1,27 +1,31 @@
 """Host (CPU) cost of one sageattn call next to its GPU time, at short sequences where the two
-are close: CPU microseconds per call (launches queued, no sync) and do_bench GPU time.
+are close: CPU microseconds per call (launches queued, no sync) and the do_bench GPU time.
 
-    python3 scripts/host_overhead.py            (the table, the Hopper path)
-    python3 scripts/host_overhead.py --mma      (the table, the warp-level path: pv_quant="none")
-    python3 scripts/host_overhead.py --profile  (where a call's CPU time goes: each op alone,
-                                                 and cProfile's top functions of sageattn)
+    python3 benchmarks/host_overhead.py            (the table, the Hopper path)
+    python3 benchmarks/host_overhead.py --mma      (the table, the warp-level path: pv_quant="none")
+    python3 benchmarks/host_overhead.py --profile  (where a call's CPU time goes: each op alone,
+                                                    and cProfile's top functions of sageattn)
 
 CPU time is taken over 50 calls without a sync: few enough that the launch queue never fills
 (a full queue would make the CPU wait for the GPU and time the GPU instead).
 """
+from __future__ import annotations
+
 import argparse
 import cProfile
 import io
 import pstats
 import time
+from typing import Callable
 
 import torch
-from triton.testing import do_bench
 
+import timing
 from sageattention2 import ops, sageattn
 
 
-def cpu_us(fn, calls: int = 50) -> float:
+def cpu_us(fn: Callable[[], object], calls: int = 50) -> float:
+    """The best of 5 of fn's host time per call, over ``calls`` calls queued without a sync."""
     for _ in range(10):
         fn()
     torch.cuda.synchronize()
@@ -41,40 +45,37 @@ def table(path: str) -> None:
     called from Python (sageattn_<path>_chain, what sageattn ran before the op existed)."""
     kwargs = {} if path == "wgmma" else {"pv_quant": "none", "strict": True}
     op = f"sageattn_{path}"
-    print(f"{path} path")
-    print("| D | N | causal | sageattn CPU us/call | GPU us/call (do_bench) | sageattn, ops from Python: CPU | GPU "
-          "| ops only CPU us/call |")
-    print("|---|---|---|---|---|---|---|---|")
+    out = timing.Table(["D", "N", "causal", "sageattn CPU us/call", "GPU us/call (do_bench)",
+                        "sageattn, ops from Python: CPU", "GPU", "ops only CPU us/call"], f"{path} path")
     for d in (64, 128):
         for n in (1024, 2048):
-            q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+            q, k, v = timing.anchors_inputs(n, d)
             for causal in (False, True):
-                def ops_only():
+                def ops_only() -> None:
                     st = ops.smoothing_stats(None, k, None, False)
                     kv = ops.quantize_kv(k, v, st.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
                     ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, st.k_mean, n,
                                         d ** -0.5, causal, False, False)
                 full = lambda: sageattn(q, k, v, is_causal=causal, **kwargs)  # noqa: E731
-                gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
+                gpu = timing.median_ms(full) * 1e3
                 cpu = cpu_us(full)
                 one_op = getattr(ops, op)
                 setattr(ops, op, getattr(ops, f"{op}_chain"))
                 try:
-                    chain_gpu = do_bench(full, warmup=25, rep=150, return_mode="median") * 1e3
+                    chain_gpu = timing.median_ms(full) * 1e3
                     chain_cpu = cpu_us(full)
                 finally:
                     setattr(ops, op, one_op)
-                only = f"{cpu_us(ops_only):.0f}" if path == "wgmma" else "-"
-                print(f"| {d} | {n} | {causal} | {cpu:.0f} | {gpu:.0f} | {chain_cpu:.0f} | {chain_gpu:.0f} "
-                      f"| {only} |", flush=True)
+                only = cpu_us(ops_only) if path == "wgmma" else float("nan")
+                out.row(d, n, causal, cpu, gpu, chain_cpu, chain_gpu, only)
 
 
 def profile() -> None:
     n, d = 1024, 128
-    q, k, v = (torch.randn(4, 32, n, d, device="cuda", dtype=torch.float16) for _ in range(3))
+    q, k, v = timing.anchors_inputs(n, d)
     st = ops.smoothing_stats(None, k, None, False)
     kv = ops.quantize_kv(k, v, st.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
-    parts = {
+    parts: dict[str, Callable[[], object]] = {
         "torch.empty x1 (allocator)": lambda: torch.empty(4, 32, n, d, device="cuda", dtype=torch.float16),
         "smoothing_stats (ops wrapper)": lambda: ops.smoothing_stats(None, k, None, False),
         "smoothing_stats (torch.ops direct)": lambda: torch.ops.sageattention2.smoothing_stats.default(
@@ -106,9 +107,16 @@ def profile() -> None:
     print(s.getvalue())
 
 
-if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--profile", action="store_true")
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--profile", action="store_true", help="where one call's CPU time goes")
     parser.add_argument("--mma", action="store_true", help="the warp-level path instead of the Hopper one")
     args = parser.parse_args()
-    profile() if args.profile else table("mma" if args.mma else "wgmma")
+    if args.profile:
+        profile()
+    else:
+        table("mma" if args.mma else "wgmma")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,149 @@
+"""Accuracy smoke of every attention kernel variant this build runs on this GPU (no timing: that
+is benchmarks/). Each variant runs on a grid of shapes (tails, GQA, Nq != Nk, both dtypes, causal
+on and off) and is compared with the bit-level emulation of its algorithm (rel. L1, both rounded
+to the output dtype) and with float64 attention; then on the ANCHORS.md input families.
+
+    python3 scripts/smoke.py [--quick] [--path all|wgmma|mma]
+
+Variants: the Hopper kernel (attention_wgmma, sm_90a builds on sm_90) through sageattn's default
+path; the warp-level attention_mma through the ops (INT8 QK + FP16/BF16 PV everywhere, INT8 and
+INT4 QK + FP8 PV where the build has FP8 mma.sync code for this GPU: sm_89+, emulated on sm_90).
+Exit code 1 when a variant is further than 1e-3 rel. L1 from its emulation (the acceptance
+criterion of tests/test_attention_gpu.py) or writes a non-finite value.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from typing import Callable, NamedTuple
+
+import torch
+from torch import Tensor
+
+from sageattention2 import api, ops, sageattn
+from sageattention2 import reference as ref
+
+TOLERANCE = 1e-3
+SHAPES = [(1, 2, 2, 1, 1, 128), (2, 4, 4, 17, 17, 64), (1, 8, 2, 127, 127, 128), (1, 4, 1, 1000, 333, 64),
+          (1, 4, 4, 300, 1000, 128), (2, 2, 2, 300, 700, 64), (1, 4, 1, 77, 1, 128)]
+LARGE_SHAPES = [(1, 4, 4, 2048, 2048, 64), (1, 8, 8, 4097, 4097, 128), (1, 2, 2, 4097, 4097, 64)]
+FAMILIES = ("bias0", "bias4", "outliers")
+
+
+class Variant(NamedTuple):
+    """One kernel variant: ``run`` and ``emulate`` take (q, k, v, causal, smooth_v) and return
+    the output."""
+    name: str
+    run: Callable[..., Tensor]
+    emulate: Callable[..., Tensor]
+
+
+def wgmma_variant() -> Variant:
+    """sageattn's Hopper path (its defaults: K smoothed over a token sample, V not smoothed)."""
+    def run(q: Tensor, k: Tensor, v: Tensor, causal: bool, smooth_v: bool) -> Tensor:
+        return sageattn(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], smooth_v=smooth_v,
+                        strict=True)
+
+    def emulate(q: Tensor, k: Tensor, v: Tensor, causal: bool, smooth_v: bool) -> Tensor:
+        return ref.hopper_kernel_reference(q, k, v, block_k=ops.WGMMA_BLOCK_K, is_causal=causal,
+                                           mean_stride=api.smoothing_sample_stride(k.shape[2]), smooth_v=smooth_v)
+    return Variant("wgmma int8+fp8", run, emulate)
+
+
+def mma_variant(qk: str, fp8_v: bool) -> Variant:
+    """attention_mma through the ops, K and Q smoothed (Q per head); smooth V with FP8 PV only."""
+    def run(q: Tensor, k: Tensor, v: Tensor, causal: bool, smooth_v: bool) -> Tensor:
+        scale = q.shape[-1] ** -0.5
+        smooth_v = smooth_v and fp8_v
+        stats = ops.smoothing_stats(q, k, v if fp8_v else None, smooth_v)
+        v_mean = stats.v_mean if smooth_v else None
+        kv = ops.quantize_kv(k, v if fp8_v else None, stats.k_mean, v_mean, stats.v_scale if fp8_v else None,
+                             stats.q_mean, ops.MMA_BLOCK_K, qk, scale * math.log2(math.e))
+        pv = (kv.v_fp8, stats.v_scale, v_mean) if fp8_v else (v, None, None)
+        out, _ = ops.attention_mma(q, stats.q_mean, kv.k_quant, kv.k_scale, kv.delta_s, *pv, stats.k_mean, qk,
+                                   k.shape[2], scale, causal, False, True)
+        return out
+
+    def emulate(q: Tensor, k: Tensor, v: Tensor, causal: bool, smooth_v: bool) -> Tensor:
+        pv = "e4m3" if fp8_v else ("bf16" if q.dtype == torch.bfloat16 else "fp16")
+        return ref.sage_attention_reference(q, k, v, is_causal=causal, qk_dtype=qk, granularity="thread",
+                                            block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
+                                            smooth_k=True, smooth_q="head", smooth_v=smooth_v and fp8_v, pv_dtype=pv,
+                                            two_level=fp8_v, fp22=False)
+    return Variant(f"mma {qk}+{'fp8' if fp8_v else 'fp16'}", run, emulate)
+
+
+def variants(path: str) -> list[Variant]:
+    """The variants of ``path`` that this build runs on this GPU."""
+    capability = torch.cuda.get_device_capability()
+    found = []
+    if path in ("all", "wgmma") and ops.has_op("attention_wgmma") and ops.family_runs_on(ops.WGMMA_FAMILY,
+                                                                                            capability):
+        found.append(wgmma_variant())
+    if path in ("all", "mma") and ops.has_op("attention_mma"):
+        found.append(mma_variant("int8", False))
+        if ops.family_runs_on(ops.MMA_FP8_FAMILY, capability):
+            found += [mma_variant("int8", True), mma_variant("int4", True)]
+    return found
+
+
+def inputs(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, dtype: torch.dtype,
+           seed: int) -> tuple[Tensor, Tensor, Tensor]:
+    """randn q, k, v with channel offsets shared by all tokens (x2 on Q, x4 on K: what smoothing
+    is for), drawn in float32 and rounded to ``dtype``."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+
+    def draw(h: int, n: int, offset: float) -> Tensor:
+        x = torch.randn(b, h, n, d, device="cuda", generator=g)
+        return (x + offset * torch.randn(b, h, 1, d, device="cuda", generator=g)).to(dtype)
+    return draw(hq, nq, 2.0), draw(hkv, nk, 4.0), draw(hkv, nk, 1.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="without the shapes of 2K keys and more")
+    parser.add_argument("--path", choices=("all", "wgmma", "mma"), default="all")
+    args = parser.parse_args(argv)
+    found = variants(args.path)
+    print(torch.cuda.get_device_name(), "| kernel plan:", api.kernel_plan())
+    if not found:
+        print("smoke: no kernel variant of this build runs on this GPU: FAILED")
+        return 1
+    shapes = SHAPES + ([] if args.quick else LARGE_SHAPES)
+    worst = {v.name: 0.0 for v in found}
+    print(f"{'variant':<16}{'B Hq Hkv Nq Nk D':<24}{'dtype':<10}{'causal':<8}{'vs emulation':>13}{'vs exact':>10}")
+    for variant in found:
+        for i, (b, hq, hkv, nq, nk, d) in enumerate(shapes):
+            smooth_v = i % 2 == 1  # V's mean subtracted (FP8 PV only) on every other shape
+            for dtype in (torch.float16, torch.bfloat16):
+                q, k, v = inputs(b, hq, hkv, nq, nk, d, dtype, seed=nq * 7 + nk)
+                for causal in (False, True):
+                    out = variant.run(q, k, v, causal, smooth_v)
+                    emulated = variant.emulate(q, k, v, causal, smooth_v).to(dtype)
+                    exact = ref.exact_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
+                    l1 = ref.relative_l1(out, emulated) if torch.isfinite(out).all() else math.inf
+                    worst[variant.name] = max(worst[variant.name], l1 if math.isfinite(l1) else math.inf)
+                    flag = "  FAIL" if not l1 <= TOLERANCE else ""
+                    print(f"{variant.name:<16}{f'{b} {hq} {hkv} {nq} {nk} {d}':<24}{str(dtype)[6:]:<10}"
+                          f"{causal!s:<8}{l1:>13.2e}{ref.relative_l1(out, exact):>10.4f}{flag}", flush=True)
+    print("ANCHORS families (B1 H8 N4096 D128 fp16): CosSim / rel. L1 vs float64")
+    for name in FAMILIES:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v = ref.make_input_family(name, (1, 8, 4096, 128), torch.float16, "cuda", generator=g)
+        for causal in (False, True):
+            want = ref.exact_attention(q, k, v, is_causal=causal)
+            cells = []
+            for variant in found:
+                out = variant.run(q, k, v, causal, False)
+                cells.append(f"{variant.name} {ref.cosine_similarity(out, want):.6f} / "
+                             f"{ref.relative_l1(out, want):.5f}")
+            print(f"  {name:<9} causal={causal!s:<6} " + " | ".join(cells), flush=True)
+    failed = [name for name, l1 in worst.items() if not l1 <= TOLERANCE]
+    for name, l1 in worst.items():
+        print(f"smoke: {name}: worst rel. L1 vs emulation {l1:.2e} ({'FAILED' if name in failed else 'ok'})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
