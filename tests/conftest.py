@@ -6,7 +6,8 @@ would test different code. This file decides, before any test imports ``sageatte
 
 1. an installed sageattention2 (found with the checkout taken off ``sys.path``) whose Python
    sources, ``sageattention2/*.py``, are the checkout's: the tests run against it and its
-   compiled extension;
+   compiled extension (unless only the checkout has one: then against the checkout, whose
+   sources are the same);
 2. an installed one whose sources differ from the checkout's: the tests run against the checkout
    if it has an in-place build (``sageattention2/_C*.so``, from
    ``python setup.py build_ext --inplace``); otherwise collection fails, saying to reinstall
@@ -47,6 +48,10 @@ def _is_checkout(entry: str) -> bool:
         return False
 
 
+def _has_extension(package: Path) -> bool:
+    return any(package.glob("_C*.so"))
+
+
 def _sources(package: Path) -> dict[str, str]:
     return {path.name: hashlib.sha256(path.read_bytes()).hexdigest()
             for path in sorted(package.glob("*.py"))}
@@ -61,9 +66,10 @@ def _choose_package() -> tuple[str, str | None]:
                            f"the package under test ({sys.modules['sageattention2'].__file__})")
     spec = importlib.util.find_spec("sageattention2")
     installed = Path(spec.origin).parent if spec is not None and spec.origin else None
-    in_place_build = any(CHECKOUT_PACKAGE.glob("_C*.so"))
-    if installed is not None and (installed == CHECKOUT_PACKAGE
-                                  or _sources(installed) == _sources(CHECKOUT_PACKAGE)):
+    in_place_build = _has_extension(CHECKOUT_PACKAGE)
+    same_sources = installed is not None and (
+        installed == CHECKOUT_PACKAGE or _sources(installed) == _sources(CHECKOUT_PACKAGE))
+    if same_sources and (_has_extension(installed) or not in_place_build):
         return f"the installed package ({installed})", None
     if installed is not None and not in_place_build:
         return "none", (f"the installed sageattention2 ({installed}) has other Python sources "
@@ -72,7 +78,8 @@ def _choose_package() -> tuple[str, str | None]:
                         "extension in place (python setup.py build_ext --inplace) to test the "
                         "checkout.")
     sys.path.insert(0, str(REPO))
-    why = ("the installed one has other sources" if installed is not None
+    why = ("the installed one has no compiled extension" if same_sources
+           else "the installed one has other sources" if installed is not None
            else "no sageattention2 is installed")
     return f"the checkout ({CHECKOUT_PACKAGE}; {why})", None
 
@@ -105,7 +112,10 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines if warning is None else [*lines, warning]
 
 
-def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter,
+                            config: pytest.Config) -> None:
+    if config.get_verbosity() >= 0 and not config.getoption("no_header"):
+        return  # the header said it
     warning = _missing_extension_warning()
     if warning is not None:
         terminalreporter.write_line(warning, yellow=True, bold=True)
