@@ -26,9 +26,9 @@ __all__ = [
 ]
 
 # K's smoothing vector (and, on the Hopper path, V's with smooth_v) is a mean over at most this
-# many tokens, a strided sample (smoothing_sample_stride): any vector subtracted from every key shifts
-# each row of S by a constant (and V's mean is added back), so only the quantization error can
-# change; the statistics launch then reads ~1/16 of K at 4K instead of all of it.
+# many tokens, a strided sample (smoothing_sample_stride): any vector subtracted from every key
+# shifts each row of S by a constant (and V's mean is added back), so only the quantization error
+# can change; the statistics launch then reads ~1/16 of K at 4K instead of all of it.
 SMOOTHING_SAMPLE_TOKENS = 256
 
 # The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still

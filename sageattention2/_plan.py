@@ -1,4 +1,5 @@
-"""Which kernel serves a :func:`sageattn` call and why a call falls back: the routing rules, as data.
+"""Which kernel serves a :func:`sageattn` call and why a call falls back: the routing rules, as
+data.
 
 Every rule is a row with its condition in words and its reason, in two ordered tables:
 
@@ -31,21 +32,27 @@ from ._call import AttentionCall, validate
 __all__ = [
     "BUILD_RULES",
     "CALL_RULES",
+    "DEFAULT_BUILD",
     "DEVICE_RULES",
     "FALLBACKS",
     "MMA_PLAN",
     "MMA_RULES",
     "ROUTES",
+    "TABLE_CALLS",
+    "TABLE_GPUS",
     "WGMMA_PLAN",
     "Fallback",
     "KernelChoice",
     "Route",
     "Target",
     "cuda_capability",
+    "default_build_target",
     "device_reason",
+    "family_archs",
     "kernel_for",
     "kernel_head_dim",
     "kernel_plan",
+    "native_fp8_mma",
     "probe_target",
     "route",
     "routing_table_markdown",
@@ -486,13 +493,18 @@ def _table_call(options: Mapping[str, Any]) -> AttentionCall:
     return validate(q, q, q, None, 0.0, False, None, False, **kwargs)
 
 
+def _kernel_text(choice: KernelChoice) -> str:
+    return (f"`{_KERNEL_NAMES[choice.kernel]}`: {choice.qk.upper()} QK + {_PV_NAMES[choice.pv]} "
+            "PV")
+
+
 def _cell(call: AttentionCall, target: Target) -> str:
+    """What ``call`` runs on ``target``: the kernel, or the fallback rule that stops it."""
     choice = kernel_for(call, target)
     found = _fallback(call, choice, target)
     if found is not None:
         return f"exact SDPA (fallback {FALLBACKS.index(found[0]) + 1})"
-    return (f"`{_KERNEL_NAMES[choice.kernel]}`: {choice.qk.upper()} QK + "
-            f"{_PV_NAMES[choice.pv]} PV")
+    return _kernel_text(choice)
 
 
 def _template(reason: str) -> str:
@@ -501,28 +513,28 @@ def _template(reason: str) -> str:
 
 
 def routing_table_markdown() -> str:
-    """README.md's "Which GPU runs what", rendered from :data:`ROUTES` and :data:`FALLBACKS`
-    (what float16 calls run on each GPU with the default build, then both tables)."""
+    """README.md's "Which GPU runs what", rendered from :data:`ROUTES` and :data:`FALLBACKS`:
+    what float16 calls run on each GPU of :data:`TABLE_GPUS` with the default build, then both
+    tables of rules."""
     def options(call: Mapping[str, Any]) -> str:
         return ", ".join(f"`{k}={v!r}`".replace("'", '"') for k, v in call.items()) or "defaults"
 
+    targets = [default_build_target(capability) for _, capability in TABLE_GPUS]
     lines = ["| float16/bfloat16 CUDA call | " + " | ".join(g for g, _ in TABLE_GPUS) + " |",
              "|---" * (len(TABLE_GPUS) + 1) + "|"]
-    targets = [default_build_target(capability) for _, capability in TABLE_GPUS]
     for call_options in TABLE_CALLS:
         call = _table_call(call_options)
-        lines.append(f"| {options(call_options)} | "
-                     + " | ".join(_cell(call, target) for target in targets) + " |")
+        cells = " | ".join(_cell(call, target) for target in targets)
+        lines.append(f"| {options(call_options)} | {cells} |")
     lines += ["", "Which kernel serves a call: the first route that applies.", "",
               "| route | when | kernel | why |", "|---|---|---|---|"]
-    for i, rule in enumerate(ROUTES, 1):
-        kernel = (f"`{_KERNEL_NAMES[rule.choice.kernel]}`: {rule.choice.qk.upper()} QK + "
-                  f"{_PV_NAMES[rule.choice.pv]} PV")
-        lines.append(f"| {i} | {rule.when} | {kernel} | {rule.why} |")
+    lines += [f"| {i} | {rule.when} | {_kernel_text(rule.choice)} | {rule.why} |"
+              for i, rule in enumerate(ROUTES, 1)]
     lines += ["", "When a call falls back to exact `F.scaled_dot_product_attention`: the first "
               "rule that applies, checked in this order. Its reason is the text of the "
               "`SageAttentionFallbackWarning`, shown once per reason (`strict=True` raises "
-              "`NotImplementedError` with it instead).", "", "| fallback | when | reason |", "|---|---|---|"]
-    for i, rule in enumerate(FALLBACKS, 1):
-        lines.append(f"| {i} | {rule.when} | {_template(rule.reason)} |")
+              "`NotImplementedError` with it instead).", "",
+              "| fallback | when | reason |", "|---|---|---|"]
+    lines += [f"| {i} | {rule.when} | {_template(rule.reason)} |"
+              for i, rule in enumerate(FALLBACKS, 1)]
     return "\n".join(lines)

@@ -71,7 +71,7 @@ def sageattn(
             accumulation per 128-key tile folded into the FP32 output; ``"none"``: P and V in
             the input dtype with FP32 accumulation (more accurate, and the only PV of GPUs
             without FP8 tensor cores); ``"auto"`` (default): FP8 where it is the fast PV, else
-            the input dtype (which, on which GPU: the routing table).
+            the input dtype (per GPU: the routing table).
         smooth_k: subtract K's per-head mean before quantizing (exact: softmax is invariant to it).
         smooth_q: ``"head"`` (one mean per head, corrected exactly by Delta-S), ``"block"`` (the
             paper's per-Q-block mean; no kernel, fallback), ``False``, or ``"auto"`` (off for

@@ -442,7 +442,7 @@ def test_quantized_path_fallbacks(stand_in: list[dict[str, Any]]) -> None:
          "d96-nhd-smooth-v", "d40-3d-causal", "sampled-means"],
 )
 def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]) -> None:
-    """The arguments attention_wgmma gets when sageattn runs the Hopper path (where _kernel_for
+    """The arguments attention_wgmma gets when sageattn runs the Hopper path (where _plan.route
     picks it: one sageattn_wgmma op, whose CPU implementation is its chain of ops), from the real
     preprocessing ops (their CPU reference implementations): q read in place, K/V quantized for
     block_k=WGMMA_BLOCK_K, K's mean only with smooth_k, V's only with smooth_v (both over the

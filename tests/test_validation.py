@@ -107,7 +107,7 @@ def test_smooth_q_qk_quant_and_pv_quant_resolution() -> None:
     assert [validated(q, k, v, smooth_q=m).smooth_q for m in ("auto", True, False, "head",
                                                                "block")] == [
         "auto", "head", "none", "head", "block"]
-    # pv_quant "auto" stays too: FP8 or the input dtype depends on the GPU (_kernel_for).
+    # pv_quant "auto" stays too: FP8 or the input dtype depends on the GPU (_plan.ROUTES).
     assert [validated(q, k, v, pv_quant=m).pv_quant for m in ("auto", "fp8", "none")] == [
         "auto", "fp8", "none"]
     assert validated(q, k, v).pv_quant == "auto"
