@@ -1,4 +1,6 @@
-"""Command line: ``python -m sageattention2 info``."""
+"""Command line: ``python -m sageattention2 info`` (the build, the GPU and what sageattn runs
+there) and ``python -m sageattention2 routing-table`` (README.md's "Which GPU runs what", from
+the routing rules)."""
 from __future__ import annotations
 
 import argparse
@@ -8,6 +10,7 @@ from collections.abc import Sequence
 import torch
 
 from . import __version__, ops
+from ._plan import routing_table_markdown
 from .api import kernel_plan
 
 
@@ -38,9 +41,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m sageattention2", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands.add_parser("info", help="versions, compiled kernels, GPU and what sageattn runs")
+    commands.add_parser("routing-table",
+                        help="which kernel serves which call, and why calls fall back (Markdown)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(_info())
+    elif args.command == "routing-table":
+        print(routing_table_markdown())
     return 0
 
 

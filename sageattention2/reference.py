@@ -4,11 +4,16 @@ Everything here runs on any device and depends on torch only. It has three jobs:
 
 * ground truth: :func:`exact_attention` (float64, ``scaled_dot_product_attention`` semantics);
 * the op formats of ``docs/DESIGN.md``: :func:`smoothing_stats_reference`,
-  :func:`quantize_q_reference`, :func:`quantize_kv_reference` return exactly what the CUDA ops
-  return (shapes, padding, dtypes, bits), so GPU tests compare bit for bit and the op layer can use
-  them as its CPU implementation;
+  :func:`quantize_kv_reference` return exactly what the CUDA ops return (shapes, padding, dtypes,
+  bits), so GPU tests compare bit for bit and the op layer can use them as its CPU
+  implementation; :func:`quantize_q_reference` is what the attention kernels do to Q inside;
 * a readable simulation of the whole quantized forward, :func:`sage_attention_reference`
-  (Algorithm 1 of the paper, tile by tile over the keys), with switches for the paper's ablations.
+  (Algorithm 1 of the paper, tile by tile over the keys), with switches for what each kernel
+  does (:func:`hopper_kernel_reference` is the Hopper kernel's setting of them).
+
+The paper's ablations (Q and K per token, per block or per tensor) are in
+``sageattention2.ablation``; accuracy metrics and the ANCHORS input families in
+``sageattention2.testing``.
 
 Citations "paper X" refer to sections, equations, tables and appendices of the paper.
 
@@ -23,7 +28,7 @@ are single IEEE operations on every backend.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 from torch import Tensor
@@ -38,12 +43,15 @@ __all__ = [
     "q_group_sets",
     "k_group_sets",
     "group_index_sets",
+    "int_qmax",
+    "pad_tokens",
+    "quantize_symmetric",
     "quantize_q_per_thread",
     "quantize_k_per_thread",
     "quantize_per_token",
-    "quantize_per_block",
-    "quantize_per_tensor",
-    "quantize_rows",
+    "KERNEL_GRANULARITIES",
+    "quantize_kernel_rows",
+    "RowQuantizer",
     "quantize_fp8",
     "quantize_p_fp8",
     "quantize_v_per_channel",
@@ -59,10 +67,6 @@ __all__ = [
     "fp22_truncate",
     "sage_attention_reference",
     "hopper_kernel_reference",
-    "cosine_similarity",
-    "relative_l1",
-    "rmse",
-    "make_input_family",
     "quantize_v_per_tile",
 ]
 
@@ -90,7 +94,9 @@ V_TILE_SCALE_MIN = 2.0 ** -30
 # once per this many keys.
 PV_MMA_K = 32
 
-_GRANULARITIES = ("thread", "token", "block", "tensor")
+# How the kernels quantize Q and K (quantize_kernel_rows): per thread (paper Eq. 8; both kernels'
+# K, the warp-level kernel's Q) and per token (the Hopper kernel's Q).
+KERNEL_GRANULARITIES = ("thread", "token")
 
 
 # --------------------------------------------------------------------------------------------
@@ -119,7 +125,7 @@ def _ceil_to(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-def _pad_tokens(x: Tensor, multiple: int) -> Tensor:
+def pad_tokens(x: Tensor, multiple: int) -> Tensor:
     """Zero-pad dim -2 (tokens) of [B,H,N,D] to a multiple; contiguous result.
 
     Padding is applied after smoothing, so padded rows are exactly 0 and never raise a group's
@@ -146,7 +152,8 @@ def _check_4d(**tensors: Optional[Tensor]) -> None:
             raise ValueError(f"{name} must be [B, H, N, D], got shape {tuple(t.shape)}")
 
 
-def _int_qmax(qk_dtype: str) -> int:
+def int_qmax(qk_dtype: str) -> int:
+    """The largest code of ``qk_dtype`` ("int8", "int4"), checked."""
     if qk_dtype not in INT_QMAX:
         raise ValueError(f"qk_dtype must be one of {sorted(INT_QMAX)}, got {qk_dtype!r}")
     return INT_QMAX[qk_dtype]
@@ -278,7 +285,7 @@ def k_group_sets(block_k: int = 64) -> list[list[int]]:
 # --------------------------------------------------------------------------------------------
 
 
-def _symmetric_int(x: Tensor, reduce_dims: Sequence[int], qmax: int) -> tuple[Tensor, Tensor]:
+def quantize_symmetric(x: Tensor, reduce_dims: Sequence[int], qmax: int) -> tuple[Tensor, Tensor]:
     """Absmax quantizer over ``reduce_dims`` (kept as size-1 dims in the returned scale).
 
     DESIGN.md: scale = amax / qmax; inv = 1/scale (0 if scale == 0);
@@ -300,12 +307,12 @@ def quantize_q_per_thread(x: Tensor, block_q: int, warps: int, qmax: int) -> tup
     """
     q_group_index(block_q, warps)  # validates the geometry
     B, H, _, D = x.shape
-    xp = _pad_tokens(x.float(), block_q)
+    xp = pad_tokens(x.float(), block_q)
     n_pad = xp.shape[2]
     rows_per_warp = block_q // warps
     # Row r = w*rows_per_warp + m*8 + i belongs to group w*8 + i: reduce over m and channels.
     view = xp.view(B, H, n_pad // block_q, warps, rows_per_warp // 8, 8, D)
-    codes, scale = _symmetric_int(view, (4, 6), qmax)
+    codes, scale = quantize_symmetric(view, (4, 6), qmax)
     return codes.view(B, H, n_pad, D), scale.view(B, H, n_pad // block_q, warps * 8)
 
 
@@ -317,57 +324,27 @@ def quantize_k_per_thread(x: Tensor, block_k: int, qmax: int) -> tuple[Tensor, T
     """
     k_group_index(block_k)
     B, H, _, D = x.shape
-    xp = _pad_tokens(x.float(), block_k)
+    xp = pad_tokens(x.float(), block_k)
     n_pad = xp.shape[2]
     # Key j = m*8 + g*2 + p belongs to group g: reduce over m, p and channels.
     view = xp.view(B, H, n_pad // block_k, block_k // 8, 4, 2, D)
-    codes, scale = _symmetric_int(view, (3, 5, 6), qmax)
+    codes, scale = quantize_symmetric(view, (3, 5, 6), qmax)
     return codes.view(B, H, n_pad, D), scale.view(B, H, n_pad // block_k, 4)
 
 
 def quantize_per_token(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
-    """Per-token quantization (paper Table 6 ablation): codes [B,H,N,D], scale [B,H,N]."""
-    codes, scale = _symmetric_int(x, (3,), qmax)
+    """Per-token quantization (the Hopper kernel's Q; paper Table 6 ablation): codes [B,H,N,D],
+    scale [B,H,N]."""
+    codes, scale = quantize_symmetric(x, (3,), qmax)
     return codes, scale.squeeze(-1)
 
 
-def quantize_per_block(x: Tensor, block: int, qmax: int) -> tuple[Tensor, Tensor]:
-    """Per-block quantization as in SageAttention (paper 2.3).
-
-    Returns codes int8 [B,H,N_pad,D] and scale float32 [B,H,N_pad/block].
-    """
-    B, H, _, D = x.shape
-    xp = _pad_tokens(x.float(), block)
-    n_pad = xp.shape[2]
-    codes, scale = _symmetric_int(xp.view(B, H, n_pad // block, block, D), (3, 4), qmax)
-    return codes.view(B, H, n_pad, D), scale.view(B, H, n_pad // block)
+# (x, qk_dtype, granularity, role, block, warps) -> (codes, row scales): how
+# sage_attention_reference quantizes Q and K (quantize_kernel_rows, or ablation.quantize_rows).
+RowQuantizer = Callable[[Tensor, str, str, str, int, int], tuple[Tensor, Tensor]]
 
 
-def quantize_per_tensor(x: Tensor, qmax: int) -> tuple[Tensor, Tensor]:
-    """Per-tensor quantization (paper 2.2): one scale for the whole [B,H,N,D] tensor (all heads)."""
-    codes, scale = _symmetric_int(x, (0, 1, 2, 3), qmax)
-    return codes, scale.reshape(())
-
-
-def _row_scales(
-    scale: Tensor, granularity: str, role: str, n_rows: int, block: int, warps: int
-) -> Tensor:
-    """Scale of every token [B,H,n_rows] (or broadcastable) from a quantizer's natural scale."""
-    r = torch.arange(n_rows, device=scale.device)
-    if granularity == "thread":
-        if role == "q":
-            group = q_group_index(block, warps).to(scale.device)[r % block]
-        else:
-            group = k_group_index(block).to(scale.device)[r % block]
-        return scale[:, :, r // block, group]
-    if granularity == "token":
-        return scale[:, :, :n_rows]
-    if granularity == "block":
-        return scale[:, :, r // block]
-    return scale.reshape(1, 1, 1).expand(1, 1, n_rows)
-
-
-def quantize_rows(
+def quantize_kernel_rows(
     x: Tensor,
     qk_dtype: str,
     granularity: str,
@@ -375,31 +352,32 @@ def quantize_rows(
     block: int,
     warps: int = 4,
 ) -> tuple[Tensor, Tensor]:
-    """Quantize Q (role "q", block = block_q) or K (role "k", block = block_k) at a granularity
-    ("thread", "token", "block", "tensor") for the simulation.
+    """Quantize Q (role "q", block = block_q) or K (role "k", block = block_k) as the kernels do
+    ("thread": the per-thread groups of paper Eq. 8; "token": one scale per row, the Hopper
+    kernel's Q) for the simulation.
 
     Returns the integer codes as float64 [B,H,N,D] (padding dropped) and each token's scale as
-    float64 [B,H,N] (broadcastable for "tensor"), so that x ~ codes * scale[..., None] and
-    Q K^T ~ (codes_q codes_k^T) * scale_q scale_k^T exactly as the dequantization of paper 2.2.
+    float64 [B,H,N], so that x ~ codes * scale[..., None] and Q K^T ~ (codes_q codes_k^T) *
+    scale_q scale_k^T exactly as the dequantization of paper 2.2.
     """
-    if granularity not in _GRANULARITIES:
-        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
+    if granularity not in KERNEL_GRANULARITIES:
+        raise ValueError(f"granularity must be one of {KERNEL_GRANULARITIES} (the paper's other "
+                         f"granularities: sageattention2.ablation), got {granularity!r}")
     if role not in ("q", "k"):
         raise ValueError("role must be 'q' or 'k'")
-    qmax = _int_qmax(qk_dtype)
+    qmax = int_qmax(qk_dtype)
     n = x.shape[2]
-    if granularity == "thread":
-        if role == "q":
-            codes, scale = quantize_q_per_thread(x, block, warps, qmax)
-        else:
-            codes, scale = quantize_k_per_thread(x, block, qmax)
-    elif granularity == "token":
-        codes, scale = quantize_per_token(x, qmax)
-    elif granularity == "block":
-        codes, scale = quantize_per_block(x, block, qmax)
+    if granularity == "token":
+        codes, rows = quantize_per_token(x, qmax)
+        return codes.double(), rows.double()
+    if role == "q":
+        codes, scale = quantize_q_per_thread(x, block, warps, qmax)
+        group_index = q_group_index(block, warps)
     else:
-        codes, scale = quantize_per_tensor(x, qmax)
-    rows = _row_scales(scale, granularity, role, n, block, warps)
+        codes, scale = quantize_k_per_thread(x, block, qmax)
+        group_index = k_group_index(block)
+    r = torch.arange(n, device=scale.device)
+    rows = scale[:, :, r // block, group_index.to(scale.device)[r % block]]
     return codes[:, :, :n].double(), rows.double()
 
 
@@ -455,7 +433,7 @@ def quantize_v_per_tile(
     if not _absent(v_mean):
         x = x - v_mean.float()[:, :, None, :]
     n = x.shape[2]
-    tiles = _pad_tokens(x, block_k).unflatten(2, (-1, block_k))  # [B,H,T,block_k,D]
+    tiles = pad_tokens(x, block_k).unflatten(2, (-1, block_k))  # [B,H,T,block_k,D]
     scale = torch.clamp(_f32_div(tiles.abs().amax(dim=(3, 4)), fmax), min=V_TILE_SCALE_MIN)
     bits = scale.view(torch.int32)  # rounded up to a power of two: V * (1 / scale) is exact
     scale = torch.where(bits & 0x7FFFFF != 0, (bits & 0x7F800000) + 0x800000, bits).view(torch.float32)
@@ -518,7 +496,7 @@ def _check_mean_stride(mean_stride: int) -> None:
 def _q_block_means(x: Tensor, block_q: int) -> Tensor:
     """Mean of every Q block over its valid rows: [B,H,N,D] -> [B,H,ceil(N/block_q),D] (Eq. 2)."""
     B, H, n, D = x.shape
-    xp = _pad_tokens(x.double(), block_q)
+    xp = pad_tokens(x.double(), block_q)
     n_blocks = xp.shape[2] // block_q
     sums = xp.view(B, H, n_blocks, block_q, D).sum(dim=3)
     counts = (n - torch.arange(n_blocks, device=x.device) * block_q).clamp(max=block_q)
@@ -648,7 +626,7 @@ def quantize_q_reference(
     so a test can feed a kernel's own means.
     """
     _check_4d(q=q)
-    qmax = _int_qmax(qk_dtype)
+    qmax = int_qmax(qk_dtype)
     device = q.device
     mult = torch.tensor(scale_multiplier, dtype=torch.float32, device=device)
     x = q.float()
@@ -692,7 +670,7 @@ def quantize_kv_reference(
     Absent outputs are empty float32.
     """
     _check_4d(k=k, v=v)
-    qmax = _int_qmax(qk_dtype)
+    qmax = int_qmax(qk_dtype)
     if block_k % 16 != 0:
         raise ValueError("block_k must be a multiple of 16 (V key permutation)")
     device = k.device
@@ -716,7 +694,7 @@ def quantize_kv_reference(
         else:
             scale = v_scale.float()
             inv = torch.where(scale > 0, _f32_div(1.0, scale), torch.zeros_like(scale))[:, :, None, :]
-        scaled = _pad_tokens(x * inv, block_k)  # float32, padding keys 0
+        scaled = pad_tokens(x * inv, block_k)  # float32, padding keys 0
         stored = scaled.transpose(-1, -2)[..., v_key_permutation(n_pad, device)]
         v_fp8 = quantize_fp8(stored, "e4m3").contiguous()
 
@@ -774,6 +752,7 @@ def sage_attention_reference(
     qk_dtype: str = "int8",
     granularity: str = "thread",
     q_granularity: Optional[str] = None,
+    row_quantizer: Optional[RowQuantizer] = None,
     block_q: int = 128,
     warps: int = 4,
     block_k: int = 64,
@@ -799,10 +778,11 @@ def sage_attention_reference(
     q_i . k_mean that smoothing drops added back, when ``return_lse``).
 
     * qk_dtype "int8" / "int4": Q, K quantized at ``granularity`` ("thread": paper Eq. 8 with
-      block_q, warps, block_k; "token"; "block": one scale per block_q / block_k tokens;
-      "tensor"); "fp16": no quantization of Q, K (the smoothed float32 values are used).
-      ``q_granularity``, when given, is Q's instead (the Hopper kernel: "token", one scale per
-      query row, with K per thread).
+      block_q, warps, block_k); "fp16": no quantization of Q, K (the smoothed float32 values are
+      used). ``q_granularity``, when given, is Q's instead (the Hopper kernel: "token", one
+      scale per query row, with K per thread). ``row_quantizer`` replaces the kernels'
+      quantizer, :func:`quantize_kernel_rows` (``ablation.sage_attention_ablation`` passes the
+      paper's other granularities this way).
     * smooth_k, smooth_q (None / "block" / "head"), smooth_v: paper 3.1 and A.3.
     * pv_dtype: "e4m3" (paper 3.3), "e5m2" (Table 7), "fp16" / "bf16" (P~ and V rounded to that
       type, FP32 accumulation: the PV of the warp-level kernels, DESIGN.md), "fp32" (P~ and V
@@ -838,10 +818,13 @@ def sage_attention_reference(
     _check_4d(q=q, k=k, v=v)
     if qk_dtype not in (*INT_QMAX, "fp16"):
         raise ValueError(f"qk_dtype must be 'int8', 'int4' or 'fp16', got {qk_dtype!r}")
-    if granularity not in _GRANULARITIES:
-        raise ValueError(f"granularity must be one of {_GRANULARITIES}, got {granularity!r}")
-    if q_granularity is not None and q_granularity not in _GRANULARITIES:
-        raise ValueError(f"q_granularity must be None or one of {_GRANULARITIES}, got {q_granularity!r}")
+    if row_quantizer is None:  # the kernels' granularities (a row_quantizer checks its own)
+        if granularity != "thread":
+            raise ValueError(f"granularity must be 'thread' (the kernels' K; the paper's other "
+                             f"granularities: sageattention2.ablation), got {granularity!r}")
+        if q_granularity is not None and q_granularity not in KERNEL_GRANULARITIES:
+            raise ValueError(f"q_granularity must be None or one of {KERNEL_GRANULARITIES}, got "
+                             f"{q_granularity!r}")
     if pv_dtype not in (*FP8_FORMATS, "fp16", "bf16", "fp32"):
         raise ValueError(
             f"pv_dtype must be 'e4m3', 'e5m2', 'fp16', 'bf16' or 'fp32', got {pv_dtype!r}"
@@ -881,8 +864,9 @@ def sage_attention_reference(
         q_codes, q_rows = sm.gamma_q.double(), torch.ones(1, 1, Nq, **ones)
         k_codes, k_rows = sm.gamma_k.double(), torch.ones(1, 1, Nk, **ones)
     else:
-        q_codes, q_rows = quantize_rows(sm.gamma_q, qk_dtype, q_granularity or granularity, "q", block_q, warps)
-        k_codes, k_rows = quantize_rows(sm.gamma_k, qk_dtype, granularity, "k", block_k, warps)
+        quantize = quantize_kernel_rows if row_quantizer is None else row_quantizer
+        q_codes, q_rows = quantize(sm.gamma_q, qk_dtype, q_granularity or granularity, "q", block_q, warps)
+        k_codes, k_rows = quantize(sm.gamma_k, qk_dtype, granularity, "k", block_k, warps)
     # Fold each key's scale into its codes: code * scale is exact in float64 (8 + 24 bits) and so
     # is every partial sum of a row (|integer dot| < 2^22 times a 24-bit scale), so
     # q_codes @ (k_codes * dk)^T * (dq * sm_scale) is the exact integer product, dequantized.
@@ -1001,7 +985,7 @@ def sage_attention_reference(
 
 
 # --------------------------------------------------------------------------------------------
-# Accuracy metrics (paper A.7), O = reference, O' = output, both flattened, float64
+# The Hopper kernel's algorithm
 # --------------------------------------------------------------------------------------------
 
 
@@ -1028,64 +1012,3 @@ def hopper_kernel_reference(
         q_granularity="token", block_k=block_k, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,
         pv_dtype="e4m3", two_level=True, fp22=False, row_sum="pv", v_granularity="tile",
         mean_stride=mean_stride, return_lse=return_lse)
-
-
-def cosine_similarity(output: Tensor, reference: Tensor) -> float:
-    """CosSim = sum(O O') / (sqrt(sum O^2) sqrt(sum O'^2)) (paper A.7)."""
-    a, b = output.double().flatten(), reference.double().flatten()
-    return float((a * b).sum() / (a.square().sum().sqrt() * b.square().sum().sqrt()))
-
-
-def relative_l1(output: Tensor, reference: Tensor) -> float:
-    """L1 = sum |O - O'| / sum |O| with O the full-precision reference (paper A.7)."""
-    a, b = output.double().flatten(), reference.double().flatten()
-    return float((b - a).abs().sum() / b.abs().sum())
-
-
-def rmse(output: Tensor, reference: Tensor) -> float:
-    """RMSE = sqrt(mean (O - O')^2) (paper A.7)."""
-    a, b = output.double().flatten(), reference.double().flatten()
-    return float((b - a).square().mean().sqrt())
-
-
-# --------------------------------------------------------------------------------------------
-# Input families of ANCHORS.md
-# --------------------------------------------------------------------------------------------
-
-
-def make_input_family(
-    name: str,
-    shape: tuple[int, int, int, int] = (1, 8, 4096, 128),
-    dtype: torch.dtype = torch.float16,
-    device: torch.device | str = "cpu",
-    generator: Optional[torch.Generator] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v of an ANCHORS.md accuracy family, each [B,H,N,D] in ``dtype``.
-
-    * "bias0": q, k, v ~ randn (nearly uniform attention).
-    * "bias4": plus 4 * randn(B,H,1,D) per tensor (a channel-wise offset shared by all tokens).
-    * "outliers": 6 random channels of q and k (the same 6) times 12, and k += 6 * randn(B,H,1,D).
-
-    Draw order: q, k, v, then the bias of q, k, v ("bias4") or the channel permutation and the
-    bias of k ("outliers"). All arithmetic in ``dtype``, as the ANCHORS recipe does in fp16.
-    """
-    B, H, _, D = shape
-
-    def randn(*size: int) -> Tensor:
-        return torch.randn(size, dtype=dtype, device=device, generator=generator)
-
-    q, k, v = randn(*shape), randn(*shape), randn(*shape)
-    if name == "bias0":
-        pass
-    elif name == "bias4":
-        q = q + 4 * randn(B, H, 1, D)
-        k = k + 4 * randn(B, H, 1, D)
-        v = v + 4 * randn(B, H, 1, D)
-    elif name == "outliers":
-        channels = torch.randperm(D, generator=generator, device=device)[:6]
-        q[..., channels] *= 12
-        k[..., channels] *= 12
-        k = k + 6 * randn(B, H, 1, D)
-    else:
-        raise ValueError(f"unknown input family {name!r} (bias0, bias4, outliers)")
-    return q, k, v

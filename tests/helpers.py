@@ -1,0 +1,139 @@
+"""Helpers of the CPU tests: inputs, SDPA in either layout, the validated call, builds and GPUs
+to pretend for the routing tests, and the inputs and error of the reference tests."""
+from __future__ import annotations
+
+import inspect
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sageattention2 import SageAttentionFallbackWarning, _call, _plan, ops, sageattn
+from sageattention2 import reference as ref
+from sageattention2.testing import make_input_family, relative_l1
+
+REPO = Path(__file__).resolve().parents[1]
+ORIGINAL_SDPA = F.scaled_dot_product_attention
+
+needs_extension = pytest.mark.skipif(
+    not ops.HAS_EXTENSION, reason=f"sageattention2._C not available: {ops.EXTENSION_ERROR}")
+
+
+def qkv(
+    b: int | None = 2,
+    hq: int = 4,
+    hkv: int | None = None,
+    nq: int = 9,
+    nk: int | None = None,
+    d: int = 16,
+    dv: int | None = None,
+    dtype: torch.dtype = torch.float32,
+    layout: str = "HND",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Random q, k, v; ``b=None`` gives 3-D tensors."""
+    hkv = hq if hkv is None else hkv
+    nk = nq if nk is None else nk
+    dv = d if dv is None else dv
+    gen = torch.Generator().manual_seed(0)
+
+    def make(h: int, n: int, dim: int) -> torch.Tensor:
+        shape = (h, n, dim) if layout == "HND" else (n, h, dim)
+        if b is not None:
+            shape = (b, *shape)
+        return torch.randn(shape, generator=gen).to(dtype)
+
+    return make(hq, nq, d), make(hkv, nk, d), make(hkv, nk, dv)
+
+
+def hnd(t: torch.Tensor, layout: str) -> torch.Tensor:
+    return t.transpose(-3, -2) if layout == "NHD" else t
+
+
+def sdpa_in_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str,
+                   **kwargs: Any) -> torch.Tensor:
+    return hnd(ORIGINAL_SDPA(hnd(q, layout), hnd(k, layout), hnd(v, layout), **kwargs), layout)
+
+
+def quiet_sageattn(*args: Any, **kwargs: Any) -> Any:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SageAttentionFallbackWarning)
+        return sageattn(*args, **kwargs)
+
+
+def fallback_warnings(record: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in record if issubclass(w.category, SageAttentionFallbackWarning)]
+
+
+def validated(*args: Any, **kwargs: Any) -> _call.AttentionCall:
+    """_call.validate of the call sageattn(*args, **kwargs) (sageattn's defaults and names)."""
+    bound = inspect.signature(sageattn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return _call.validate(**bound.arguments)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pretended GPUs and builds
+# ------------------------------------------------------------------------------------------------
+
+ALL_ARCHS = ["sm_80", "sm_89", "sm_90a"]
+# The kernel families of a default build (csrc/module.cpp): what build_info() reports.
+PREPROCESS_KEY = "preprocess (smoothing_stats, quantize_kv)"
+MMA_KEY = "attention_mma (INT8 QK, fp16/bf16 PV, mma.sync)"
+MMA_FP8_KEY = "attention_mma_fp8 (INT8/INT4 QK, FP8 PV, mma.sync)"
+WGMMA_KEY = "attention_wgmma (INT8 QK, FP8 PV, wgmma)"
+DEFAULT_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS, MMA_FP8_KEY: ["sm_89", "sm_90a"],
+                 WGMMA_KEY: ["sm_90a"]}
+# TORCH_CUDA_ARCH_LIST="8.0": no FP8 code at all; and a build from before the FP8 variants.
+SM80_BUILD = {PREPROCESS_KEY: ["sm_80"], MMA_KEY: ["sm_80"], MMA_FP8_KEY: []}
+OLD_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS, WGMMA_KEY: ["sm_90a"]}
+
+
+def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+                kernels: dict[str, list[str]]) -> None:
+    """Make every call look like it runs on a CUDA GPU of ``capability`` with a build whose
+    build_info() lists ``kernels`` (and registers both attention ops): the target of every
+    device is probed from that build, uncached, so that each test sees its own."""
+    archs = sorted({a for built in kernels.values() for a in built})
+    monkeypatch.setattr(ops, "HAS_EXTENSION", True)
+    monkeypatch.setattr(ops, "build_info", lambda: ops.BuildInfo("13.0", archs, dict(kernels)))
+    monkeypatch.setattr(ops, "has_op", lambda name: name in (
+        "smoothing_stats", "quantize_kv", "attention_mma", "attention_wgmma",
+        "sageattn_wgmma", "sageattn_mma"))
+    monkeypatch.setattr(_plan, "target_of", lambda device: _plan.probe_target("cuda", capability))
+
+
+def skip_device_rules(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Route CPU calls as if the CPU were a CUDA device of unknown capability: the device rules
+    are left out, the others (and the routes, which then see no GPU) apply."""
+    monkeypatch.setattr(_plan, "DEVICE_RULES", ())
+
+
+# ------------------------------------------------------------------------------------------------
+# The reference tests
+# ------------------------------------------------------------------------------------------------
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def input_family(name: str, shape: tuple[int, int, int, int],
+           seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An ANCHORS.md input family (fp16, CPU) drawn from ``seed``."""
+    return make_input_family(name, shape=shape, generator=gen(seed))
+
+
+def smoothed_input(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    """Token-varying magnitudes so that different groups get clearly different scales."""
+    g = gen(seed)
+    x = torch.randn(shape, generator=g) * torch.exp(torch.randn(*shape[:3], 1, generator=g))
+    return x.half().float()
+
+
+def simulated_l1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want: torch.Tensor,
+                 **kw: Any) -> float:
+    """Relative L1 of reference.sage_attention_reference(q, k, v, **kw) against ``want``."""
+    return relative_l1(ref.sage_attention_reference(q, k, v, **kw), want)

@@ -1,0 +1,133 @@
+"""sageattn in code written against SDPA (assigned to it, patch_sdpa), the public names and the
+command line."""
+from __future__ import annotations
+
+import inspect
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import sageattention2
+from helpers import ORIGINAL_SDPA, fallback_warnings, qkv
+from sageattention2 import SageAttentionFallbackWarning, _plan, api, sageattn
+from sageattention2.integrations import patch_sdpa
+
+# ------------------------------------------------------------------------------------------------
+# SDPA monkeypatching
+# ------------------------------------------------------------------------------------------------
+
+
+def test_assigning_sageattn_to_sdpa(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = qkv(hkv=2, nq=5, nk=7)
+    expected = ORIGINAL_SDPA(q, k, v, None, 0.0, True, enable_gqa=True)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sageattn)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SageAttentionFallbackWarning)
+        # The fallback must reach the real SDPA, not recurse into the patched name.
+        out = F.scaled_dot_product_attention(q, k, v, None, 0.0, True, enable_gqa=True)
+    assert torch.equal(out, expected)
+
+
+def test_patch_sdpa_routes_and_restores() -> None:
+    q, k, v = qkv()
+    with patch_sdpa(qk_quant="int8", smooth_q="block") as patched:
+        assert F.scaled_dot_product_attention is patched
+        assert torch.nn.functional.scaled_dot_product_attention is patched
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert len(fallback_warnings(record)) == 1  # it went through sageattn
+        assert torch.equal(out, ORIGINAL_SDPA(q, k, v, is_causal=True))
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+def test_patch_sdpa_reaches_torch_modules() -> None:
+    """nn.MultiheadAttention looks SDPA up in torch.nn.functional at call time."""
+    mha = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+    x = torch.randn(2, 5, 16)
+    with patch_sdpa(strict=True), pytest.raises(NotImplementedError, match="strict=True"):
+        mha(x, x, x, need_weights=False)
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+    mha(x, x, x, need_weights=False)
+
+
+def test_patch_sdpa_restores_on_error_and_nests() -> None:
+    with pytest.raises(RuntimeError, match="boom"):
+        with patch_sdpa():
+            with patch_sdpa(strict=True) as inner:
+                assert F.scaled_dot_product_attention is inner
+                raise RuntimeError("boom")
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+@pytest.mark.parametrize("kwargs", [dict(tensor_layout="NHD"), dict(return_lse=True),
+                                    dict(bogus=1)])
+def test_patch_sdpa_rejects_incompatible_options(kwargs: dict[str, Any]) -> None:
+    with pytest.raises(TypeError, match=f"unsupported keyword.*{next(iter(kwargs))}"):
+        with patch_sdpa(**kwargs):
+            pass
+    assert F.scaled_dot_product_attention is ORIGINAL_SDPA
+
+
+# ------------------------------------------------------------------------------------------------
+# kernel_plan, build info, CLI
+# ------------------------------------------------------------------------------------------------
+
+
+def test_public_api() -> None:
+    assert set(sageattention2.__all__) == {
+        "SageAttentionFallbackWarning", "__version__", "kernel_plan", "sageattn"}
+    assert issubclass(SageAttentionFallbackWarning, UserWarning)
+    assert isinstance(sageattention2.__version__, str)
+    # sageattention2.api: what scripts and benchmarks import from it, and the warning's name.
+    assert set(api.__all__) == {"AttentionCall", "SageAttentionFallbackWarning", "kernel_plan",
+                                "sageattn"}
+    assert callable(api.smoothing_sample_stride) and callable(api.kernel_plan)
+    assert SageAttentionFallbackWarning.__module__ == "sageattention2.api"
+    assert str(inspect.signature(sageattn)) == (
+        "(q: 'Tensor', k: 'Tensor', v: 'Tensor', attn_mask: 'Tensor | None' = None, dropout_p: "
+        "'float' = 0.0, is_causal: 'bool' = False, scale: 'float | None' = None, enable_gqa: "
+        "'bool' = False, *, tensor_layout: 'TensorLayout' = 'HND', qk_quant: 'QKQuant' = "
+        "'auto', pv_quant: 'PVQuant' = 'auto', smooth_k: 'bool' = True, smooth_q: 'SmoothQ' = "
+        "'auto', smooth_v: 'bool' = False, return_lse: 'bool' = False, strict: 'bool' = False) "
+        "-> 'Tensor | tuple[Tensor, Tensor]'")
+    # The graph op that torch.compile traces (graphs saved by torch.export name it).
+    assert str(torch.ops.sageattention2.sageattn.default._schema) == (
+        "sageattention2::sageattn(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float "
+        "dropout_p, bool is_causal, float? scale, bool enable_gqa, str tensor_layout, str "
+        "qk_quant, str pv_quant, bool smooth_k, str smooth_q, bool smooth_v, bool return_lse, "
+        "bool strict) -> (Tensor, Tensor)")
+
+
+def run_cli(*args: str, cwd: Path) -> str:
+    """``python -m sageattention2 *args`` of the package under test (conftest.py's choice), run
+    from ``cwd``, so that no other copy shadows it; its stdout."""
+    package_root = str(Path(sageattention2.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_root, *filter(None, [os.environ.get("PYTHONPATH")])]))
+    result = subprocess.run([sys.executable, "-m", "sageattention2", *args], cwd=cwd, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    return result.stdout
+
+
+def test_cli_info(tmp_path: Path) -> None:
+    text = run_cli("info", cwd=tmp_path)
+    assert f"sageattention2 {sageattention2.__version__}" in text
+    assert f"torch {torch.__version__}" in text
+    assert "extension: " in text and "GPU: " in text
+    assert "sageattn plan: exact SDPA fallback" in text
+    if not torch.cuda.is_available():
+        assert "GPU: no CUDA GPU" in text
+
+
+def test_cli_routing_table(tmp_path: Path) -> None:
+    """``python -m sageattention2 routing-table`` prints README.md's routing table."""
+    assert run_cli("routing-table", cwd=tmp_path) == _plan.routing_table_markdown() + "\n"
