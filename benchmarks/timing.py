@@ -126,7 +126,7 @@ def sdpa_ms(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, rep: in
 
 def default_kernel() -> tuple[str, str, bool]:
     """(kernel, qk, fp8_v): the attention kernel sageattn's defaults run on this GPU, as
-    api._kernel_for picks it (kept out of that private function so that builds of other
+    sageattention2._plan.route picks it (kept out of that private function so that builds of other
     revisions, A/B runs, time the same thing): the Hopper kernel where the build has it for this
     GPU, else the warp-level INT8 kernel with FP8 PV where FP8 mma.sync is native (Ada, sm_12x),
     with PV in the input dtype elsewhere."""

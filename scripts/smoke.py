@@ -23,6 +23,7 @@ from torch import Tensor
 
 from sageattention2 import api, ops, sageattn
 from sageattention2 import reference as ref
+from sageattention2 import testing
 
 TOLERANCE = 1e-3
 SHAPES = [(1, 2, 2, 1, 1, 128), (2, 4, 4, 17, 17, 64), (1, 8, 2, 127, 127, 128), (1, 4, 1, 1000, 333, 64),
@@ -122,22 +123,22 @@ def main(argv: list[str] | None = None) -> int:
                     out = variant.run(q, k, v, causal, smooth_v)
                     emulated = variant.emulate(q, k, v, causal, smooth_v).to(dtype)
                     exact = ref.exact_attention(q, k, v, is_causal=causal, enable_gqa=hq != hkv)
-                    l1 = ref.relative_l1(out, emulated) if torch.isfinite(out).all() else math.inf
+                    l1 = testing.relative_l1(out, emulated) if torch.isfinite(out).all() else math.inf
                     worst[variant.name] = max(worst[variant.name], l1 if math.isfinite(l1) else math.inf)
                     flag = "  FAIL" if not l1 <= TOLERANCE else ""
                     print(f"{variant.name:<16}{f'{b} {hq} {hkv} {nq} {nk} {d}':<24}{str(dtype)[6:]:<10}"
-                          f"{causal!s:<8}{l1:>13.2e}{ref.relative_l1(out, exact):>10.4f}{flag}", flush=True)
+                          f"{causal!s:<8}{l1:>13.2e}{testing.relative_l1(out, exact):>10.4f}{flag}", flush=True)
     print("ANCHORS families (B1 H8 N4096 D128 fp16): CosSim / rel. L1 vs float64")
     for name in FAMILIES:
         g = torch.Generator(device="cuda").manual_seed(0)
-        q, k, v = ref.make_input_family(name, (1, 8, 4096, 128), torch.float16, "cuda", generator=g)
+        q, k, v = testing.make_input_family(name, (1, 8, 4096, 128), torch.float16, "cuda", generator=g)
         for causal in (False, True):
             want = ref.exact_attention(q, k, v, is_causal=causal)
             cells = []
             for variant in found:
                 out = variant.run(q, k, v, causal, False)
-                cells.append(f"{variant.name} {ref.cosine_similarity(out, want):.6f} / "
-                             f"{ref.relative_l1(out, want):.5f}")
+                cells.append(f"{variant.name} {testing.cosine_similarity(out, want):.6f} / "
+                             f"{testing.relative_l1(out, want):.5f}")
             print(f"  {name:<9} causal={causal!s:<6} " + " | ".join(cells), flush=True)
     failed = [name for name, l1 in worst.items() if not l1 <= TOLERANCE]
     for name, l1 in worst.items():
