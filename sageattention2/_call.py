@@ -166,7 +166,7 @@ def validate(
     gqa = _flag("enable_gqa", enable_gqa)
 
     names = {"HND": "[B, H, N, D] or [H, N, D]", "NHD": "[B, N, H, D] or [N, H, D]"}[layout]
-    for name, t in (("q", q), ("k", k), ("v", v)):
+    for name, t in (("query", q), ("key", k), ("value", v)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
         if t.dtype not in _INPUT_DTYPES:
@@ -179,39 +179,39 @@ def validate(
                 f"got shape {tuple(t.shape)}"
             )
     assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
-    for name, t in (("k", k), ("v", v)):
+    for name, t in (("key", k), ("value", v)):
         if t.dtype != q.dtype:
-            raise TypeError(f"{name} has dtype {t.dtype} but q has {q.dtype}; they must match")
+            raise TypeError(f"{name} has dtype {t.dtype} but query has {q.dtype}; they must match")
         if t.device != q.device:
-            raise ValueError(f"{name} is on {t.device} but q is on {q.device}; they must match")
+            raise ValueError(f"{name} is on {t.device} but query is on {q.device}; they must match")
         if t.dim() != q.dim():
-            raise ValueError(f"{name} is {t.dim()}-D but q is {q.dim()}-D; they must match")
+            raise ValueError(f"{name} is {t.dim()}-D but query is {q.dim()}-D; they must match")
 
     qc, kc, vc = (_to_bhnd(t, layout) for t in (q, k, v))
     b, h_q, n_q, d = qc.shape
     _, h_kv, n_kv, d_k = kc.shape
     if kc.shape[0] != b or vc.shape[0] != b:
         raise ValueError(
-            f"q, k and v must have the same batch size, got {b}, {kc.shape[0]}, {vc.shape[0]}"
+            f"query, key and value must have the same batch size, got {b}, {kc.shape[0]}, {vc.shape[0]}"
         )
     if vc.shape[1] != h_kv:
-        raise ValueError(f"k and v must have the same number of heads, got {h_kv} and "
+        raise ValueError(f"key and value must have the same number of heads, got {h_kv} and "
                          f"{vc.shape[1]}")
     if vc.shape[2] != n_kv:
-        raise ValueError(f"k and v must have the same sequence length, got {n_kv} and "
+        raise ValueError(f"key and value must have the same sequence length, got {n_kv} and "
                          f"{vc.shape[2]}")
     if d_k != d:
-        raise ValueError(f"q and k must have the same head_dim, got {d} and {d_k}")
+        raise ValueError(f"query and key must have the same head_dim, got {d} and {d_k}")
     if h_q != h_kv:
         if not gqa:
             raise ValueError(
-                f"q has {h_q} heads but k and v have {h_kv}; pass enable_gqa=True for "
+                f"query has {h_q} heads but key and value have {h_kv}; pass enable_gqa=True for "
                 "grouped-query attention"
             )
         if h_kv == 0 or h_q % h_kv != 0:
             raise ValueError(
-                f"enable_gqa=True needs q's number of heads ({h_q}) to be a multiple of k's and "
-                f"v's ({h_kv})"
+                f"enable_gqa=True needs query's number of heads ({h_q}) to be a multiple of "
+                f"key's and value's ({h_kv})"
             )
 
     if attn_mask is not None:
@@ -221,10 +221,10 @@ def validate(
         if causal:
             raise ValueError("attn_mask and is_causal=True are mutually exclusive")
         if attn_mask.dtype not in (torch.bool, torch.float32, q.dtype):
-            raise TypeError(f"attn_mask must be bool, float32 or q's dtype ({q.dtype}), got "
+            raise TypeError(f"attn_mask must be bool, float32 or query's dtype ({q.dtype}), got "
                             f"{attn_mask.dtype}")
         if attn_mask.device != q.device:
-            raise ValueError(f"attn_mask is on {attn_mask.device} but q is on {q.device}")
+            raise ValueError(f"attn_mask is on {attn_mask.device} but query is on {q.device}")
         target = (b, h_q, n_q, n_kv)[4 - q.dim():]
         if attn_mask.dim() > len(target) or any(
             m not in (1, t) for m, t in zip(reversed(attn_mask.shape), reversed(target))

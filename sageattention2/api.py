@@ -22,9 +22,9 @@ __all__ = ["AttentionCall", "SageAttentionFallbackWarning", "kernel_plan", "sage
 
 
 def sageattn(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     attn_mask: Tensor | None = None,
     dropout_p: float = 0.0,
     is_causal: bool = False,
@@ -42,17 +42,19 @@ def sageattn(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Quantized attention (SageAttention2), a drop-in for ``F.scaled_dot_product_attention``.
 
-    The parameters up to ``enable_gqa`` are SDPA's, in SDPA's order (SDPA takes ``scale`` and
-    ``enable_gqa`` by keyword only; sageattn also positionally), so
+    The parameters up to ``enable_gqa`` are SDPA's, with SDPA's names, in SDPA's order (SDPA
+    takes ``scale`` and ``enable_gqa`` by keyword only; sageattn also positionally), so every
+    call of ``F.scaled_dot_product_attention``, positional or by keyword (diffusers' attention
+    dispatcher passes ``query=``, ``key=``, ``value=``), is a call of sageattn:
     ``F.scaled_dot_product_attention = sageattn`` works, and so does
     :func:`sageattention2.integrations.patch_sdpa`.
 
     Args:
-        q, k, v: float16/bfloat16 (quantized path) or float32/float64 (exact fallback) tensors on
-            one device. 4-D ``[B, H, N, D]`` or 3-D ``[H, N, D]`` with ``tensor_layout="HND"``;
-            ``[B, N, H, D]`` or ``[N, H, D]`` with ``"NHD"``. All three have the same rank and
-            batch size; k and v the same heads and length; q and k the same head_dim (v's may
-            differ, which only the fallback serves).
+        query, key, value: float16/bfloat16 (quantized path) or float32/float64 (exact
+            fallback) tensors on one device. 4-D ``[B, H, N, D]`` or 3-D ``[H, N, D]`` with
+            ``tensor_layout="HND"``; ``[B, N, H, D]`` or ``[N, H, D]`` with ``"NHD"``. All three
+            have the same rank and batch size; key and value the same heads and length; query
+            and key the same head_dim (value's may differ, which only the fallback serves).
         attn_mask: bool (True = attend) or additive float mask broadcasting to
             ``[..., H_q, N_q, N_kv]`` (always in this order, whatever ``tensor_layout``).
             Served by the fallback only.
@@ -60,9 +62,9 @@ def sageattn(
         is_causal: causal mask aligned to the top-left, as SDPA: query i sees keys j <= i (also
             when N_q != N_kv). Exclusive with ``attn_mask``.
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
-        enable_gqa: allow fewer k/v heads than q heads (H_q a multiple of H_kv); as in SDPA,
+        enable_gqa: allow fewer key/value heads than query heads (H_q a multiple of H_kv); as in SDPA,
             unequal head counts without it are an error.
-        tensor_layout: ``"HND"`` or ``"NHD"`` (see q, k, v). The output uses the same layout.
+        tensor_layout: ``"HND"`` or ``"NHD"`` (see query, key, value). The output uses the same layout.
         qk_quant: ``"int8"``, ``"int4"`` or ``"auto"`` (INT8) for Q and K. INT4 (paper 3.2) is
             about 4x coarser: on inputs without channel offsets its error is several times
             INT8's; smoothing Q and K (the defaults) is what makes it usable. Which GPUs run it,
@@ -85,8 +87,8 @@ def sageattn(
         strict: raise ``NotImplementedError`` instead of falling back to exact attention.
 
     Returns:
-        The attention output with q's shape except the last dimension, ``D_v``, contiguous in
-        the input layout, in q's dtype; ``(out, lse)`` with ``return_lse=True``.
+        The attention output with query's shape except the last dimension, ``D_v``, contiguous
+        in the input layout, in query's dtype; ``(out, lse)`` with ``return_lse=True``.
 
     Routing: which kernel serves a call (the Hopper ``attention_wgmma`` or the warp-level
     ``attention_mma``, and in which precisions) and which calls fall back to exact attention,
@@ -126,6 +128,7 @@ def sageattn(
     masked key is multiplied by 0, and 0 * NaN is NaN). Inputs are not checked for non-finite
     values.
     """
+    q, k, v = query, key, value
     compiling = torch.compiler.is_compiling()
     if compiling and not _compile.tracks_grad(q, k, v, attn_mask):
         # What torch.compile traces: one sageattention2::sageattn op (no graph break: the kernel

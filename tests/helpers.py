@@ -71,7 +71,7 @@ def validated(*args: Any, **kwargs: Any) -> _call.AttentionCall:
     """_call.validate of the call sageattn(*args, **kwargs) (sageattn's defaults and names)."""
     bound = inspect.signature(sageattn).bind(*args, **kwargs)
     bound.apply_defaults()
-    return _call.validate(**bound.arguments)
+    return _call.validate(*bound.arguments.values())  # in sageattn's order, which validate's is
 
 
 # ------------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ arguments (same result, bit for bit, also for features only the fallback serves)
 and the fallback warning (once per reason) or strict's error."""
 from __future__ import annotations
 
+import inspect
 import math
 import warnings
 from typing import Any
@@ -70,6 +71,47 @@ def test_positional_arguments_follow_sdpa() -> None:
     expected = ORIGINAL_SDPA(q, k, v, mask, 0.0, False, scale=0.5, enable_gqa=True)
     # SDPA's first six parameters are positional; sageattn also takes scale and enable_gqa so.
     assert torch.equal(quiet_sageattn(q, k, v, mask, 0.0, False, 0.5, True), expected)
+
+
+def test_parameters_are_sdpas() -> None:
+    """sageattn's first parameters are SDPA's, read from SDPA's own schema (aten's, which
+    F.scaled_dot_product_attention binds), so that a new or renamed SDPA parameter fails here:
+    the same names in the same order with the same defaults; SDPA's keyword-only ones
+    (``scale``, ``enable_gqa``) are keyword-or-positional in sageattn, which accepts every call
+    SDPA does."""
+    schema = torch.ops.aten.scaled_dot_product_attention.default._schema
+    params = list(inspect.signature(sageattn).parameters.values())
+    assert len(params) > len(schema.arguments)
+    for arg, param in zip(schema.arguments, params):
+        assert param.name == arg.name
+        assert param.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD
+        if arg.default_value is None and not arg.type.kind() == "OptionalType":
+            assert param.default is inspect.Parameter.empty, arg.name  # required
+        else:
+            assert param.default == arg.default_value, arg.name
+    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params[len(schema.arguments):])
+
+
+@pytest.mark.parametrize("style", ["positional", "keywords", "mixed"])
+def test_every_sdpa_calling_convention(style: str) -> None:
+    """A call of F.scaled_dot_product_attention in any of its forms (diffusers' dispatcher names
+    every argument) gives SDPA's result, on sageattn and on the patched F."""
+    from sageattention2.integrations import patch_sdpa
+
+    q, k, v = qkv(hkv=2, nq=5, nk=7)
+    mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(2)) > 0.5
+    names = dict(query=q, key=k, value=v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=0.5,
+                 enable_gqa=True)
+    expected = ORIGINAL_SDPA(**names)
+    args, kwargs = {
+        "positional": ((q, k, v, mask, 0.0, False), dict(scale=0.5, enable_gqa=True)),
+        "keywords": ((), names),
+        "mixed": ((q,), dict(value=v, key=k, attn_mask=mask, enable_gqa=True, scale=0.5)),
+    }[style]
+    assert torch.equal(quiet_sageattn(*args, **kwargs), expected)
+    with warnings.catch_warnings(), patch_sdpa():
+        warnings.simplefilter("ignore")
+        assert torch.equal(torch.nn.functional.scaled_dot_product_attention(*args, **kwargs), expected)
 
 
 def test_dropout_matches_sdpa() -> None:

@@ -92,7 +92,7 @@ def test_public_api() -> None:
     assert callable(api.smoothing_sample_stride) and callable(api.kernel_plan)
     assert SageAttentionFallbackWarning.__module__ == "sageattention2.api"
     assert str(inspect.signature(sageattn)) == (
-        "(q: 'Tensor', k: 'Tensor', v: 'Tensor', attn_mask: 'Tensor | None' = None, dropout_p: "
+        "(query: 'Tensor', key: 'Tensor', value: 'Tensor', attn_mask: 'Tensor | None' = None, dropout_p: "
         "'float' = 0.0, is_causal: 'bool' = False, scale: 'float | None' = None, enable_gqa: "
         "'bool' = False, *, tensor_layout: 'TensorLayout' = 'HND', qk_quant: 'QKQuant' = "
         "'auto', pv_quant: 'PVQuant' = 'auto', smooth_k: 'bool' = True, smooth_q: 'SmoothQ' = "
