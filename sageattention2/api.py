@@ -8,6 +8,9 @@ returns an :class:`AttentionCall` (canonical ``[B, H, N, D]`` views, the options
 """
 from __future__ import annotations
 
+import inspect
+from typing import Any, NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -16,9 +19,10 @@ from ._call import AttentionCall, PVQuant, QKQuant, SmoothQ, TensorLayout, valid
 from ._execute import SageAttentionFallbackWarning, exact, run
 # Re-exported (not in __all__): scripts and benchmarks take the sample stride from here.
 from ._execute import smoothing_sample_stride as smoothing_sample_stride
-from ._plan import kernel_plan
+from ._plan import kernel_plan, route
 
-__all__ = ["AttentionCall", "SageAttentionFallbackWarning", "kernel_plan", "sageattn"]
+__all__ = ["AttentionCall", "Explanation", "SageAttentionFallbackWarning", "explain", "kernel_plan",
+           "sageattn"]
 
 
 def sageattn(
@@ -143,3 +147,37 @@ def sageattn(
     if compiling:  # inputs that require grad: eager mode's exact fallback, traced (differentiable)
         return exact(call)
     return run(call)
+
+
+class Explanation(NamedTuple):
+    """What :func:`sageattn` runs for a call (:func:`explain`)."""
+
+    quantized: bool     # a quantized kernel serves the call
+    kernel: str         # "attention_wgmma", "attention_mma", "exact SDPA" or "nothing (empty)"
+    qk: str | None      # "int8" / "int4" when quantized
+    pv: str | None      # "fp8" / "input" when quantized
+    reason: str | None  # why the quantized kernels cannot serve it (the fallback's warning text)
+
+    def __str__(self) -> str:
+        if self.quantized:
+            pv = "FP8" if self.pv == "fp8" else "the input dtype"
+            return f"{self.kernel}: {self.qk.upper()} QK, PV in {pv}"  # type: ignore[union-attr]
+        return self.kernel if self.reason is None else f"{self.kernel}: {self.reason}"
+
+
+_SAGEATTN_SIGNATURE = inspect.signature(sageattn)
+
+
+def explain(*args: Any, **kwargs: Any) -> Explanation:
+    """What ``sageattn(*args, **kwargs)`` would run, and why, without running it: the same
+    arguments (validated as sageattn validates them, so a bad one raises the same error), the
+    decision of the same routing rules (README.md, "Which GPU runs what")."""
+    bound = _SAGEATTN_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    call = validate(*bound.arguments.values())  # sageattn's parameters are validate's, in order
+    if call.is_empty:
+        return Explanation(False, "nothing (empty)", None, None, None)
+    choice, reason = route(call)
+    if reason is not None:
+        return Explanation(False, "exact SDPA", None, None, reason)
+    return Explanation(True, f"attention_{choice.kernel}", choice.qk, choice.pv, None)

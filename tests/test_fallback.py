@@ -114,6 +114,22 @@ def test_every_sdpa_calling_convention(style: str) -> None:
         assert torch.equal(torch.nn.functional.scaled_dot_product_attention(*args, **kwargs), expected)
 
 
+def test_explain_on_cpu() -> None:
+    """explain says what sageattn runs without running it, validates as sageattn does, and an
+    empty call runs nothing."""
+    import sageattention2
+
+    q, k, v = qkv()
+    explanation = sageattention2.explain(q, k, v, is_causal=True)
+    assert not explanation.quantized and explanation.kernel == "exact SDPA"
+    assert explanation.reason == "the quantized kernels need CUDA tensors, got cpu"
+    assert sageattention2.explain(q[:, :, :0], k, v) == (False, "nothing (empty)", None, None, None)
+    with pytest.raises(ValueError, match="dropout_p"):
+        sageattention2.explain(q, k, v, dropout_p=1.5)
+    with pytest.raises(TypeError):
+        sageattention2.explain(q, k, v, bogus=1)
+
+
 def test_dropout_matches_sdpa() -> None:
     q, k, v = qkv()
     torch.manual_seed(3)

@@ -83,12 +83,13 @@ def test_patch_sdpa_rejects_incompatible_options(kwargs: dict[str, Any]) -> None
 
 def test_public_api() -> None:
     assert set(sageattention2.__all__) == {
-        "SageAttentionFallbackWarning", "__version__", "kernel_plan", "sageattn"}
+        "Explanation", "SageAttentionFallbackWarning", "__version__", "explain", "kernel_plan",
+        "sageattn"}
     assert issubclass(SageAttentionFallbackWarning, UserWarning)
     assert isinstance(sageattention2.__version__, str)
     # sageattention2.api: what scripts and benchmarks import from it, and the warning's name.
-    assert set(api.__all__) == {"AttentionCall", "SageAttentionFallbackWarning", "kernel_plan",
-                                "sageattn"}
+    assert set(api.__all__) == {"AttentionCall", "Explanation", "SageAttentionFallbackWarning",
+                                "explain", "kernel_plan", "sageattn"}
     assert callable(api.smoothing_sample_stride) and callable(api.kernel_plan)
     assert SageAttentionFallbackWarning.__module__ == "sageattention2.api"
     assert str(inspect.signature(sageattn)) == (

@@ -11,6 +11,7 @@ import torch
 
 from helpers import (DEFAULT_BUILD, MMA_FP8_KEY, MMA_KEY, OLD_BUILD, PREPROCESS_KEY, REPO,
                      SM80_BUILD, WGMMA_KEY, pretend_gpu, qkv, skip_device_rules, validated)
+import sageattention2
 from sageattention2 import SageAttentionFallbackWarning, _plan, kernel_plan, ops, sageattn
 from sageattention2._call import AttentionCall
 
@@ -181,11 +182,15 @@ def test_kernel_routing(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, 
     q, k, v = qkv(d=options.pop("d", 128), dtype=torch.float16)
     call = validated(q, k, v, **options)
     choice, reason = _plan.route(call)
+    explanation = sageattention2.explain(q, k, v, **options)  # says the same, in public terms
     if isinstance(want, str):
         assert reason is not None and want in reason, reason
+        assert explanation == (False, "exact SDPA", None, None, reason)
+        assert str(explanation) == f"exact SDPA: {reason}"
         return
     assert reason is None, reason
     assert choice == want
+    assert explanation == (True, f"attention_{want.kernel}", want.qk, want.pv, None)
 
 
 def test_fp8_reason_names_the_gpu_and_build(monkeypatch: pytest.MonkeyPatch) -> None:

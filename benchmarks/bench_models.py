@@ -1,0 +1,235 @@
+"""Whole-model forwards under PyTorch's default SDPA and under sageattn (``patch_sdpa``), side by
+side in one process: the model suite of benchmarks/models.py.
+
+    python3 benchmarks/bench_models.py [--models sd15 sdxl ...] [--reps 10] [--out DIR]
+    python3 benchmarks/bench_models.py --tiny --device cpu      (every call site, in seconds)
+
+Per model: the median forward time under each (the two alternate, forward by forward, so drift
+cancels), the speedup, the attention share of the default forward (every SDPA call of one forward
+replayed alone, timed, summed, over the forward's time), the attention calls per forward and how
+many ran the quantized kernels, and the cosine similarity of the model's output to the default
+one. Writes ``models.md`` (the table) and ``models.png`` (a chart, with matplotlib) to --out.
+Needs diffusers and transformers (``pip install .[models]``); tqdm for the progress bar when
+present.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import models  # noqa: E402  (benchmarks/models.py)
+from timing import Table  # noqa: E402
+
+import sageattention2  # noqa: E402
+from sageattention2.integrations import patch_sdpa  # noqa: E402
+
+
+def progress(total: int, desc: str) -> Any:
+    """A tqdm bar when tqdm is installed, else a bar that prints each step."""
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, file=sys.stderr, dynamic_ncols=True)
+    except ImportError:
+        class Plain:
+            def update(self, n: int = 1) -> None:
+                pass
+
+            def set_postfix_str(self, s: str) -> None:
+                print(f"  {desc}: {s}", file=sys.stderr, flush=True)
+
+            def close(self) -> None:
+                pass
+        return Plain()
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The model's main output: ``sample`` of diffusers, ``last_hidden_state`` of transformers
+    (both are item 0 of their output classes)."""
+    return output if isinstance(output, torch.Tensor) else output[0]
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
+
+
+@contextlib.contextmanager
+def recording_sdpa(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> Iterator[None]:
+    """Records every F.scaled_dot_product_attention call (its arguments) while running it."""
+    real = F.scaled_dot_product_attention
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        calls.append((args, kwargs))
+        return real(*args, **kwargs)
+
+    F.scaled_dot_product_attention = record
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = real
+
+
+def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    """What makes two SDPA calls cost the same: tensor shapes, strides and dtypes, the rest."""
+    def describe(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("T", tuple(x.shape), tuple(x.stride()), x.dtype)
+        return x
+    return tuple(map(describe, args)) + tuple(sorted((k, describe(v)) for k, v in kwargs.items()))
+
+
+def routed_quantized(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> int | None:
+    """How many of the recorded calls sageattn serves with a quantized kernel, as
+    ``sageattention2.explain`` says (None where this version has no explain)."""
+    explain = getattr(sageattention2, "explain", None)
+    if explain is None:
+        return None
+    return sum(1 for args, kwargs in calls if explain(*args, **kwargs).quantized)
+
+
+class Clock:
+    """Wall time of a callable: CUDA events around it on a GPU (synchronized, so host-bound
+    forwards count their host time), perf_counter on a CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def ms(self, fn: Callable[[], Any]) -> float:
+        if not self.cuda:
+            start = time.perf_counter()
+            fn()
+            return (time.perf_counter() - start) * 1e3
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return begin.elapsed_time(end)
+
+
+def attention_ms(calls: list[tuple[tuple[Any, ...], dict[str, Any]]], clock: Clock, reps: int) -> float:
+    """The time of the recorded SDPA calls, each replayed alone: calls of one signature are timed
+    once (the median of ``reps`` runs) and counted as often as they occur."""
+    groups: dict[tuple[Any, ...], tuple[tuple[Any, ...], dict[str, Any], int]] = {}
+    for args, kwargs in calls:
+        key = signature(args, kwargs)
+        first = groups.get(key)
+        groups[key] = (args, kwargs, 1 if first is None else first[2] + 1)
+    total = 0.0
+    for args, kwargs, count in groups.values():
+        run = lambda: F.scaled_dot_product_attention(*args, **kwargs)  # noqa: E731
+        run()
+        total += statistics.median(clock.ms(run) for _ in range(reps)) * count
+    return total
+
+
+def measure(case: models.ModelCase, device: torch.device, tiny: bool, reps: int) -> dict[str, Any]:
+    dtype = case.dtype if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    model, inputs = case.build(device, dtype, tiny)
+    clock = Clock(device)
+
+    def forward() -> Any:
+        return model(**inputs)
+
+    with torch.inference_mode():
+        calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        with recording_sdpa(calls):
+            want = first_tensor(forward())
+        with patch_sdpa():
+            got = first_tensor(forward())  # also the warm-up of sageattn's path
+        forward()
+        default_ms, sage_ms = [], []
+        for _ in range(reps):  # alternate, so that drift hits both alike
+            default_ms.append(clock.ms(forward))
+            with patch_sdpa():
+                sage_ms.append(clock.ms(forward))
+        attention = attention_ms(calls, clock, reps)
+        quantized = routed_quantized(calls)
+    row = dict(model=case.name, default_ms=statistics.median(default_ms), sage_ms=statistics.median(sage_ms),
+               calls=len(calls), quantized=quantized, cosine=cosine(got, want))
+    row["speedup"] = row["default_ms"] / row["sage_ms"]
+    row["attention_share"] = attention / row["default_ms"]
+    return row
+
+
+def chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """Speedup per model as horizontal bars, the 1.0 line marked. False without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    names = [r["model"] for r in rows][::-1]
+    speedups = [r["speedup"] for r in rows][::-1]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.2))
+    colors = ["#2a9d8f" if s >= 1.0 else "#e76f51" for s in speedups]
+    ax.barh(names, speedups, color=colors)
+    ax.axvline(1.0, color="black", linewidth=0.8)
+    for y, s in enumerate(speedups):
+        ax.text(s + 0.01, y, f"{s:.2f}x", va="center", fontsize=8)
+    ax.set_xlabel("whole-forward speedup over default SDPA")
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", choices=[c.key for c in models.CASES], metavar="KEY",
+                        help="which models (default: all): " + ", ".join(c.key for c in models.CASES))
+    parser.add_argument("--tiny", action="store_true", help="tiny widths and resolutions (a smoke run)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--reps", type=int, default=10, help="timed forwards per mode (median)")
+    parser.add_argument("--out", type=Path, default=None, help="folder for models.md and models.png")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cases = [c for c in models.CASES if args.models is None or c.key in args.models]
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    title = f"{gpu}, torch {torch.__version__}, sageattention2 {sageattention2.__version__}"
+    table = Table(["model", "default SDPA ms", "sageattn ms", "speedup", "attention share",
+                   "attention calls", "quantized", "output cosine"], title=f"Whole forward ({title})")
+    rows, bar = [], progress(len(cases), "models")
+    for case in cases:
+        bar.set_postfix_str(case.key)
+        row = measure(case, device, args.tiny, args.reps)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # the last model's weights and activations are garbage now
+        rows.append(row)
+        quantized = "?" if row["quantized"] is None else row["quantized"]
+        table.row(row["model"], f"{row['default_ms']:.2f}", f"{row['sage_ms']:.2f}", f"{row['speedup']:.3f}x",
+                  f"{100 * row['attention_share']:.0f} %", row["calls"], quantized, f"{row['cosine']:.5f}")
+        bar.update()
+    bar.close()
+    speedups = [r["speedup"] for r in rows]
+    geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
+    table.lines += ["", f"geomean speedup {geomean:.3f}x over {len(rows)} models"]
+    print(table.lines[-1])
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        table.write(str(args.out / "models.md"))
+        if chart(rows, args.out / "models.png", title):
+            print(f"wrote {args.out / 'models.md'} and {args.out / 'models.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
