@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -17,11 +19,16 @@ from ._plan import KernelChoice
 
 __all__ = [
     "SMOOTHING_SAMPLE_TOKENS",
+    "KernelCall",
     "SageAttentionFallbackWarning",
+    "cached_runner",
+    "call_key",
+    "clear_call_cache",
     "empty",
     "exact",
     "quantized",
     "run",
+    "run_and_remember",
     "smoothing_sample_stride",
 ]
 
@@ -46,7 +53,8 @@ SageAttentionFallbackWarning.__module__ = "sageattention2.api"
 _warned_reasons: set[str] = set()
 
 
-def _warn_fallback_once(reason: str) -> None:
+def _warn_fallback_once(reason: str, stacklevel: int) -> None:
+    """``stacklevel``: of the frame calling sageattn, counted from this function's caller."""
     if reason in _warned_reasons:
         return
     _warned_reasons.add(reason)
@@ -54,7 +62,7 @@ def _warn_fallback_once(reason: str) -> None:
         f"sageattn is computing exact F.scaled_dot_product_attention instead of quantized "
         f"attention: {reason}. This warning is shown once per reason; pass strict=True to raise.",
         SageAttentionFallbackWarning,
-        stacklevel=4,  # the caller of sageattn (which called run, which called this)
+        stacklevel=stacklevel + 1,
     )
 
 
@@ -63,13 +71,18 @@ def run(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     if call.is_empty:
         return empty(call)
     choice, reason = _plan.route(call)
+    return _run_routed(call, choice, reason)
+
+
+def _run_routed(call: AttentionCall, choice: KernelChoice,
+                reason: str | None) -> Tensor | tuple[Tensor, Tensor]:
     if reason is None:
         return quantized(call, choice)
     if call.strict:
         raise NotImplementedError(
             f"sageattn(strict=True): the quantized kernels cannot serve this call: {reason}"
         )
-    _warn_fallback_once(reason)
+    _warn_fallback_once(reason, stacklevel=4)  # sageattn's caller: sageattn, run, this
     return exact(call)
 
 
@@ -140,44 +153,155 @@ def smoothing_sample_stride(tokens: int) -> int:
     return -(-tokens // SMOOTHING_SAMPLE_TOKENS) | 1
 
 
-def _wgmma(call: AttentionCall, q: Tensor, k: Tensor, v: Tensor,
-           sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The Hopper kernel's call, one op (``ops.sageattn_wgmma_chain`` says what it runs): the
-    smoothing means over the token sample of :func:`smoothing_sample_stride`, K and V
-    quantized, then the kernel, which quantizes Q itself."""
-    return ops.sageattn_wgmma(
-        q, k, v, call.smooth_k, call.smooth_v, smoothing_sample_stride(k.shape[2]), sm_scale,
-        call.is_causal, call.tensor_layout == "NHD", call.return_lse,
-    )
+@dataclass(frozen=True)
+class KernelCall:
+    """All of a quantized call that its shapes and options decide (so computed once per kind of
+    call, :func:`cached_runner`), run on its ``[B, H, N, D]`` views: each kernel's path is one op
+    (``ops.sageattn_wgmma_chain`` / ``ops.sageattn_mma_chain`` say what it runs: the smoothing
+    means, K and V quantized, the kernel, which quantizes Q itself), at the kernel's head_dim
+    (the only place that pads and cuts back)."""
 
+    choice: KernelChoice
+    smooth_q: bool      # the warp-level kernel smooths Q per head (_plan.smooths_q)
+    smooth_k: bool
+    smooth_v: bool
+    head_dim: int
+    padded_head_dim: int
+    sm_scale: float     # of the true head_dim: padding must not change the scores
+    sample_stride: int  # of the smoothing means' token sample (smoothing_sample_stride)
+    is_causal: bool
+    out_nhd: bool
+    return_lse: bool
 
-def _mma(call: AttentionCall, choice: KernelChoice, q: Tensor, k: Tensor, v: Tensor,
-         sm_scale: float) -> tuple[Tensor, Tensor]:
-    """The warp-level kernel's call, one op (``ops.sageattn_mma_chain`` says what it runs: at
-    most one statistics launch, whose K mean takes the token sample of
-    :func:`smoothing_sample_stride` with PV in the input dtype, quantize_kv, then attention_mma,
-    which quantizes Q itself and returns the complete LSE)."""
-    return ops.sageattn_mma(
-        q, k, v, choice.qk, choice.pv, _plan.smooths_q(call, choice), call.smooth_k,
-        call.smooth_v, smoothing_sample_stride(k.shape[2]), sm_scale, call.is_causal,
-        call.tensor_layout == "NHD", call.return_lse,
-    )
+    @staticmethod
+    def of(call: AttentionCall, choice: KernelChoice) -> KernelCall:
+        padded_head_dim = _plan.kernel_head_dim(call.head_dim)
+        assert padded_head_dim is not None  # a fallback rule checked it
+        return KernelCall(
+            choice, _plan.smooths_q(call, choice), call.smooth_k, call.smooth_v, call.head_dim,
+            padded_head_dim, 1.0 / math.sqrt(call.head_dim) if call.scale is None else call.scale,
+            smoothing_sample_stride(call.k.shape[2]), call.is_causal, call.tensor_layout == "NHD",
+            call.return_lse)
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """(out ``[B, H, Nq, D]``, NHD memory with ``out_nhd``; lse, empty unless return_lse)."""
+        q, k, v = (_kernel_input(t, self.padded_head_dim) for t in (q, k, v))
+        if self.choice.kernel == "wgmma":
+            out, lse = ops.sageattn_wgmma(
+                q, k, v, self.smooth_k, self.smooth_v, self.sample_stride, self.sm_scale,
+                self.is_causal, self.out_nhd, self.return_lse)
+        else:
+            out, lse = ops.sageattn_mma(
+                q, k, v, self.choice.qk, self.choice.pv, self.smooth_q, self.smooth_k,
+                self.smooth_v, self.sample_stride, self.sm_scale, self.is_causal, self.out_nhd,
+                self.return_lse)
+        if self.padded_head_dim != self.head_dim:
+            out = _unpad_head_dim(out, self.head_dim, self.out_nhd)
+        return out, lse
 
 
 def quantized(call: AttentionCall, choice: KernelChoice) -> Tensor | tuple[Tensor, Tensor]:
     """Serve ``call`` with ``choice``, the quantized kernel :func:`._plan.route` picks (only
-    when it says the kernel can), at the kernel's head_dim (the only place that pads and cuts
-    back)."""
-    head_dim = call.head_dim
-    padded_head_dim = _plan.kernel_head_dim(head_dim)
-    assert padded_head_dim is not None  # a fallback rule checked it
-    # The softmax scale of the true head_dim: padding must not change the scores.
-    sm_scale = 1.0 / math.sqrt(head_dim) if call.scale is None else call.scale
-    q, k, v = (_kernel_input(t, padded_head_dim) for t in (call.q, call.k, call.v))
-    if choice.kernel == "wgmma":
-        out, lse = _wgmma(call, q, k, v, sm_scale)
-    else:
-        out, lse = _mma(call, choice, q, k, v, sm_scale)
-    if padded_head_dim != head_dim:
-        out = _unpad_head_dim(out, head_dim, call.tensor_layout == "NHD")
+    when it says the kernel can)."""
+    out, lse = KernelCall.of(call, choice)(call.q, call.k, call.v)
     return call.result(out, lse if call.return_lse else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# The call cache: validation and routing once per kind of call
+# ------------------------------------------------------------------------------------------------
+
+# A runner takes sageattn's first eight arguments (SDPA's) and returns its result.
+Runner = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], float, bool, Optional[float], bool],
+                  Tensor]
+_runners: dict[tuple[Any, ...], Runner] = {}
+_MAX_RUNNERS = 1024  # kinds of calls remembered; beyond, the cache starts afresh
+
+
+def call_key(query: object, key: object, value: object, attn_mask: object,
+             options: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """What decides a call's validity, route and kernel arguments: the shapes, dtypes and devices
+    of q, k, v and the mask, whether autograd would track the call, and the other arguments
+    with their types (``1`` is not ``True`` to the validation). Not the values, strides or
+    addresses: each call still checks that the kernels can read its tensors in place. None for
+    calls that are not remembered (non-tensors: the validation names them)."""
+    if not (isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)):
+        return None
+    if attn_mask is None:
+        mask: Any = None
+    elif isinstance(attn_mask, Tensor):
+        mask = (attn_mask.shape, attn_mask.dtype, attn_mask.device)
+    else:
+        return None
+    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
+                                        or value.requires_grad)
+    return (query.shape, query.dtype, query.device, key.shape, key.dtype, key.device,
+            value.shape, value.dtype, value.device, mask, grad, options,
+            tuple(map(type, options)))
+
+
+def cached_runner(key: tuple[Any, ...]) -> Runner | None:
+    """The runner of an earlier call with ``key`` (:func:`run_and_remember`), or None."""
+    try:
+        return _runners.get(key)
+    except TypeError:  # an unhashable option: validate names it
+        return None
+
+
+def clear_call_cache() -> None:
+    """Forget every remembered call (tests that pretend other GPUs or builds call this)."""
+    _runners.clear()
+
+
+def _in_bhnd(t: Tensor, nhd: bool) -> Tensor:
+    """A 3-D or 4-D input as the ``[..., H, N, D]`` view SDPA and the kernels take."""
+    return t.transpose(-3, -2) if nhd else t
+
+
+def _runner(call: AttentionCall, choice: KernelChoice, reason: str | None) -> Runner | None:
+    """How to run the next call of this kind without validating or routing it again: exactly
+    what :func:`run` does for it. None for the calls run takes another way each time (empty
+    ones, strict fallbacks, and fallbacks asked for an lse)."""
+    nhd = call.tensor_layout == "NHD"
+    if reason is not None:
+        if call.strict or call.return_lse:
+            return None
+
+        def exact_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                         dropout_p: float, is_causal: bool, scale: float | None,
+                         enable_gqa: bool) -> Tensor:
+            _warn_fallback_once(reason, stacklevel=3)  # sageattn's caller: sageattn, this
+            out = _exact_sdpa(_in_bhnd(q, nhd), _in_bhnd(k, nhd), _in_bhnd(v, nhd),
+                              attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                              scale=scale, enable_gqa=enable_gqa)
+            return _in_bhnd(out, nhd)
+        return exact_runner
+
+    kernel = KernelCall.of(call, choice)
+    rank3 = call.input_ndim == 3
+
+    def kernel_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
+                      dropout_p: float, is_causal: bool, scale: float | None,
+                      enable_gqa: bool) -> Any:
+        views = [_in_bhnd(t, nhd) for t in (q, k, v)]
+        if rank3:
+            views = [t.unsqueeze(0) for t in views]
+        out, lse = kernel(*views)
+        out = _in_bhnd(out, nhd)
+        if rank3:
+            out, lse = out.squeeze(0), lse.squeeze(0)
+        return (out, lse) if kernel.return_lse else out
+    return kernel_runner
+
+
+def run_and_remember(call: AttentionCall, key: tuple[Any, ...] | None) -> Any:
+    """:func:`run`, remembering under ``key`` how to run the next call of this kind."""
+    if call.is_empty or key is None:
+        return run(call)
+    choice, reason = _plan.route(call)
+    runner = _runner(call, choice, reason)
+    if runner is not None:
+        if len(_runners) >= _MAX_RUNNERS:
+            _runners.clear()
+        _runners[key] = runner
+    return _run_routed(call, choice, reason)

@@ -14,9 +14,9 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from . import _compile
+from . import _compile, _execute
 from ._call import AttentionCall, PVQuant, QKQuant, SmoothQ, TensorLayout, validate
-from ._execute import SageAttentionFallbackWarning, exact, run
+from ._execute import SageAttentionFallbackWarning, exact
 # Re-exported (not in __all__): scripts and benchmarks take the sample stride from here.
 from ._execute import smoothing_sample_stride as smoothing_sample_stride
 from ._plan import kernel_plan, route
@@ -140,13 +140,25 @@ def sageattn(
         return _compile.graph_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q,
                                    smooth_v, return_lse, strict)
+    if compiling:  # inputs that require grad: eager mode's exact fallback, traced (differentiable)
+        return exact(validate(
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+            tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
+        ))
+    # A call of a kind seen before (same shapes, dtypes, devices and options) runs as the first
+    # one was decided, without validating and routing it again: most of a short call's host time
+    # (models make dozens of calls of a few kinds per forward).
+    call_key = _execute.call_key(q, k, v, attn_mask, (
+        dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant, pv_quant, smooth_k,
+        smooth_q, smooth_v, return_lse, strict))
+    runner = None if call_key is None else _execute.cached_runner(call_key)
+    if runner is not None:
+        return runner(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     call = validate(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
     )
-    if compiling:  # inputs that require grad: eager mode's exact fallback, traced (differentiable)
-        return exact(call)
-    return run(call)
+    return _execute.run_and_remember(call, call_key)
 
 
 class Explanation(NamedTuple):

@@ -132,12 +132,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _fresh_fallback_warnings() -> Iterator[None]:
-    """Every test starts as if no fallback warning had been shown yet."""
+    """Every test starts as if no fallback warning had been shown yet and no call had been made
+    (sageattn remembers how it ran each kind of call: a test that pretends another GPU or build
+    must not find a decision of another test)."""
     from sageattention2 import _execute
 
     _execute._warned_reasons.clear()
+    _execute.clear_call_cache()
     yield
     _execute._warned_reasons.clear()
+    _execute.clear_call_cache()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sageattention2 import SageAttentionFallbackWarning, _call, _plan, ops, sageattn
+from sageattention2 import SageAttentionFallbackWarning, _call, _execute, _plan, ops, sageattn
 from sageattention2 import reference as ref
 from sageattention2.testing import make_input_family, relative_l1
 
@@ -103,12 +103,14 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
         "smoothing_stats", "quantize_kv", "attention_mma", "attention_wgmma",
         "sageattn_wgmma", "sageattn_mma"))
     monkeypatch.setattr(_plan, "target_of", lambda device: _plan.probe_target("cuda", capability))
+    _execute.clear_call_cache()  # decisions taken for the machine before
 
 
 def skip_device_rules(monkeypatch: pytest.MonkeyPatch) -> None:
     """Route CPU calls as if the CPU were a CUDA device of unknown capability: the device rules
     are left out, the others (and the routes, which then see no GPU) apply."""
     monkeypatch.setattr(_plan, "DEVICE_RULES", ())
+    _execute.clear_call_cache()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,116 @@
+"""sageattn remembers how it ran each kind of call (shapes, dtypes, devices, options): a repeated
+call skips validation and routing and gives what the first one gave, on the quantized path and
+the fallback, in every layout and rank; a call of another kind (another option, its type, the
+grad state) is decided afresh."""
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import ORIGINAL_SDPA, qkv
+from sageattention2 import SageAttentionFallbackWarning, _execute, api, sageattn
+from test_quantized_path import stand_in  # noqa: F401  (the fixture)
+
+
+@pytest.fixture
+def validations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Counts sageattn's validations (one per call it decides)."""
+    count = [0]
+    real = api.validate
+
+    def counting(*args: Any) -> Any:
+        count[0] += 1
+        return real(*args)
+
+    monkeypatch.setattr(api, "validate", counting)
+    return count
+
+
+def as_tuple(result: Any) -> tuple[torch.Tensor, ...]:
+    return result if isinstance(result, tuple) else (result,)
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("batch", [2, None], ids=["4d", "3d"])
+@pytest.mark.parametrize("options", [{}, {"return_lse": True}, {"is_causal": True, "scale": 0.3}],
+                         ids=["plain", "lse", "causal-scale"])
+@pytest.mark.parametrize("d", [64, 40], ids=["hd64", "hd40-padded"])
+def test_repeated_quantized_call(stand_in: list[dict[str, Any]], validations: list[int],  # noqa: F811
+                                 layout: str, batch: int | None, options: dict[str, Any], d: int) -> None:
+    q, k, v = qkv(b=batch, hkv=2, nq=70, nk=90, d=d, dtype=torch.float16, layout=layout)
+    kwargs = dict(tensor_layout=layout, enable_gqa=True, strict=True, **options)
+    first = as_tuple(sageattn(q, k, v, **kwargs))
+    assert validations[0] == 1 and len(stand_in) == 1
+    q2, k2, v2 = (t.clone() for t in (q, k, v))  # other tensors, same kind of call
+    again = as_tuple(sageattn(q2, k2, v2, **kwargs))
+    assert validations[0] == 1 and len(stand_in) == 2  # not validated again; the kernel ran
+    assert len(again) == len(first)
+    for a, b in zip(again, first):
+        assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b)
+    # The kernel got the same arguments (its tensors compared by value).
+    for name, value in stand_in[0].items():
+        other = stand_in[1][name]
+        assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other, name
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("batch", [2, None], ids=["4d", "3d"])
+@pytest.mark.parametrize("masked", [False, True], ids=["no-mask", "mask"])
+def test_repeated_fallback_call(validations: list[int], layout: str, batch: int | None,
+                                masked: bool) -> None:
+    """A CPU call falls back; repeated, it is exact SDPA without validation, and once the warning
+    may show again (here: the set of shown reasons cleared) it shows, pointing at the caller."""
+    q, k, v = qkv(b=batch, nq=5, nk=7, layout=layout)
+    mask = (torch.rand(5, 7, generator=torch.Generator().manual_seed(4)) > 0.3) if masked else None
+    with warnings.catch_warnings(record=True) as first_record:
+        warnings.simplefilter("always")
+        first = sageattn(q, k, v, attn_mask=mask, tensor_layout=layout)
+    assert validations[0] == 1 and len(first_record) == 1
+    _execute._warned_reasons.clear()
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        again = sageattn(q, k, v, attn_mask=mask, tensor_layout=layout)
+    assert validations[0] == 1
+    assert torch.equal(again, first) and again.stride() == first.stride()
+    [warning] = record
+    assert issubclass(warning.category, SageAttentionFallbackWarning)
+    assert warning.filename == __file__ == first_record[0].filename
+    bhnd = (lambda t: t.transpose(-3, -2)) if layout == "NHD" else (lambda t: t)
+    assert torch.equal(again, bhnd(ORIGINAL_SDPA(bhnd(q), bhnd(k), bhnd(v), attn_mask=mask)))
+
+
+def test_argument_types_are_part_of_the_kind(validations: list[int]) -> None:
+    """``is_causal=1`` is an error even after ``is_causal=True`` (equal, and equally hashed)."""
+    q, k, v = qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sageattn(q, k, v, is_causal=True)
+        sageattn(q, k, v, is_causal=True)
+    assert validations[0] == 1
+    for _ in range(2):
+        with pytest.raises(TypeError, match="is_causal must be a bool"):
+            sageattn(q, k, v, is_causal=1)
+
+
+def test_grad_state_is_part_of_the_kind(stand_in: list[dict[str, Any]]) -> None:  # noqa: F811
+    """The same shapes requiring grad fall back (no backward); without, they run the kernel."""
+    q, k, v = qkv(d=64, dtype=torch.float16)
+    sageattn(q, k, v)
+    assert len(stand_in) == 1
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = sageattn(q.requires_grad_(), k, v)
+    assert len(stand_in) == 1 and "require grad" in str(record[0].message)
+    assert out.requires_grad
+    with torch.no_grad():
+        sageattn(q, k, v)
+    assert len(stand_in) == 2
+
+
+def test_unhashable_option_is_validated() -> None:
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match="tensor_layout"):
+        sageattn(q, k, v, tensor_layout=["HND"])  # type: ignore[arg-type]
