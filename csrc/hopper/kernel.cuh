@@ -36,9 +36,11 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "attention_params.h"
-#include "ptx.cuh"
-#include "quant_math.cuh"
+#include "hopper/params.h"
+#include "common/convert.cuh"
+#include "common/ptx.cuh"
+#include "common/quant_math.cuh"
+#include "common/v_channels.cuh"
 
 namespace sageattention2 {
 

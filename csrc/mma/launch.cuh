@@ -1,10 +1,14 @@
-// Instantiations and launch of the warp-level attention kernel (no ATen here: see
-// preprocess_params.h). The dispatch switch over variant x dtype x head_dim x causal lives here.
-#include "attention_mma_kernel.cuh"
-#include "launch.cuh"
+// The launch of the warp-level kernel's variants (no ATen here: see preprocess/params.h): its
+// shared memory and grid, and the switch over head_dim x causal x Q smoothing inside a family
+// (mma/variant.h). Included by the instantiation units only.
+#pragma once
+
+#include "common/launch.cuh"
+#include "mma/kernel.cuh"
+#include "mma/variant.h"
 
 namespace sageattention2 {
-namespace {
+namespace mma_launch {
 
 template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
 cudaError_t launch(const AttentionMmaParams& p, cudaStream_t stream) {
@@ -48,27 +52,15 @@ cudaError_t launch_head_dim(const AttentionMmaParams& p, cudaStream_t stream) {
   switch (p.head_dim) {
     case 64: return launch_causal<T, 64, kQk, kPv>(p, stream);
     case 128: return launch_causal<T, 128, kQk, kPv>(p, stream);
-    default: return cudaErrorInvalidValue;  // validated by attention_ops.cpp
+    default: return cudaErrorInvalidValue;  // validated by torch/attention_shapes.cpp
   }
 }
 
-// The variants that are built: INT8 QK with either PV, INT4 QK with FP8 PV (the paper's 4-bit
-// kernel; INT4 with FP16 PV has no GPU it is the best choice for).
-template <typename T>
-cudaError_t launch_variant(const AttentionMmaParams& p, cudaStream_t stream) {
-  if (p.qk == QkCodes::kInt8 && p.pv == PvOperands::kInput)
-    return launch_head_dim<T, QkCodes::kInt8, PvOperands::kInput>(p, stream);
-  if (p.qk == QkCodes::kInt8 && p.pv == PvOperands::kFp8)
-    return launch_head_dim<T, QkCodes::kInt8, PvOperands::kFp8>(p, stream);
-  if (p.qk == QkCodes::kInt4 && p.pv == PvOperands::kFp8)
-    return launch_head_dim<T, QkCodes::kInt4, PvOperands::kFp8>(p, stream);
-  return cudaErrorInvalidValue;  // validated by attention_ops.cpp
-}
+}  // namespace mma_launch
 
-}  // namespace
-
-cudaError_t launch_attention_mma(const AttentionMmaParams& p, InputDtype dtype, cudaStream_t stream) {
-  return dtype == InputDtype::kFloat16 ? launch_variant<__half>(p, stream) : launch_variant<__nv_bfloat16>(p, stream);
+template <typename T, QkCodes kQk, PvOperands kPv>
+cudaError_t AttentionMmaVariant<T, kQk, kPv>::launch(const AttentionMmaParams& p, cudaStream_t stream) {
+  return mma_launch::launch_head_dim<T, kQk, kPv>(p, stream);
 }
 
 }  // namespace sageattention2

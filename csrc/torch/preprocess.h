@@ -5,7 +5,7 @@
 // shape is computed in exactly one place.
 #pragma once
 
-#include <ATen/ATen.h>
+#include <ATen/core/Tensor.h>
 
 #include <optional>
 #include <string>

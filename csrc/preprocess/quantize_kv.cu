@@ -1,18 +1,12 @@
-// Kernel launches of the preprocessing (no ATen here: see preprocess_params.h). The one
-// dtype x QK-type switch of the preprocessing lives in this file.
+// Launch of quantize_kv (no ATen here: see preprocess/params.h): its dtype x QK-type x head_dim
+// switch.
 #include <type_traits>
 
-#include "launch.cuh"
-#include "preprocess_kernels.cuh"
+#include "common/launch.cuh"
+#include "preprocess/quantize_kv_kernel.cuh"
 
 namespace sageattention2 {
 namespace {
-
-template <typename Fn>
-void dispatch_input_dtype(InputDtype dtype, Fn&& fn) {
-  if (dtype == InputDtype::kFloat16) fn(__half{});
-  else fn(__nv_bfloat16{});
-}
 
 template <typename Kernel>
 cudaError_t allow_dynamic_smem(Kernel kernel, size_t bytes) {
@@ -21,15 +15,6 @@ cudaError_t allow_dynamic_smem(Kernel kernel, size_t bytes) {
 }
 
 }  // namespace
-
-cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dtype, cudaStream_t stream) {
-  dispatch_input_dtype(dtype, [&](auto tag) {
-    using T = decltype(tag);
-    smoothing_stats_partial_kernel<T><<<dim3(p.chunks, jobs), kPreprocessThreads, 0, stream>>>(p);
-  });
-  if (p.chunks > 1) smoothing_stats_finalize_kernel<<<jobs, kPreprocessThreads, 0, stream>>>(p);
-  return cudaGetLastError();
-}
 
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
                                bool after_smoothing_stats) {

@@ -4,10 +4,11 @@
 // Batch, heads and tokens are handled as SymInts, so that under torch.compile(dynamic=True) the
 // Meta implementation traces symbolic sequence lengths instead of specialising on each one.
 // head_dim and strides are read as plain integers (a guard), since kernels specialise on them.
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
-#include "geometry.h"
-#include "preprocess.h"
+#include "common/geometry.h"
+#include "torch/preprocess.h"
 
 namespace sageattention2 {
 namespace {

@@ -6,9 +6,13 @@
 // call, whose own inputs were complete when it started.
 #pragma once
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <utility>
+
+#include "common/input_dtype.h"
 
 namespace sageattention2 {
 
@@ -26,6 +30,13 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   config.attrs = &attribute;
   config.numAttrs = programmatic ? 1 : 0;
   return cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+}
+
+// Calls fn with a value of the element type that `dtype` names (__half or __nv_bfloat16).
+template <typename Fn>
+void dispatch_input_dtype(InputDtype dtype, Fn&& fn) {
+  if (dtype == InputDtype::kFloat16) fn(__half{});
+  else fn(__nv_bfloat16{});
 }
 
 }  // namespace sageattention2

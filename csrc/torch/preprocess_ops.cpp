@@ -1,14 +1,15 @@
 // CUDA implementations of the preprocessing ops: validate and allocate
 // (preprocess_shapes.cpp), fill the kernel parameters, launch on the current stream
-// (preprocess.cu).
+// (preprocess/smoothing_stats.cu, preprocess/quantize_kv.cu).
+#include <ATen/ops/empty.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include <algorithm>
 
-#include "preprocess.h"
-#include "preprocess_params.h"
+#include "torch/preprocess.h"
+#include "preprocess/params.h"
 
 namespace sageattention2 {
 namespace {

@@ -14,9 +14,11 @@
 
 #include <cstdint>
 
-#include "attention_params.h"
-#include "ptx.cuh"
-#include "quant_math.cuh"
+#include "common/convert.cuh"
+#include "common/ptx.cuh"
+#include "common/quant_math.cuh"
+#include "common/v_channels.cuh"
+#include "mma/params.h"
 
 namespace sageattention2 {
 

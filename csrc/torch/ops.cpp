@@ -2,8 +2,8 @@
 // implementations (output shapes only) through which torch.compile and FakeTensor trace.
 #include <torch/library.h>
 
-#include "attention.h"
-#include "preprocess.h"
+#include "torch/attention.h"
+#include "torch/preprocess.h"
 
 namespace sageattention2 {
 namespace {

@@ -11,7 +11,8 @@
 
 #include <cstdint>
 
-#include "geometry.h"
+#include "common/geometry.h"
+#include "common/input_dtype.h"
 
 namespace sageattention2 {
 
@@ -80,8 +81,6 @@ constexpr bool k_block_in_registers(const QuantizeKVParams& p) {
 // Shared-memory rows are padded by one 16-byte vector so that threads reading 16 bytes of
 // consecutive rows (the Delta-S dot products) fall in different banks.
 constexpr int kv_tile_pitch(int head_dim) { return head_dim + kElemsPerVector; }
-
-enum class InputDtype { kFloat16, kBFloat16 };
 
 // Each returns the launch status (cudaGetLastError after the launch).
 cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dtype, cudaStream_t stream);
