@@ -18,6 +18,9 @@ namespace sageattention2 {
 inline constexpr float kInt8Max = 127.0f;
 inline constexpr float kInt4Max = 7.0f;
 inline constexpr float kFp8E4M3Max = 448.0f;  // largest finite E4M3 (paper 3.3)
+// log2(448): both attention kernels fold the x448 of P's FP8 scale into the softmax's base-2
+// exponent, so that P~ * 448 in [0, 448] comes out of exp2 directly.
+inline constexpr float kLog2Fp8Max = 8.807354922057604f;
 
 // scale = amax / qmax, IEEE division (no fast-math anywhere in this project).
 SAGE_HOST_DEVICE float quant_scale(float amax, float qmax) { return amax / qmax; }

@@ -26,7 +26,7 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
   if (status != cudaSuccess) return status;
-  const int64_t units = Kernel::schedule(p.q_len, p.batch, p.q_heads).units;
+  const int64_t units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads).units;
   bool persistent = units <= 8 * static_cast<int64_t>(sms);
   if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
   const int64_t ctas = persistent && units > sms ? sms : units;
