@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/convert.cuh"
+#include "common/opaque.cuh"
 #include "common/quant_math.cuh"  // kLog2Fp8Max
 #include "common/v_channels.cuh"
 #include "hopper/geometry.cuh"
@@ -17,7 +18,7 @@
 namespace sageattention2 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kCausal>
 struct WgmmaEpilogue {
   static constexpr int kORegs = WgmmaGeometry<kHeadDim>::kORegs;
   // V's channel means (smooth V only; none are loaded without), all loads in flight together.
@@ -25,6 +26,15 @@ struct WgmmaEpilogue {
   // load_v_means before it); at 128 their 32 registers would push the item's own state out of
   // registers, so they load after the last fold (benchmarks/RESULTS.md, session 7).
   static constexpr bool kEarlyVMeans = kHeadDim == 64;
+  // The staging writes of store_output land where the Q quantizer wrote the item's codes: at
+  // head_dim 128 their addresses are the same values, which the compiler computes once before
+  // the item loop and keeps across it. At head_dim 128 causal, the loop that needs the most
+  // registers, ptxas then kept two of them in an 8-byte stack frame (reloaded once per item).
+  // There the byte offset of the writes is hidden from the optimiser, so the addresses are
+  // computed where they are written, and nothing spills: the KV loop keeps its instructions
+  // (another register allocation), and the item's code its length (ptxas moves O's registers once
+  // per item instead). Elsewhere the shared values cost nothing, and the code stays as it was.
+  static constexpr bool kStagingAddressesPerItem = kHeadDim == 128 && kCausal;
 
   VChannelMeans<kHeadDim / 8> v_means;
   float inv[2];  // o_scale / l of the rows g and g + 8
@@ -73,6 +83,7 @@ struct WgmmaEpilogue {
                                       uint8_t* staging, int warp_row0, int lane) {
     constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks of a staged row (half the columns)
     const int g = lane / 4, t = lane % 4;
+    [[maybe_unused]] const int hidden_byte = kStagingAddressesPerItem ? opaque(4 * t) : 0;
     // XOR swizzle of the chunks so that both the 4-byte writes (8 rows, one chunk) and the 16-byte
     // reads (whole rows) are free of bank conflicts.
     auto chunk_at = [](int row, int chunk) {
@@ -88,7 +99,8 @@ struct WgmmaEpilogue {
         for (int c = 0; c < kChunks; ++c) {
           const int n = half * kChunks + c;  // the accumulator's n8 tile: columns 8n .. 8n + 7
           const float2 x = v_means.apply(o[4 * n + 2 * r] * inv[r], o[4 * n + 2 * r + 1] * inv[r], n);
-          *reinterpret_cast<uint32_t*>(staging + chunk_at(g + 8 * r, c) + 4 * t) = HalfPair<T>::pack(x.x, x.y);
+          uint8_t* dst = staging + chunk_at(g + 8 * r, c) + (kStagingAddressesPerItem ? hidden_byte : 4 * t);
+          *reinterpret_cast<uint32_t*>(dst) = HalfPair<T>::pack(x.x, x.y);
         }
       __syncwarp();
 #pragma unroll

@@ -53,7 +53,7 @@ struct AttentionWgmmaKernel {
   using Producer = WgmmaProducer<kHeadDim, kCausal>;
   using QQuantizer = WgmmaQQuantizer<T, kHeadDim>;
   using Mainloop = WgmmaMainloop<kHeadDim, kCausal>;
-  using Epilogue = WgmmaEpilogue<T, kHeadDim>;
+  using Epilogue = WgmmaEpilogue<T, kHeadDim, kCausal>;
 
   // The consumer warpgroup's items in turn. Item i + 1's Q copy is issued as soon as item i's Q
   // is in registers, so it lands while item i's tiles compute.

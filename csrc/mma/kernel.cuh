@@ -15,6 +15,7 @@
 #include <cstdint>
 
 #include "common/convert.cuh"
+#include "common/opaque.cuh"
 #include "common/ptx.cuh"
 #include "common/quant_math.cuh"
 #include "common/v_channels.cuh"
@@ -46,13 +47,6 @@ inline constexpr float kSmallIntOffset = 12582912.0f;   // 1.5 * 2^23
 // order as their x do.
 __device__ __forceinline__ float small_int_plus_offset(int32_t x) { return __int_as_float(x + kSmallIntMagic); }
 __device__ __forceinline__ float small_int_to_float(int32_t x) { return small_int_plus_offset(x) - kSmallIntOffset; }
-
-// The value, hidden from the optimiser: what is derived from it is computed where it is used,
-// not hoisted out of a loop into registers held across it.
-__device__ __forceinline__ int opaque(int x) {
-  asm volatile("" : "+r"(x));
-  return x;
-}
 
 template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
 struct AttentionMmaKernel {
