@@ -15,7 +15,7 @@ namespace sageattention2 {
 // K has the per-thread groups of the warp-level kernel: 32 keys of a 128-key tile
 // (quantize_kv(block_k=128)), so one K scale per thread (paper Eq. 8, Fig. 4). Q, quantized
 // inside the kernel, has one scale per row: a thread's two rows {g, g+8} each have their own,
-// finer than Eq. 8's group of both at no cost in the loop (attention_wgmma_kernel.cuh).
+// finer than Eq. 8's group of both at no cost in the loop (hopper/q_quantizer.cuh).
 inline constexpr int kWgmmaBlockQ = 128;
 inline constexpr int kWgmmaBlockK = 128;
 

@@ -20,9 +20,10 @@ namespace sageattention2 {
 inline constexpr int kMmaBlockQ = 128;
 inline constexpr int kMmaWarps = 8;
 inline constexpr int kMmaBlockK = 128;
-// How INT8 QK + FP16/BF16 PV runs those groups (attention_mma_kernel.cuh says why): 4 warps of
-// two 16-row slabs, the online softmax over 64-key tiles (half a K group block), and the running
-// max moved only when a tile's max passes it by more than 2^8 somewhere in a warp's 32 rows.
+// How INT8 QK + FP16/BF16 PV runs those groups (mma/traits.cuh and mma/softmax.cuh say why): 4
+// warps of two 16-row slabs, the online softmax over 64-key tiles (half a K group block), and the
+// running max moved only when a tile's max passes it by more than 2^8 somewhere in a warp's 32
+// rows.
 inline constexpr int kMmaInputPvWarps = 4;
 inline constexpr int kMmaInputPvTileK = 64;
 inline constexpr int kMmaLazyRescaleLog2 = 8;
@@ -66,7 +67,7 @@ struct AttentionMmaParams {
   bool causal = false;
   // Launched as a programmatic dependent of quantize_kv, launched just before it by the same call
   // (sageattn_mma): the CTAs are placed and load their Q while that launch ends, and wait for it
-  // before reading anything else (AttentionMmaKernel::quantize_q_block).
+  // before reading anything else (MmaQQuantizer::quantize_block).
   bool after_quantize_kv = false;
 };
 
