@@ -117,7 +117,7 @@ struct WgmmaMainloop {
 #pragma unroll
     for (int i = 0; i < kORegs; ++i) o[i] = 0.0f;
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-    float alpha[2], alpha_prev[2];
+    float alpha[2], alpha_prev[2] = {0.0f, 0.0f};  // (alpha_prev: set by tile 0, before its first use)
     int32_t sacc[kSRegs];
     float x[kSRegs];
     float racc[kRaccRegs];
