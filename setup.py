@@ -40,6 +40,13 @@ def arch_flags(arch_list: str) -> tuple[list[str], list[str]]:
     return flags, names
 
 
+def read_source_list(path: Path) -> list[str]:
+    """The paths of a source list: one a line; blank lines and lines starting with '#' skipped
+    (CMakeLists.txt reads it by the same rule)."""
+    lines = (line.strip() for line in path.read_text().splitlines())
+    return [line for line in lines if line and not line.startswith("#")]
+
+
 def runtime_libstdcxx() -> list[str]:
     """The shared libstdc++ this process (with torch imported) runs with, as a link argument.
 
@@ -66,7 +73,9 @@ def extensions() -> tuple[list, dict]:
     gencode, names = arch_flags(arch_list)
     # torch adds no arch flags of its own when the nvcc flags already name an arch.
     csrc = ROOT / "csrc"
-    sources = sorted(str(p.relative_to(ROOT)) for p in csrc.glob("*.c*") if p.suffix in (".cpp", ".cu"))
+    # csrc/sources.txt lists the op library (CMakeLists.txt builds it from the same list); the
+    # Python module entry comes on top.
+    sources = [f"csrc/{path}" for path in read_source_list(csrc / "sources.txt")] + ["csrc/torch/module.cpp"]
     define = [f'-DSAGE_ARCH_LIST="{",".join(names)}"']
     ext = CUDAExtension(
         name="sageattention2._C",

@@ -8,8 +8,8 @@
 #include <tuple>
 #include <vector>
 
-#include "geometry.h"
-#include "quant_math.cuh"
+#include "common/geometry.h"
+#include "common/quant_math.cuh"
 
 using namespace sageattention2;
 

@@ -25,9 +25,12 @@ def _info() -> str:
             f"extension: built with CUDA {info.cuda_version} for "
             f"{', '.join(info.archs) or 'no architectures'}"
         )
-        width = max((len(family) for family in info.kernels), default=0)
-        for family, archs in info.kernels.items():
-            lines.append(f"  {family:<{width}}  {', '.join(archs) or '-'}")
+        built = {family: ", ".join(archs) or "-" for family, archs in info.kernels.items()}
+        width = max((len(family) for family in built), default=0)
+        arch_width = max((len(archs) for archs in built.values()), default=0)
+        for family, archs in built.items():
+            description = info.descriptions.get(family, "")
+            lines.append(f"  {family:<{width}}  {archs:<{arch_width}}  {description}".rstrip())
     if torch.cuda.is_available():
         major, minor = torch.cuda.get_device_capability()
         lines.append(f"GPU: {torch.cuda.get_device_name()} (sm_{major}{minor})")

@@ -54,6 +54,7 @@ __all__ = [
     "MMA_FP8_FAMILY",
     "MMA_HEAD_DIMS",
     "MMA_WARPS",
+    "PREPROCESS_FAMILY",
     "WGMMA_BLOCK_K",
     "WGMMA_FAMILY",
     "WGMMA_HEAD_DIMS",
@@ -96,9 +97,11 @@ MMA_HEAD_DIMS = (64, 128)
 # The Hopper kernel (csrc/attention_params.h: kWgmmaBlockK): K from quantize_kv(block_k=128).
 WGMMA_BLOCK_K = 128
 WGMMA_HEAD_DIMS = (64, 128)
-# Kernel families of build_info()["kernels"], named by the first word of their keys (the rest
-# describes them): attention_mma's INT8 QK + fp16/bf16 PV variant (every arch of the build), its
-# FP8 PV variants, INT8 or INT4 QK (archs >= sm_89: FP8 mma.sync), and the Hopper kernel (sm_90a).
+# Kernel families of build_info().kernels (csrc/torch/module.cpp says what each holds): the
+# preprocessing kernels and attention_mma's INT8 QK + fp16/bf16 PV variant (every arch of the
+# build), its FP8 PV variants, INT8 or INT4 QK (archs >= sm_89: FP8 mma.sync), and the Hopper
+# kernel (sm_90a).
+PREPROCESS_FAMILY = "preprocess"
 MMA_FAMILY = "attention_mma"
 MMA_FP8_FAMILY = "attention_mma_fp8"
 WGMMA_FAMILY = "attention_wgmma"
@@ -412,18 +415,24 @@ if HAS_EXTENSION:
 class BuildInfo(NamedTuple):
     cuda_version: str
     archs: list[str]  # e.g. ["sm_80", "sm_89", "sm_90a"]
-    kernels: dict[str, list[str]]  # kernel family -> archs it was compiled for
+    kernels: dict[str, list[str]]  # kernel family (PREPROCESS_FAMILY, MMA_FAMILY, ...) -> its archs
+    descriptions: Mapping[str, str] = {}  # kernel family -> what it computes (for ``info``)
 
 
 def build_info() -> BuildInfo | None:
-    """What the extension was built with, or ``None`` when it is not available."""
+    """What the extension was built with, or ``None`` when it is not available.
+
+    ``_C.build_info()`` returns ``{"cuda_version": str, "archs": [str], "kernels": [{"family":
+    str, "description": str, "archs": [str]}, ...]}``."""
     if _C is None:
         return None
     raw: Mapping[str, Any] = _C.build_info()
+    entries = [dict(entry) for entry in raw.get("kernels", [])]
     return BuildInfo(
         cuda_version=str(raw.get("cuda_version", "unknown")),
         archs=[str(a) for a in raw.get("archs", [])],
-        kernels={str(k): [str(a) for a in v] for k, v in dict(raw.get("kernels", {})).items()},
+        kernels={str(e["family"]): [str(a) for a in e.get("archs", [])] for e in entries},
+        descriptions={str(e["family"]): str(e.get("description", "")) for e in entries},
     )
 
 
@@ -452,9 +461,10 @@ def arch_runs_on(arch: str, capability: tuple[int, int]) -> bool:
 
 
 def kernel_family(key: str) -> str:
-    """The family a ``build_info().kernels`` key names: its first word (e.g. "attention_mma_fp8"
-    of "attention_mma_fp8 (INT8/INT4 QK, FP8 PV, mma.sync)"), so that one family's name is never
-    taken for the prefix of another's."""
+    """The family a ``build_info().kernels`` key names. Keys are family names (MMA_FAMILY, ...);
+    a key that carries a description after the name, as builds before the structured build info
+    wrote them ("attention_mma_fp8 (INT8/INT4 QK, FP8 PV, mma.sync)"), names its first word, so
+    that one family's name is never taken for the prefix of another's."""
     return key.split(" ", 1)[0]
 
 

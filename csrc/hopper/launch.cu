@@ -1,0 +1,61 @@
+// Entry of the Hopper kernel's launches (no ATen here: see preprocess/params.h): the tensor maps
+// of the quantized K and V, and the switch over the input dtype, whose launches the units of
+// hopper/instantiations/ compile. The kernel has sm_90a code only; other archs of the build
+// compile it empty.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
+
+#include "hopper/variant.h"
+
+namespace sageattention2 {
+namespace {
+
+// cuTensorMapEncodeTiled through the runtime's driver entry point: no link against libcuda.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
+            cudaSuccess ||
+        found != cudaDriverEntryPointSuccess)
+      fn = nullptr;
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+  }();
+  return encode;
+}
+
+// A 3-D byte tensor [outer][rows][inner] read in boxes of [box_rows][box_inner] with the swizzle
+// whose span is the box's row (64 or 128 bytes): the layout kmajor_descriptor() describes.
+cudaError_t encode_byte_map(CUtensorMap* map, const void* base, uint64_t inner, uint64_t rows, uint64_t outer,
+                            uint32_t box_inner, uint32_t box_rows) {
+  const auto encode = tensor_map_encoder();
+  if (encode == nullptr) return cudaErrorNotSupported;
+  const cuuint64_t dims[3] = {inner, rows, outer};
+  const cuuint64_t strides[2] = {inner, inner * rows};  // bytes, dims 1 and 2
+  const cuuint32_t box[3] = {box_inner, box_rows, 1};
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUtensorMapSwizzle swizzle = box_inner == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 3, const_cast<void*>(base), dims, strides, box,
+                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle,
+                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
+}
+
+}  // namespace
+
+cudaError_t launch_attention_wgmma(const AttentionWgmmaParams& p, InputDtype dtype, cudaStream_t stream) {
+  const uint64_t heads = static_cast<uint64_t>(p.batch) * p.kv_heads;
+  const uint64_t d = static_cast<uint64_t>(p.head_dim), n = static_cast<uint64_t>(p.k_padded);
+  CUtensorMap k_map, v_map;
+  // K codes [B*Hkv][k_padded][D]: boxes of 128 keys x D bytes. V codes [B*Hkv][D][k_padded]:
+  // boxes of D channels x 128 keys.
+  cudaError_t status = encode_byte_map(&k_map, p.k_codes, d, n, heads, static_cast<uint32_t>(d), kWgmmaBlockK);
+  if (status == cudaSuccess)
+    status = encode_byte_map(&v_map, p.v_codes, n, d, heads, kWgmmaBlockK, static_cast<uint32_t>(d));
+  if (status != cudaSuccess) return status;
+  return dtype == InputDtype::kFloat16 ? AttentionWgmmaVariant<__half>::launch(p, k_map, v_map, stream)
+                                       : AttentionWgmmaVariant<__nv_bfloat16>::launch(p, k_map, v_map, stream);
+}
+
+}  // namespace sageattention2

@@ -1,0 +1,65 @@
+// The launch of the Hopper kernel's variants (no ATen here: see preprocess/params.h): its grid
+// (persistent or one CTA per work unit) and the switch over head_dim x causal for one input
+// dtype (hopper/variant.h). Included by the instantiation units only.
+#pragma once
+
+#include "common/launch.cuh"
+#include "hopper/kernel.cuh"
+#include "hopper/variant.h"
+
+namespace sageattention2 {
+namespace wgmma_launch {
+
+template <typename T, int kHeadDim, bool kCausal>
+cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
+                   cudaStream_t stream) {
+  using Kernel = AttentionWgmmaKernel<T, kHeadDim, kCausal>;
+  auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal>;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  if (status != cudaSuccess) return status;
+  // Up to 8 units per SM the grid is persistent (one CTA per SM): there the items are short and
+  // their start-up and drain, overlapped with the neighbouring items, weigh most (+2..10 % at 1K).
+  // Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item time
+  // variation that a static round-robin accumulates (-2..4 % persistent at 16K; A/B in one
+  // process, benchmarks/RESULTS.md).
+  int device = 0, sms = 0;
+  status = cudaGetDevice(&device);
+  if (status == cudaSuccess) status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (status != cudaSuccess) return status;
+  const int64_t units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads).units;
+  bool persistent = units <= 8 * static_cast<int64_t>(sms);
+  if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
+  const int64_t ctas = persistent && units > sms ? sms : units;
+  // After quantize_kv (after_quantize_kv): a programmatic dependent launch, which starts once that
+  // grid's last CTAs have started, and waits for its end at griddepcontrol.wait
+  // (hopper/kernel.cuh).
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), dim3(Kernel::kThreads), Kernel::kSmemBytes, stream,
+                       p.after_quantize_kv, p, k_map, v_map);
+}
+
+template <typename T, int kHeadDim>
+cudaError_t launch_causal(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
+                          cudaStream_t stream) {
+  return p.causal ? launch<T, kHeadDim, true>(p, k_map, v_map, stream)
+                  : launch<T, kHeadDim, false>(p, k_map, v_map, stream);
+}
+
+template <typename T>
+cudaError_t launch_head_dim(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
+                            cudaStream_t stream) {
+  switch (p.head_dim) {
+    case 64: return launch_causal<T, 64>(p, k_map, v_map, stream);
+    case 128: return launch_causal<T, 128>(p, k_map, v_map, stream);
+    default: return cudaErrorInvalidValue;  // validated by torch/attention_shapes.cpp
+  }
+}
+
+}  // namespace wgmma_launch
+
+template <typename T>
+cudaError_t AttentionWgmmaVariant<T>::launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map,
+                                             const CUtensorMap& v_map, cudaStream_t stream) {
+  return wgmma_launch::launch_head_dim<T>(p, k_map, v_map, stream);
+}
+
+}  // namespace sageattention2

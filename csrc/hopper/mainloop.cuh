@@ -1,0 +1,279 @@
+// The consumer side of the Hopper kernel's main loop (FlashAttention-3's mainloop mma side): one
+// item's KV tiles through the two wgmma products, per tile S = Q K^T (s8, both operands from
+// shared memory), the online softmax (hopper/softmax.cuh), P~ to E4M3 in registers, R = P~ V
+// (e4m3, A from registers, a fresh accumulator per tile; 8 extra columns of ones give the row
+// sums of P~), and O = alpha O + R, l = alpha l + rowsum in FP32 (the two-level accumulation of
+// paper 3.4). V comes with one FP8 scale per tile (quantize_kv's, issue 4): O is kept in units of
+// the last folded tile's scale, so the fold's rescale becomes alpha * s_prev / s_tile, one
+// multiply per row and tile. Only an item's last tile can need a mask (hopper/mask.cuh).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "common/convert.cuh"
+#include "common/ptx.cuh"
+#include "common/quant_math.cuh"
+#include "hopper/geometry.cuh"
+#include "hopper/mask.cuh"
+#include "hopper/params.h"
+#include "hopper/q_quantizer.cuh"  // WgmmaQRows
+#include "hopper/softmax.cuh"
+#include "hopper/tile_scheduler.cuh"
+
+namespace sageattention2 {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int kHeadDim, bool kCausal>
+struct WgmmaMainloop {
+  using Geometry = WgmmaGeometry<kHeadDim>;
+  using Smem = typename Geometry::Smem;
+  using Softmax = WgmmaSoftmax<kHeadDim, kCausal>;
+  using TileMask = WgmmaTileMask<kCausal>;
+  static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages;
+  static constexpr int kQkSteps = Geometry::kQkSteps, kPvSteps = Geometry::kPvSteps;
+  static constexpr int kSRegs = Geometry::kSRegs, kORegs = Geometry::kORegs, kRaccRegs = Geometry::kRaccRegs;
+  // How ptxas is led to schedule the KV loop: the same arithmetic, three choices per
+  // instantiation, each measured (benchmarks/RESULTS.md, session 17). With the per-row Q scales
+  // the loop as it was ran 7 % slower at head_dim 128 (ptxas put the 64 fold FFMAs after all the
+  // exponentials, which then queued on the MUFU pipe alone) and 3.5 % at 64; with these the
+  // kernel is as fast as before (within 0.5 %) or faster on every ANCHORS shape.
+  // - fold R(it - 1) into O before tile it's softmax (else after it);
+  static constexpr bool kFoldBeforeSoftmax = kHeadDim == 64 || !kCausal;
+  // - read the tile's K scale while QK(it) runs (else just before the softmax);
+  static constexpr bool kEarlyKScale = kHeadDim == 64 || kCausal;
+  // - s_O / s_tile by the exponents of the two powers of two (else by a MUFU reciprocal).
+  static constexpr bool kInverseByExponent = kHeadDim == 128 && !kCausal;
+  // - compute the next tile's ring slot (stage, phases, wgmma descriptors) while this tile runs
+  //   (else at the tile's start).
+  static constexpr bool kSlotAhead = !kCausal;
+
+  // With V's keys stored in the order of DESIGN.md, the A fragment of k-step c of the PV wgmma is
+  // the S columns of the n8 tiles 4c .. 4c+3, packed in register order, as E4M3.
+  __device__ static void pack_p(const float (&x)[kSRegs], uint32_t (&pa)[kPvSteps][4]) {
+#pragma unroll
+    for (int c = 0; c < kPvSteps; ++c)
+#pragma unroll
+      for (int reg = 0; reg < 4; ++reg) {
+        const int r = reg & 1, n = 4 * c + 2 * (reg >> 1);
+        pa[c][reg] = pack_e4m3x4(x[4 * n + 2 * r], x[4 * n + 2 * r + 1], x[4 * (n + 1) + 2 * r],
+                                 x[4 * (n + 1) + 2 * r + 1]);
+      }
+  }
+
+  __device__ static void issue_qk(int32_t (&sacc)[kSRegs], uint64_t q_desc, uint64_t k_desc) {
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kQkSteps; ++step) {  // +32 bytes along K per step
+      if (step == 0) ptx::wgmma_m64n128k32_s8<false>(sacc, q_desc, k_desc);
+      else ptx::wgmma_m64n128k32_s8<true>(sacc, q_desc + 2 * step, k_desc + 2 * step);
+    }
+    ptx::wgmma_commit();
+  }
+
+  __device__ static void issue_pv(float (&racc)[kRaccRegs], uint32_t (&pa)[kPvSteps][4], uint64_t v_desc) {
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kPvSteps; ++step) {
+      if constexpr (kHeadDim == 128) {
+        if (step == 0) ptx::wgmma_m64n136k32_e4m3<false>(racc, pa[step], v_desc);
+        else ptx::wgmma_m64n136k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
+      } else {
+        if (step == 0) ptx::wgmma_m64n72k32_e4m3<false>(racc, pa[step], v_desc);
+        else ptx::wgmma_m64n72k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
+      }
+    }
+    ptx::wgmma_commit();
+  }
+
+  // Everything of one KV tile between its QK product and its PV product: free the K stage, then
+  // the softmax (masked as `mask` says when kMasked).
+  template <bool kMasked>
+  __device__ static void scores_to_p(Smem& s, int stage, float k_scale, const WgmmaQRows& q, const TileMask& mask,
+                                     int lane, int t, int32_t (&sacc)[kSRegs], float (&x)[kSRegs], float (&m)[2],
+                                     float (&alpha)[2]) {
+    const float scale[2] = {q.scale[0] * k_scale, q.scale[1] * k_scale};
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&s.empty_k[stage]);
+    Softmax::template online<kMasked>(x, sacc, scale, mask, t, m, alpha);
+  }
+
+  // One item's KV tiles, from tile 0's QK product to the last tile's PV product folded into O; its
+  // first tile sits at ring position seq. before_last_pv() runs between the last tile's softmax
+  // and its PV product (the epilogue's early loads, hopper/epilogue.cuh); finish(o, m, l, o_scale)
+  // receives the result: O in units of the V scale o_scale, the rows' max m (base 2) and sum l
+  // of P~ * 448.
+  template <typename BeforeLastPv, typename Finish>
+  __device__ static void run(const AttentionWgmmaParams& p, Smem& s, const WgmmaWorkItem& w, const WgmmaQRows& q,
+                             uint32_t seq, int consumer, BeforeLastPv&& before_last_pv, Finish&& finish) {
+    const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int row_in_item = consumer * 64 + warp_in_group * 16 + g;  // the thread's rows: this and + 8
+    const uint64_t q_desc = ptx::kmajor_descriptor<kHeadDim>(s.q[consumer]);
+
+    float o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+    float alpha[2], alpha_prev[2] = {0.0f, 0.0f};  // (alpha_prev: set by tile 0, before its first use)
+    int32_t sacc[kSRegs];
+    float x[kSRegs];
+    float racc[kRaccRegs];
+    uint32_t pa[kPvSteps][4];
+    // V's per-tile scales: R of tile j is in units of s_j, O in those of the last folded tile.
+    // Read through L2 (.cg). Nothing writes them while this grid runs any more, so the read-only
+    // path would do as well; .cg keeps the KV loop's code as it was measured.
+    const float* v_tile_scale =
+        p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
+    float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do
+
+    // Once PV(it - 1) is done: free its V stage, then O = alpha O s_O / s_tile + R and
+    // l = alpha l + the ones columns' row sums (the two-level accumulation of paper 3.4; R, and
+    // from now on O, in units of the tile's V scale).
+    auto release_and_fold = [&](int v_stage, float tile_scale) {
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[v_stage]);
+      const float units =  // s_O / s_tile, exact either way
+          kInverseByExponent ? o_scale * inverse_of_power_of_two(tile_scale) : __fdividef(o_scale, tile_scale);
+      const float factor[2] = {alpha_prev[0] * units, alpha_prev[1] * units};
+      o_scale = tile_scale;
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], factor[(i / 2) & 1], racc[i]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha_prev[r], racc[kORegs + 2 * r]);
+    };
+
+    // Tile 0: S, softmax.
+    // The ring position, the last tile and (below) the loop's tile index pass through a shuffle
+    // from lane 0: the compiler then knows they are warp-uniform and computes the stages' wgmma
+    // descriptors in uniform registers. Without them the causal loop's counter lived in a vector
+    // register (24 R2UR per tile instead of 8, 33 more instructions) and the item state spilled.
+    const int last = __shfl_sync(0xffffffffu, w.kv_tiles - 1, 0);
+    seq = __shfl_sync(0xffffffffu, seq, 0);
+    const TileMask unmasked{false, kBlockK, 0};
+    const int stage0 = seq % kStages;
+    ptx::mbarrier_wait(&s.full_k[stage0], (seq / kStages) & 1);
+    // Warpgroup 1 starts an item once warpgroup 0 has its tile 0's P (barrier 3, below): the two
+    // then run the KV loop a fraction of a tile apart instead of in step. Left to itself, their
+    // offset depended on the per-item code by accident, and the loop tile took 1,644 cycles at
+    // 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; benchmarks/RESULTS.md, session 14).
+    if (consumer == 1) ptx::named_barrier_sync<3, 256>();
+    issue_qk(sacc, q_desc, ptx::kmajor_descriptor<kHeadDim>(s.k[stage0]));
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
+    const TileMask mask0 = last == 0 ? TileMask::of(p, w, 0, row_in_item) : unmasked;
+    if (mask0.masked) scores_to_p<true>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
+    else scores_to_p<false>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
+    pack_p(x, pa);
+    if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
+
+    // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; S(it)'s row maxima are
+    // taken while PV(it - 1) computes (ptxas waits for the PV before the exponentials: session 16
+    // of benchmarks/RESULTS.md); R(it - 1) is folded into O (paper 3.4) before or after the
+    // softmax (kFoldBeforeSoftmax), and P(it) packed. A masked tile (the last) first waits for
+    // PV(it - 1) and folds it: the masked softmax then has the PV accumulators' registers to
+    // itself and spills nothing.
+    // Where tile it's K and tile it - 1's V sit in the ring. With kSlotAhead the loop takes the
+    // next tile's index (the warp-uniform shuffle) and slot while this tile runs: the per-tile
+    // trace (benchmarks/RESULTS.md, session 18) puts ~330 cycles between a tile's start and its
+    // last GEMM issued, a chain of shuffle, uniform-datapath arithmetic and descriptors. ptxas
+    // still recomputes part of the slot at the top, but the shuffle leaves the chain: the hd128
+    // loop's encoded stall cycles fall from 910 to 867 per tile and the kernel gains 1-2 %
+    // non-causal. The causal loops came out 4-19 instructions longer and 1-3 % slower with it.
+    struct Slot {
+      int stage, prev;
+      uint32_t phase, prev_phase;
+      uint64_t k_desc, v_desc;
+    };
+    auto slot = [&](int it) {
+      const uint32_t pos = seq + it;
+      Slot r;
+      r.stage = pos % kStages;
+      r.prev = (pos - 1) % kStages;
+      r.phase = (pos / kStages) & 1;
+      r.prev_phase = ((pos - 1) / kStages) & 1;
+      r.k_desc = ptx::kmajor_descriptor<kHeadDim>(s.k[r.stage]);
+      r.v_desc = ptx::kmajor_descriptor<128>(s.v[r.prev]);
+      return r;
+    };
+    auto step = [&](int it, const Slot& r, const TileMask& mask, auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
+      const int stage = r.stage, prev = r.prev;
+      const uint32_t phase = r.phase, prev_phase = r.prev_phase;
+      ptx::mbarrier_wait(&s.full_k[stage], phase);
+      // The tile's K group scale (keys 8i + 2t + {0, 1} are group t): read while QK(it) runs.
+      const float early_k_scale = kEarlyKScale ? s.k_scale[stage][t] : 0.0f;
+      auto k_scale = [&] { return kEarlyKScale ? early_k_scale : s.k_scale[stage][t]; };
+      issue_qk(sacc, q_desc, r.k_desc);
+      ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
+      issue_pv(racc, pa, r.v_desc);
+      const float prev_scale = __ldcg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
+      auto pv_done = [&] {
+        if constexpr (!kMasked) ptx::wgmma_wait<0>();  // (masked: waited for both just below)
+#pragma unroll
+        for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
+#pragma unroll
+        for (int c = 0; c < kPvSteps; ++c)
+#pragma unroll
+          for (int reg = 0; reg < 4; ++reg) ptx::register_fence(pa[c][reg]);  // read by PV until now
+      };
+      ptx::wgmma_wait<kMasked ? 0 : 1>();  // S(it) is ready; unmasked, PV(it - 1) may still run
+#pragma unroll
+      for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
+      if constexpr (kMasked || kFoldBeforeSoftmax) {
+        pv_done();  // (ptxas waits for PV(it - 1) before the exponentials anyway: session 16)
+        release_and_fold(prev, prev_scale);
+        scores_to_p<kMasked>(s, stage, k_scale(), q, mask, lane, t, sacc, x, m, alpha);
+      } else {
+        scores_to_p<false>(s, stage, k_scale(), q, mask, lane, t, sacc, x, m, alpha);
+        pv_done();
+        release_and_fold(prev, prev_scale);
+      }
+      pack_p(x, pa);
+      alpha_prev[0] = alpha[0];
+      alpha_prev[1] = alpha[1];
+    };
+    if constexpr (kSlotAhead) {
+      int it = 1;
+      Slot cur = slot(1);
+#pragma unroll 1
+      while (it < last) {
+        const int next = __shfl_sync(0xffffffffu, it + 1, 0);
+        const Slot upcoming = slot(next);
+        step(it, cur, unmasked, std::false_type{});
+        it = next;
+        cur = upcoming;
+      }
+    } else {
+#pragma unroll 1
+      for (int it = 1; it < last; ++it) {
+        const int now = __shfl_sync(0xffffffffu, it, 0);
+        step(now, slot(now), unmasked, std::false_type{});
+      }
+    }
+    if (last > 0) {
+      const TileMask mask = TileMask::of(p, w, last, row_in_item);
+      if (mask.masked) step(last, slot(last), mask, std::true_type{});
+      else step(last, slot(last), unmasked, std::false_type{});
+    }
+    before_last_pv();
+    {  // the last tile's PV
+      const uint32_t last_pos = seq + last;
+      const int stage = last_pos % kStages;
+      ptx::mbarrier_wait(&s.full_v[stage], (last_pos / kStages) & 1);
+      issue_pv(racc, pa, ptx::kmajor_descriptor<128>(s.v[stage]));
+      const float last_scale = __ldcg(v_tile_scale + last);
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
+      release_and_fold(stage, last_scale);
+    }
+    finish(o, m, l, o_scale);
+  }
+};
+#endif  // sm_90a
+
+}  // namespace sageattention2

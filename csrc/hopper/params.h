@@ -1,0 +1,47 @@
+// Parameters and launch function of the Hopper attention kernel (wgmma). Plain structs shared by
+// the torch-facing code (host compiler) and the kernel (nvcc, no ATen: see preprocess/params.h).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common/input_dtype.h"
+
+namespace sageattention2 {
+
+// Tile geometry of the Hopper kernel (attention_wgmma): a CTA of two consumer warpgroups owns
+// 128 queries (64 per warpgroup, 16 per warp: the m64 wgmma slab), and streams 128-key tiles.
+// K has the per-thread groups of the warp-level kernel: 32 keys of a 128-key tile
+// (quantize_kv(block_k=128)), so one K scale per thread (paper Eq. 8, Fig. 4). Q, quantized
+// inside the kernel, has one scale per row: a thread's two rows {g, g+8} each have their own,
+// finer than Eq. 8's group of both at no cost in the loop (hopper/q_quantizer.cuh).
+inline constexpr int kWgmmaBlockQ = 128;
+inline constexpr int kWgmmaBlockK = 128;
+
+struct AttentionWgmmaParams {
+  const void* q = nullptr;           // [B, Hq, q_len, D] fp16/bf16, strides below (last dim 1)
+  int64_t q_stride_b = 0, q_stride_h = 0, q_stride_n = 0;
+  const int8_t* k_codes = nullptr;   // [B, Hkv, k_padded, D] per-thread INT8 (quantize_kv)
+  const float* k_scale = nullptr;    // [B, Hkv, k_padded / 128, 4]
+  const uint8_t* v_codes = nullptr;  // [B, Hkv, D, k_padded] E4M3, PV-MMA key order (DESIGN.md)
+  const float* v_tile_scale = nullptr;  // [B, Hkv, k_padded / 128] FP8 scale of each V tile
+  const float* v_mean = nullptr;     // [B, Hkv, D] or null (smooth V: added to the output)
+  const float* k_mean = nullptr;     // [B, Hkv, D] or null (smooth K: its row constant joins the LSE)
+  void* out = nullptr;               // [B, Hq, q_len, D] in q's dtype, strides below
+  int64_t out_stride_b = 0, out_stride_h = 0, out_stride_n = 0;
+  float* lse = nullptr;              // [B, Hq, q_len] or null
+  int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
+  int64_t q_len = 0, kv_len = 0, k_padded = 0;
+  float sm_scale = 1.0f;             // softmax scale (natural units)
+  bool causal = false;
+  // Launched as a programmatic dependent of quantize_kv, launched just before it by the same
+  // call: the CTAs start, load their first Q and set up while that launch ends, and wait for it
+  // before anything it writes is read (AttentionWgmmaKernel).
+  bool after_quantize_kv = false;
+};
+
+// cudaErrorNotSupported when this build has no sm_90a code.
+cudaError_t launch_attention_wgmma(const AttentionWgmmaParams& p, InputDtype dtype, cudaStream_t stream);
+
+}  // namespace sageattention2

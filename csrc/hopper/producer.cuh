@@ -1,0 +1,58 @@
+// The producer of the Hopper kernel (FlashAttention-3's mainloop load side): one thread of
+// warpgroup 0 streams the K tiles (INT8, from quantize_kv) with their 4 group scales, and the V
+// tiles (E4M3, transposed), of its CTA's items back to back into the kStages-deep shared-memory
+// ring with the copy engine, on the full/empty mbarriers the consumers (hopper/mainloop.cuh)
+// wait on and release.
+#pragma once
+
+#include <cuda.h>  // CUtensorMap
+
+#include <cstdint>
+
+#include "common/ptx.cuh"
+#include "hopper/geometry.cuh"
+#include "hopper/params.h"
+#include "hopper/tile_scheduler.cuh"
+
+namespace sageattention2 {
+
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+template <int kHeadDim, bool kCausal>
+struct WgmmaProducer {
+  using Geometry = WgmmaGeometry<kHeadDim>;
+  using Scheduler = WgmmaTileScheduler<kCausal>;
+  static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages;
+  static constexpr int kKBytes = Geometry::kKBytes, kVBytes = Geometry::kVBytes;
+
+  __device__ static void run(const AttentionWgmmaParams& p, const CUtensorMap* k_map, const CUtensorMap* v_map,
+                             typename Geometry::Smem& s) {
+    ptx::prefetch_tensor_map(k_map);
+    ptx::prefetch_tensor_map(v_map);
+    // K, its scales and V: complete once quantize_kv, the launch before, is (after_quantize_kv;
+    // otherwise it returns at once).
+    ptx::griddepcontrol_wait();
+    const typename Scheduler::Schedule sc = Scheduler::schedule(p.q_len, p.batch, p.q_heads);
+    uint32_t seq = 0;  // tiles streamed so far: the ring position
+    int64_t unit = blockIdx.x;
+    int half = 0;
+    WgmmaWorkItem w;
+    for (; Scheduler::seek(p, sc, unit, half, w); ++half) {
+      const int bhk = w.b * p.kv_heads + w.hk;
+      const float* k_scale = p.k_scale + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) * 4;
+      for (int it = 0; it < w.kv_tiles; ++it, ++seq) {
+        const int stage = seq % kStages;
+        const uint32_t phase = (seq / kStages) & 1;
+        ptx::mbarrier_wait_sleeping(&s.empty_k[stage], phase ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&s.full_k[stage], kKBytes + 16);
+        ptx::tma_load_3d(s.k[stage], k_map, 0, it * kBlockK, bhk, &s.full_k[stage]);
+        ptx::bulk_load(s.k_scale[stage], k_scale + it * 4, 16, &s.full_k[stage]);
+        ptx::mbarrier_wait_sleeping(&s.empty_v[stage], phase ^ 1);
+        ptx::mbarrier_arrive_expect_tx(&s.full_v[stage], kVBytes);
+        ptx::tma_load_3d(s.v[stage], v_map, it * kBlockK, 0, bhk, &s.full_v[stage]);
+      }
+    }
+  }
+};
+#endif  // sm_90a
+
+}  // namespace sageattention2

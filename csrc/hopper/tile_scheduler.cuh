@@ -1,0 +1,70 @@
+// The Hopper kernel's tile scheduler: which work items (blocks of 128 queries of one head) a CTA
+// runs, in what order. The producer and both consumer warpgroups walk the same sequence, each on
+// its own (hopper/kernel.cuh).
+#pragma once
+
+#include <cstdint>
+
+#include "hopper/params.h"
+
+namespace sageattention2 {
+
+struct WgmmaWorkItem {  // one work item: a block of 128 queries of one head
+  int qb, h, b, hk;
+  int64_t q0;
+  int kv_tiles;
+};
+
+template <bool kCausal>
+struct WgmmaTileScheduler {
+  static constexpr int kBlockQ = kWgmmaBlockQ, kBlockK = kWgmmaBlockK;
+  // Work units: Q blocks q_blocks - 1 - k and k of one (batch, head), the longer first. Under
+  // causal masking a pair holds q_blocks + 1 key tiles whatever k is, so a static round-robin
+  // of units over the persistent CTAs is balanced (no global tile counter to reset per call);
+  // consecutive units belong to the same head (its K/V stay in L2), GQA heads sharing a KV head
+  // are adjacent.
+  struct Schedule {
+    int q_blocks, pairs;
+    int64_t units;
+  };
+
+  __host__ __device__ static Schedule schedule(int64_t q_len, int batch, int q_heads) {
+    Schedule sc;
+    sc.q_blocks = static_cast<int>((q_len + kBlockQ - 1) / kBlockQ);
+    sc.pairs = (sc.q_blocks + 1) / 2;
+    sc.units = static_cast<int64_t>(batch) * q_heads * sc.pairs;
+    return sc;
+  }
+
+  // The item `half` (0 or 1) of `unit`; false where the pair is the odd middle block alone.
+  __device__ static bool item(const AttentionWgmmaParams& p, const Schedule& sc, int64_t unit, int half,
+                              WgmmaWorkItem& w) {
+    const int k = static_cast<int>(unit % sc.pairs);
+    const int64_t head = unit / sc.pairs;
+    if (half == 1 && sc.q_blocks - 1 - k == k) return false;
+    w.qb = half == 0 ? sc.q_blocks - 1 - k : k;
+    w.h = static_cast<int>(head % p.q_heads);
+    w.b = static_cast<int>(head / p.q_heads);
+    w.hk = w.h / (p.q_heads / p.kv_heads);
+    w.q0 = static_cast<int64_t>(w.qb) * kBlockQ;
+    int64_t tiles = (p.kv_len + kBlockK - 1) / kBlockK;
+    if constexpr (kCausal) {
+      const int64_t last_query = (w.q0 + kBlockQ < p.q_len ? w.q0 + kBlockQ : p.q_len) - 1;
+      const int64_t needed = last_query / kBlockK + 1;  // SDPA causal: key j visible to query i iff j <= i
+      tiles = needed < tiles ? needed : tiles;
+    }
+    w.kv_tiles = static_cast<int>(tiles);
+    return true;
+  }
+
+  // Steps (unit, half) to this CTA's next item at or after it; false when none is left.
+  __device__ static bool seek(const AttentionWgmmaParams& p, const Schedule& sc, int64_t& unit, int& half,
+                              WgmmaWorkItem& w) {
+    for (; unit < sc.units; unit += gridDim.x, half = 0)
+      for (; half < 2; ++half)
+        if (item(p, sc, unit, half, w)) return true;
+    return false;
+  }
+};
+
+}  // namespace sageattention2

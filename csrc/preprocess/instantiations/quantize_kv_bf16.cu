@@ -1,0 +1,6 @@
+// quantize_kv, bf16 inputs: its 6 kernels (INT8/INT4 K codes x head_dim 64, 128, any other).
+#include "preprocess/quantize_kv_launch.cuh"
+
+namespace sageattention2 {
+template struct QuantizeKvVariant<__nv_bfloat16>;
+}  // namespace sageattention2

@@ -1,0 +1,93 @@
+// Parameters of the preprocessing kernels and their launch functions.
+//
+// Plain structs with no CUDA device code and no ATen, so the torch-facing code (compiled by the
+// host compiler) and the kernels (compiled by nvcc, with no ATen headers) share them. Keeping
+// ATen out of nvcc's translation units matters: nvcc's host pass over ATen headers emitted weak
+// copies of libstdc++ stream templates into the extension, which crashed when formatting an
+// integer on a toolchain with another libstdc++ (seen with g++ 13 on the H100 image).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "common/geometry.h"
+#include "common/input_dtype.h"
+
+namespace sageattention2 {
+
+// A [B, H, N, D] view with arbitrary element strides on B, H, N and a contiguous last dim.
+struct BhndView {
+  const void* data = nullptr;
+  int64_t stride_b = 0, stride_h = 0, stride_n = 0;
+  int batch = 0, heads = 0;
+  int64_t tokens = 0;
+  int head_dim = 0;
+};
+
+struct StatsSource {
+  BhndView view;
+  int first_job = 0;         // jobs of this source: [first_job, first_job + batch * heads)
+  bool track_range = false;  // V: also per-channel max and min (for the FP8 scale)
+  bool smooth = false;       // V: subtract the mean before taking the range
+  float* mean_out = nullptr;   // [B, H, D], written when non-null
+  float* scale_out = nullptr;  // V only: [B, H, D] max |V - mean| / 448
+};
+
+inline constexpr int kMaxStatsSources = 3;
+
+struct StatsParams {
+  StatsSource sources[kMaxStatsSources];
+  int num_sources = 0;
+  int jobs_per_source = 0;  // > 0: every source has this many jobs, interleaved in the grid
+  int chunks = 1;
+  int64_t rows_per_chunk = 1;
+  float* partial_sum = nullptr;  // [jobs][chunks][kMaxHeadDim]; null with one chunk (no fold launch)
+  float* partial_max = nullptr;
+  float* partial_min = nullptr;
+};
+
+struct QuantizeKVParams {
+  BhndView k, v;
+  bool has_v = false;
+  const float* k_mean = nullptr;   // [B, Hkv, D] or null
+  const float* v_mean = nullptr;   // [B, Hkv, D] or null
+  const float* v_scale = nullptr;  // [B, Hkv, D] per-channel scale, or null: one scale per tile
+  const float* q_mean = nullptr;   // [B, Hq, D] or null
+  int q_heads = 0;
+  float delta_s_multiplier = 1.0f;
+  int block_k = 64;
+  int64_t padded_tokens = 0;
+  int8_t* k_codes = nullptr;       // [B, Hkv, padded_tokens, D or D/2]
+  float* k_scales = nullptr;       // [B, Hkv, blocks, 4]
+  uint8_t* v_codes = nullptr;      // [B, Hkv, D, padded_tokens] E4M3
+  float* delta_s = nullptr;        // [B, Hq, padded_tokens] or null
+  float* v_tile_scale = nullptr;   // [B, Hkv, blocks]: written when V comes without v_scale
+  // Launched as a programmatic dependent of smoothing_stats by a caller that keeps that launch's
+  // inputs and outputs alive until this launch (launch_quantize_kv): V tiles that read none of
+  // its outputs (no v_mean, no v_scale) then run without waiting for it, since no output of
+  // this launch can share memory with a tensor it still touches.
+  bool v_overlaps_prior_grid = false;
+};
+
+// quantize_kv quantizes K from registers (quantize_k_block_in_registers) for the head_dims it has
+// compiled in and the attention kernels' 128-key blocks, when no Delta-S is asked for; otherwise
+// from a tile staged in shared memory.
+inline constexpr int kRegisterKBlock = 128;
+constexpr bool k_block_in_registers(const QuantizeKVParams& p) {
+  return p.block_k == kRegisterKBlock && p.q_mean == nullptr && (p.k.head_dim == 64 || p.k.head_dim == 128);
+}
+
+// Shared-memory rows are padded by one 16-byte vector so that threads reading 16 bytes of
+// consecutive rows (the Delta-S dot products) fall in different banks.
+constexpr int kv_tile_pitch(int head_dim) { return head_dim + kElemsPerVector; }
+
+// Each returns the launch status (cudaGetLastError after the launch).
+cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dtype, cudaStream_t stream);
+// after_smoothing_stats: as a programmatic dependent of smoothing_stats, launched just before it
+// by the same call (quantize_kv_kernel); p.v_overlaps_prior_grid says what else the caller
+// guarantees.
+cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
+                               bool after_smoothing_stats = false);
+
+}  // namespace sageattention2

@@ -1,0 +1,90 @@
+// Host interface of the attention ops (docs/DESIGN.md): the single ops attention_mma and
+// attention_wgmma (validation and output allocation in attention_shapes.cpp, shared by the CUDA
+// and Meta implementations; CUDA implementations in attention_ops.cpp) and the composites
+// sageattn_wgmma and sageattn_mma (composites.cpp).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace sageattention2 {
+
+// log2(e) in double: sageattn's sm_scale * log2(e) (ops.LOG2E) is one double product, rounded to
+// float once where a kernel takes it, so the chain and the ops called one by one agree bit for bit.
+inline constexpr double kLog2e = 1.4426950408889634;
+
+struct AttentionOutputs {
+  at::Tensor out, lse;
+};
+
+AttentionOutputs allocate_attention_mma(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
+                                        const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                        const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                        const std::optional<at::Tensor>& v_scale,
+                                        const std::optional<at::Tensor>& v_mean,
+                                        const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
+                                        int64_t kv_len, bool out_nhd, bool return_lse);
+
+std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
+                                                      const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                                      const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                                      const std::optional<at::Tensor>& v_scale,
+                                                      const std::optional<at::Tensor>& v_mean,
+                                                      const std::optional<at::Tensor>& k_mean,
+                                                      const std::string& qk_dtype, int64_t kv_len, double sm_scale,
+                                                      bool is_causal, bool out_nhd, bool return_lse);
+// The same, launched as a programmatic dependent of the quantize_kv that the caller launched just
+// before it (after_quantize_kv; what that allows: mma/params.h).
+std::tuple<at::Tensor, at::Tensor> attention_mma_after_cuda(
+    const at::Tensor& q, const std::optional<at::Tensor>& q_mean, const at::Tensor& k_codes, const at::Tensor& k_scale,
+    const std::optional<at::Tensor>& delta_s, const at::Tensor& v, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
+    int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv);
+
+AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                          const at::Tensor& v_fp8, const at::Tensor& v_tile_scale,
+                                          const std::optional<at::Tensor>& v_mean,
+                                          const std::optional<at::Tensor>& k_mean, int64_t kv_len, bool out_nhd,
+                                          bool return_lse);
+
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
+                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
+                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const std::optional<at::Tensor>& k_mean, int64_t kv_len,
+                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
+// The same, launched as a programmatic dependent of the quantize_kv that the caller launched just
+// before it (after_quantize_kv; what that allows: hopper/params.h).
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v_fp8,
+    const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
+    int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv);
+
+// The Hopper path of a sageattn call in one op (docs/DESIGN.md "Ops"): smoothing_stats over
+// every sample_stride-th token (K's mean with smooth_k, V's with smooth_v), quantize_kv for
+// block_k 128 with one V scale per tile, then attention_wgmma. The intermediates are never
+// returned: at short sequences a call is host-bound, and each op dispatched from Python costs
+// 16-20 us of host time (benchmarks/RESULTS.md, session 20).
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
+                                                       double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
+AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
+                                         bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse);
+
+// The warp-level path of a sageattn call in one op, for the same reason (docs/DESIGN.md "Ops"):
+// at most one smoothing_stats launch (Q's mean with smooth_q; K's over every sample_stride-th
+// token with smooth_k, or over all tokens with FP8 PV, whose V range needs them all), quantize_kv
+// for block_k 128, then attention_mma, each launch a programmatic dependent of the one before.
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const std::string& qk_dtype, const std::string& pv_dtype,
+                                                     bool smooth_q, bool smooth_k, bool smooth_v,
+                                                     int64_t sample_stride, double sm_scale, bool is_causal,
+                                                     bool out_nhd, bool return_lse);
+AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const std::string& qk_dtype, const std::string& pv_dtype, bool smooth_q,
+                                       bool smooth_k, bool smooth_v, int64_t sample_stride, bool out_nhd,
+                                       bool return_lse);
+
+}  // namespace sageattention2

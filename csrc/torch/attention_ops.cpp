@@ -1,0 +1,137 @@
+// CUDA implementations of the attention ops attention_mma and attention_wgmma: validate and
+// allocate (attention_shapes.cpp), fill the kernel parameters, launch on the current stream
+// (mma/launch.cu, hopper/launch.cu).
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "hopper/params.h"
+#include "mma/params.h"
+#include "torch/attention.h"
+#include "torch/preprocess.h"  // check_launchable
+
+namespace sageattention2 {
+namespace {
+
+// The parameters both attention kernels share: the caller's Q, the output and LSE, the shapes.
+template <typename Params>
+void set_shared_params(Params& p, const at::Tensor& q, const at::Tensor& k_codes, const AttentionOutputs& out,
+                       int64_t kv_len, bool return_lse) {
+  p.q = q.data_ptr();
+  p.q_stride_b = q.stride(0);
+  p.q_stride_h = q.stride(1);
+  p.q_stride_n = q.stride(2);
+  p.out = out.out.data_ptr();
+  p.out_stride_b = out.out.stride(0);
+  p.out_stride_h = out.out.stride(1);
+  p.out_stride_n = out.out.stride(2);
+  p.lse = return_lse ? out.lse.data_ptr<float>() : nullptr;
+  p.batch = static_cast<int>(q.size(0));
+  p.q_heads = static_cast<int>(q.size(1));
+  p.kv_heads = static_cast<int>(k_codes.size(1));
+  p.head_dim = static_cast<int>(q.size(3));
+  p.q_len = q.size(2);
+  p.kv_len = kv_len;
+  p.k_padded = k_codes.size(2);
+}
+
+}  // namespace
+
+// attention_mma, launched the ordinary way or (after_quantize_kv) as a programmatic dependent of
+// the quantize_kv launched just before it by the same call.
+std::tuple<at::Tensor, at::Tensor> attention_mma_after_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
+                                              const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                              const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                              const std::optional<at::Tensor>& v_scale,
+                                              const std::optional<at::Tensor>& v_mean,
+                                              const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
+                                              int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd,
+                                              bool return_lse, bool after_quantize_kv) {
+  AttentionOutputs out = allocate_attention_mma(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean,
+                                                qk_dtype, kv_len, out_nhd, return_lse);
+  check_launchable(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
+  AttentionMmaParams p;
+  set_shared_params(p, q, k_codes, out, kv_len, return_lse);
+  p.q_mean = q_mean ? q_mean->data_ptr<float>() : nullptr;
+  p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
+  // The product in double, then rounded once, as the reference's scale_multiplier and
+  // quantize_kv's delta_s_multiplier are (sageattn's sm_scale * log2(e)), so the codes and scales
+  // match theirs bit for bit.
+  p.q_scale_multiplier = static_cast<float>(sm_scale * kLog2e);
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.k_codes = k_codes.data_ptr<int8_t>();
+  p.k_scale = k_scale.data_ptr<float>();
+  p.delta_s = delta_s ? delta_s->data_ptr<float>() : nullptr;
+  p.v = v.data_ptr();
+  p.v_stride_b = v.stride(0);
+  p.v_stride_h = v.stride(1);
+  p.v_stride_n = v.stride(2);
+  p.v_scale = v_scale ? v_scale->data_ptr<float>() : nullptr;
+  p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
+  p.qk = qk_dtype == "int4" ? QkCodes::kInt4 : QkCodes::kInt8;
+  p.pv = fp8_v ? PvOperands::kFp8 : PvOperands::kInput;
+  p.causal = is_causal;
+  p.after_quantize_kv = after_quantize_kv;
+  const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  const cudaError_t status = launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status != cudaErrorNotSupported, "attention_mma: ",
+              fp8_v ? "FP8 PV needs an sm_89+ GPU and a build with code for it (TORCH_CUDA_ARCH_LIST 8.9 or 9.0a)"
+                    : "this variant needs more shared memory per block than this GPU allows");
+  C10_CUDA_CHECK(status);
+  return {out.out, out.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
+                                                      const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                                      const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                                      const std::optional<at::Tensor>& v_scale,
+                                                      const std::optional<at::Tensor>& v_mean,
+                                                      const std::optional<at::Tensor>& k_mean,
+                                                      const std::string& qk_dtype, int64_t kv_len, double sm_scale,
+                                                      bool is_causal, bool out_nhd, bool return_lse) {
+  return attention_mma_after_cuda(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean, qk_dtype, kv_len, sm_scale,
+                    is_causal, out_nhd, return_lse, false);
+}
+
+// attention_wgmma (after_quantize_kv: quantize_kv was launched by the same call just before).
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(const at::Tensor& q, const at::Tensor& k_codes,
+                                                const at::Tensor& k_scale, const at::Tensor& v_fp8,
+                                                const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                const std::optional<at::Tensor>& k_mean, int64_t kv_len,
+                                                double sm_scale, bool is_causal, bool out_nhd, bool return_lse,
+                                                bool after_quantize_kv) {
+  AttentionOutputs out =
+      allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
+  check_launchable(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  AttentionWgmmaParams p;
+  set_shared_params(p, q, k_codes, out, kv_len, return_lse);
+  p.k_codes = k_codes.data_ptr<int8_t>();
+  p.k_scale = k_scale.data_ptr<float>();
+  p.v_codes = static_cast<const uint8_t*>(v_fp8.data_ptr());
+  p.v_tile_scale = v_tile_scale.data_ptr<float>();
+  p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
+  p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.causal = is_causal;
+  p.after_quantize_kv = after_quantize_kv;
+  const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status != cudaErrorNotSupported,
+              "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
+  C10_CUDA_CHECK(status);
+  return {out.out, out.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
+                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
+                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const std::optional<at::Tensor>& k_mean, int64_t kv_len,
+                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
+  return attention_wgmma_after_cuda(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
+                      return_lse, false);
+}
+
+}  // namespace sageattention2

@@ -1,0 +1,145 @@
+// The composite ops sageattn_wgmma and sageattn_mma (docs/DESIGN.md "Ops"): a sageattn call's
+// preprocessing and attention launches in one op, with its shapes (for the Meta implementation)
+// and its CUDA implementation side by side.
+#include <c10/util/Exception.h>
+
+#include "hopper/params.h"  // kWgmmaBlockK
+#include "mma/params.h"     // kMmaBlockK
+#include "torch/attention.h"
+#include "torch/environment.h"
+#include "torch/preprocess.h"
+
+namespace sageattention2 {
+namespace {
+
+// A composite op's own arguments (sageattn_wgmma, sageattn_mma), before its three steps validate
+// theirs (so that a bad k or v is named as such, not as a preprocessing output).
+void check_chain_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t sample_stride) {
+  TORCH_CHECK(sample_stride >= 1, "sample_stride must be >= 1, got ", sample_stride);
+  TORCH_CHECK(k.dim() == 4 && v.dim() == 4, "k and v must be 4-D [batch, kv_heads, kv_len, head_dim] tensors, got ",
+              k.dim(), "-D and ", v.dim(), "-D");
+  TORCH_CHECK(q.scalar_type() == k.scalar_type(), "q (", q.scalar_type(), ") and k (", k.scalar_type(),
+              ") must have the same dtype");
+}
+
+// The tokens whose mean is a smoothing vector: every sample_stride-th one (a view), or none.
+std::optional<at::Tensor> token_sample(const at::Tensor& t, bool wanted, int64_t sample_stride) {
+  if (!wanted) return std::nullopt;
+  return t.slice(2, std::nullopt, std::nullopt, sample_stride);
+}
+
+}  // namespace
+
+AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
+                                         bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse) {
+  check_chain_inputs(q, k, v, sample_stride);
+  std::optional<at::Tensor> k_mean, v_mean;
+  if (smooth_k || smooth_v) {
+    SmoothingStatsOutputs stats = allocate_smoothing_stats(
+        std::nullopt, token_sample(k, smooth_k, sample_stride), token_sample(v, smooth_v, sample_stride), smooth_v);
+    if (smooth_k) k_mean = stats.k_mean;
+    if (smooth_v) v_mean = stats.v_mean;
+  }
+  QuantizeKVOutputs kv = allocate_quantize_kv(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8");
+  return allocate_attention_wgmma(q, kv.k_codes, kv.k_scales, kv.v_codes, kv.v_tile_scale, v_mean, k_mean,
+                                  k.sym_size(2).guard_int(__FILE__, __LINE__), out_nhd, return_lse);
+}
+
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
+                                                       double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
+  check_chain_inputs(q, k, v, sample_stride);
+  std::optional<at::Tensor> k_mean, v_mean;
+  // All of smoothing_stats' outputs live until the end: quantize_kv, launched as its programmatic
+  // dependent, may write before it completes (V without v_mean), so none of its outputs may
+  // reuse memory of a tensor smoothing_stats still touches.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats;
+  if (smooth_k || smooth_v) {
+    stats = smoothing_stats_cuda(std::nullopt, token_sample(k, smooth_k, sample_stride),
+                                 token_sample(v, smooth_v, sample_stride), smooth_v);
+    if (smooth_k) k_mean = std::get<1>(stats);
+    if (smooth_v) v_mean = std::get<2>(stats);
+  }
+  const bool programmatic = programmatic_launches();
+  auto kv = quantize_kv_after_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0,
+                                   programmatic && (smooth_k || smooth_v));
+  return attention_wgmma_after_cuda(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean, k.size(2),
+                      sm_scale, is_causal, out_nhd, return_lse, programmatic);
+}
+
+namespace {
+
+// What sageattn_mma's steps take, from its arguments (ops.sageattn_mma_chain is the same in
+// Python): which statistics run, and over which tokens.
+struct MmaChainPlan {
+  bool fp8;    // P~ and V in E4M3 (V's per-channel scale from the statistics)
+  bool stats;  // a smoothing_stats launch runs
+  std::optional<at::Tensor> stats_q, stats_k, stats_v;
+
+  MmaChainPlan(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::string& pv_dtype,
+               bool smooth_q, bool smooth_k, int64_t sample_stride) {
+    TORCH_CHECK(pv_dtype == "fp8" || pv_dtype == "input", "pv_dtype must be 'fp8' or 'input', got '", pv_dtype, "'");
+    fp8 = pv_dtype == "fp8";
+    stats = smooth_q || smooth_k || fp8;
+    if (smooth_q) stats_q = q;
+    // smoothing_stats takes K and V over the same tokens: with FP8 PV, V's range needs all of them.
+    if (smooth_k) stats_k = fp8 ? k : *token_sample(k, true, sample_stride);
+    if (fp8) stats_v = v;
+  }
+};
+
+}  // namespace
+
+AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                       const std::string& qk_dtype, const std::string& pv_dtype, bool smooth_q,
+                                       bool smooth_k, bool smooth_v, int64_t sample_stride, bool out_nhd,
+                                       bool return_lse) {
+  check_chain_inputs(q, k, v, sample_stride);
+  const MmaChainPlan plan(q, k, v, pv_dtype, smooth_q, smooth_k, sample_stride);
+  std::optional<at::Tensor> q_mean, k_mean, v_mean, v_scale;
+  if (plan.stats) {
+    SmoothingStatsOutputs stats =
+        allocate_smoothing_stats(plan.stats_q, plan.stats_k, plan.stats_v, plan.fp8 && smooth_v);
+    if (smooth_q) q_mean = stats.q_mean;
+    if (smooth_k) k_mean = stats.k_mean;
+    if (plan.fp8) v_scale = stats.v_scale;
+    if (plan.fp8 && smooth_v) v_mean = stats.v_mean;
+  }
+  QuantizeKVOutputs kv = allocate_quantize_kv(k, plan.fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean,
+                                              v_mean, v_scale, q_mean, kMmaBlockK, qk_dtype);
+  return allocate_attention_mma(q, q_mean, kv.k_codes, kv.k_scales,
+                                q_mean ? std::optional<at::Tensor>(kv.delta_s) : std::nullopt,
+                                plan.fp8 ? kv.v_codes : v, v_scale, v_mean, k_mean, qk_dtype,
+                                k.sym_size(2).guard_int(__FILE__, __LINE__), out_nhd, return_lse);
+}
+
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const std::string& qk_dtype, const std::string& pv_dtype,
+                                                     bool smooth_q, bool smooth_k, bool smooth_v,
+                                                     int64_t sample_stride, double sm_scale, bool is_causal,
+                                                     bool out_nhd, bool return_lse) {
+  check_chain_inputs(q, k, v, sample_stride);
+  const MmaChainPlan plan(q, k, v, pv_dtype, smooth_q, smooth_k, sample_stride);
+  std::optional<at::Tensor> q_mean, k_mean, v_mean, v_scale;
+  // As in sageattn_wgmma_cuda: the statistics' outputs live until the end, so that nothing
+  // quantize_kv writes can reuse memory a still-running smoothing_stats touches.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats;
+  if (plan.stats) {
+    stats = smoothing_stats_cuda(plan.stats_q, plan.stats_k, plan.stats_v, plan.fp8 && smooth_v);
+    if (smooth_q) q_mean = std::get<0>(stats);
+    if (smooth_k) k_mean = std::get<1>(stats);
+    if (plan.fp8) v_scale = std::get<3>(stats);
+    if (plan.fp8 && smooth_v) v_mean = std::get<2>(stats);
+  }
+  const bool programmatic = programmatic_launches();
+  // The Delta-S multiplier of quantize_kv: the Q scales' sm_scale * log2(e) (kLog2e).
+  auto kv = quantize_kv_after_cuda(k, plan.fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean, v_mean, v_scale,
+                                   q_mean, kMmaBlockK, qk_dtype, sm_scale * kLog2e,
+                                   programmatic && plan.stats);
+  return attention_mma_after_cuda(q, q_mean, std::get<0>(kv), std::get<1>(kv),
+                    q_mean ? std::optional<at::Tensor>(std::get<3>(kv)) : std::nullopt,
+                    plan.fp8 ? std::get<2>(kv) : v, v_scale, v_mean, k_mean, qk_dtype, k.size(2), sm_scale, is_causal,
+                    out_nhd, return_lse, programmatic);
+}
+
+}  // namespace sageattention2

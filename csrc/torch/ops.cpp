@@ -1,0 +1,114 @@
+// The op layer: schemas of the sageattention2 ops, their CUDA implementations, and Meta
+// implementations (output shapes only) through which torch.compile and FakeTensor trace.
+#include <torch/library.h>
+
+#include "torch/attention.h"
+#include "torch/preprocess.h"
+
+namespace sageattention2 {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_meta(
+    const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v, bool smooth_v) {
+  auto o = allocate_smoothing_stats(q, k, v, smooth_v);
+  return {o.q_mean, o.k_mean, o.v_mean, o.v_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_meta(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double /*delta_s_multiplier*/) {
+  auto o = allocate_quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype);
+  return {o.k_codes, o.k_scales, o.v_codes, o.delta_s, o.v_tile_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
+                                                      const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                                      const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                                      const std::optional<at::Tensor>& v_scale,
+                                                      const std::optional<at::Tensor>& v_mean,
+                                                      const std::optional<at::Tensor>& k_mean,
+                                                      const std::string& qk_dtype, int64_t kv_len,
+                                                      double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
+                                                      bool return_lse) {
+  auto o = allocate_attention_mma(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean, qk_dtype, kv_len,
+                                  out_nhd, return_lse);
+  return {o.out, o.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_meta(const at::Tensor& q, const at::Tensor& k_codes,
+                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
+                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const std::optional<at::Tensor>& k_mean, int64_t kv_len,
+                                                        double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
+                                                        bool return_lse) {
+  auto o = allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
+  return {o.out, o.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
+                                                       double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
+                                                       bool return_lse) {
+  auto o = allocate_sageattn_wgmma(q, k, v, smooth_k, smooth_v, sample_stride, out_nhd, return_lse);
+  return {o.out, o.lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const std::string& qk_dtype, const std::string& pv_dtype,
+                                                     bool smooth_q, bool smooth_k, bool smooth_v,
+                                                     int64_t sample_stride, double /*sm_scale*/, bool /*is_causal*/,
+                                                     bool out_nhd, bool return_lse) {
+  auto o = allocate_sageattn_mma(q, k, v, qk_dtype, pv_dtype, smooth_q, smooth_k, smooth_v, sample_stride, out_nhd,
+                                 return_lse);
+  return {o.out, o.lse};
+}
+
+}  // namespace
+}  // namespace sageattention2
+
+TORCH_LIBRARY(sageattention2, m) {
+  // docs/DESIGN.md "Ops" documents every argument and output.
+  m.def(
+      "smoothing_stats(Tensor? q, Tensor? k, Tensor? v, bool smooth_v) "
+      "-> (Tensor q_mean, Tensor k_mean, Tensor v_mean, Tensor v_scale)");
+  m.def(
+      "quantize_kv(Tensor k, Tensor? v, Tensor? k_mean, Tensor? v_mean, Tensor? v_scale, "
+      "Tensor? q_mean, int block_k, str qk_dtype, float delta_s_multiplier) "
+      "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s, Tensor v_tile_scale)");
+  m.def(
+      "attention_mma(Tensor q, Tensor? q_mean, Tensor k_codes, Tensor k_scale, Tensor? delta_s, Tensor v, "
+      "Tensor? v_scale, Tensor? v_mean, Tensor? k_mean, str qk_dtype, int kv_len, float sm_scale, bool is_causal, "
+      "bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
+  m.def(
+      "attention_wgmma(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? v_mean, "
+      "Tensor? k_mean, int kv_len, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
+      "sageattn_wgmma(Tensor q, Tensor k, Tensor v, bool smooth_k, bool smooth_v, int sample_stride, float sm_scale, "
+      "bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
+  m.def(
+      "sageattn_mma(Tensor q, Tensor k, Tensor v, str qk_dtype, str pv_dtype, bool smooth_q, bool smooth_k, "
+      "bool smooth_v, int sample_stride, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "
+      "-> (Tensor out, Tensor lse)");
+}
+
+TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
+  m.impl("smoothing_stats", &sageattention2::smoothing_stats_cuda);
+  m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
+  m.impl("attention_mma", &sageattention2::attention_mma_cuda);
+  m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
+  m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_cuda);
+  m.impl("sageattn_mma", &sageattention2::sageattn_mma_cuda);
+}
+
+TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
+  m.impl("smoothing_stats", &sageattention2::smoothing_stats_meta);
+  m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
+  m.impl("attention_mma", &sageattention2::attention_mma_meta);
+  m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);
+  m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_meta);
+  m.impl("sageattn_mma", &sageattention2::sageattn_mma_meta);
+}

@@ -1,0 +1,60 @@
+// Host interface of the preprocessing ops (docs/DESIGN.md "Ops").
+//
+// Validation and output allocation live in preprocess_shapes.cpp and serve both the CUDA
+// implementation and the Meta implementation that torch.compile traces with, so an output
+// shape is computed in exactly one place.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+namespace sageattention2 {
+
+enum class QkDtype { kInt8, kInt4 };
+QkDtype parse_qk_dtype(const std::string& name);
+
+// --- smoothing_stats ---
+struct SmoothingStatsOutputs {
+  at::Tensor q_mean, k_mean, v_mean, v_scale;  // absent ones are empty [0] float32
+};
+SmoothingStatsOutputs allocate_smoothing_stats(const std::optional<at::Tensor>& q,
+                                               const std::optional<at::Tensor>& k,
+                                               const std::optional<at::Tensor>& v, bool smooth_v);
+
+// --- quantize_kv ---
+struct QuantizeKVOutputs {
+  at::Tensor k_codes, k_scales, v_codes, delta_s, v_tile_scale;
+};
+QuantizeKVOutputs allocate_quantize_kv(const at::Tensor& k, const std::optional<at::Tensor>& v,
+                                       const std::optional<at::Tensor>& k_mean,
+                                       const std::optional<at::Tensor>& v_mean,
+                                       const std::optional<at::Tensor>& v_scale,
+                                       const std::optional<at::Tensor>& q_mean, int64_t block_k,
+                                       const std::string& qk_dtype);
+
+// Checks that only a real (non-meta) CUDA launch needs: device and 16-byte alignment of every
+// row, since the kernels move 16-byte vectors.
+void check_launchable(const at::Tensor& t, const char* name);
+
+// CUDA implementations (preprocess_ops.cpp). They validate through the allocate_* functions above.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
+    const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v, bool smooth_v);
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double delta_s_multiplier);
+// The same, launched as a programmatic dependent of the smoothing_stats launch that the caller
+// made just before it, whose inputs and outputs it keeps alive until this launch
+// (after_smoothing_stats; what that allows: quantize_kv_kernel).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_after_cuda(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double delta_s_multiplier, bool after_smoothing_stats);
+
+}  // namespace sageattention2

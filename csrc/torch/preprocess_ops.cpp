@@ -1,0 +1,153 @@
+// CUDA implementations of the preprocessing ops: validate and allocate
+// (preprocess_shapes.cpp), fill the kernel parameters, launch on the current stream
+// (preprocess/smoothing_stats.cu, preprocess/quantize_kv.cu).
+#include <ATen/ops/empty.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <algorithm>
+
+#include "torch/preprocess.h"
+#include "preprocess/params.h"
+
+namespace sageattention2 {
+namespace {
+
+BhndView make_view(const at::Tensor& t) {
+  BhndView v;
+  v.data = t.data_ptr();
+  v.stride_b = t.stride(0);
+  v.stride_h = t.stride(1);
+  v.stride_n = t.stride(2);
+  v.batch = static_cast<int>(t.size(0));
+  v.heads = static_cast<int>(t.size(1));
+  v.tokens = t.size(2);
+  v.head_dim = static_cast<int>(t.size(3));
+  return v;
+}
+
+InputDtype input_dtype(const at::Tensor& t) {
+  return t.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+}
+
+const float* optional_ptr(const std::optional<at::Tensor>& t) { return t ? t->data_ptr<float>() : nullptr; }
+
+void check_optional_launchable(const std::optional<at::Tensor>& t, const char* name) {
+  if (t) check_launchable(*t, name);
+}
+
+// The kernel parameters of quantize_kv.
+QuantizeKVParams quantize_kv_params(const at::Tensor& k, const std::optional<at::Tensor>& v,
+                                    const std::optional<at::Tensor>& k_mean, const std::optional<at::Tensor>& v_mean,
+                                    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& q_mean,
+                                    int64_t block_k, double delta_s_multiplier, const QuantizeKVOutputs& out) {
+  QuantizeKVParams p;
+  p.k = make_view(k);
+  p.has_v = v.has_value();
+  if (v) p.v = make_view(*v);
+  p.k_mean = optional_ptr(k_mean);
+  p.v_mean = optional_ptr(v_mean);
+  p.v_scale = optional_ptr(v_scale);
+  p.q_mean = optional_ptr(q_mean);
+  p.q_heads = q_mean ? static_cast<int>(q_mean->size(1)) : 0;
+  p.delta_s_multiplier = static_cast<float>(delta_s_multiplier);
+  p.block_k = static_cast<int>(block_k);
+  p.padded_tokens = out.k_codes.size(2);
+  p.k_codes = out.k_codes.data_ptr<int8_t>();
+  p.k_scales = out.k_scales.data_ptr<float>();
+  p.v_codes = v ? static_cast<uint8_t*>(out.v_codes.data_ptr()) : nullptr;
+  p.delta_s = q_mean ? out.delta_s.data_ptr<float>() : nullptr;
+  p.v_tile_scale = v && !v_scale ? out.v_tile_scale.data_ptr<float>() : nullptr;
+  return p;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
+    const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v, bool smooth_v) {
+  SmoothingStatsOutputs out = allocate_smoothing_stats(q, k, v, smooth_v);
+  check_optional_launchable(q, "q");
+  check_optional_launchable(k, "k");
+  check_optional_launchable(v, "v");
+  const at::Tensor& any = q ? *q : (k ? *k : *v);
+  const c10::cuda::CUDAGuard guard(any.device());
+
+  StatsParams p;
+  int jobs = 0;
+  int64_t max_rows = 0;
+  auto add = [&](const std::optional<at::Tensor>& t, at::Tensor& mean, at::Tensor* scale) {
+    if (!t) return;
+    StatsSource& s = p.sources[p.num_sources++];
+    s.view = make_view(*t);
+    s.first_job = jobs;
+    s.track_range = scale != nullptr;
+    s.smooth = scale != nullptr && smooth_v;
+    s.mean_out = mean.numel() > 0 ? mean.data_ptr<float>() : nullptr;
+    s.scale_out = scale != nullptr ? scale->data_ptr<float>() : nullptr;
+    jobs += s.view.batch * s.view.heads;
+    max_rows = std::max(max_rows, s.view.tokens);
+  };
+  add(q, out.q_mean, nullptr);
+  add(k, out.k_mean, nullptr);
+  add(v, out.v_mean, v ? &out.v_scale : nullptr);
+  bool equal_sources = true;
+  for (int i = 0; i < p.num_sources; ++i)
+    equal_sources = equal_sources && p.sources[i].view.batch * p.sources[i].view.heads * p.num_sources == jobs;
+  p.jobs_per_source = equal_sources ? jobs / p.num_sources : 0;
+
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const StatsGrid grid = stats_grid(max_rows, jobs, sms);
+  p.chunks = grid.chunks;
+  p.rows_per_chunk = grid.rows_per_chunk;
+  // One chunk per job (sageattn's sampled means): its CTA writes the results, no partials, no
+  // second launch, and no allocation either (at a few us of host time each, a call at short
+  // sequences is host-bound: benchmarks/RESULTS.md, session 20).
+  at::Tensor partial_sum, partial_max, partial_min;
+  p.partial_sum = p.partial_max = p.partial_min = nullptr;
+  if (grid.chunks > 1) {
+    auto f32 = any.options().dtype(at::kFloat);
+    partial_sum = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
+    p.partial_sum = p.partial_max = p.partial_min = partial_sum.data_ptr<float>();
+    if (v) {
+      partial_max = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
+      partial_min = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
+      p.partial_max = partial_max.data_ptr<float>();
+      p.partial_min = partial_min.data_ptr<float>();
+    }
+  }
+  C10_CUDA_CHECK(launch_smoothing_stats(p, jobs, input_dtype(any), at::cuda::getCurrentCUDAStream()));
+  return {out.q_mean, out.k_mean, out.v_mean, out.v_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double delta_s_multiplier) {
+  return quantize_kv_after_cuda(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype, delta_s_multiplier, false);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_after_cuda(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double delta_s_multiplier, bool after_smoothing_stats) {
+  QuantizeKVOutputs out = allocate_quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype);
+  check_launchable(k, "k");
+  check_optional_launchable(v, "v");
+  check_optional_launchable(k_mean, "k_mean");
+  check_optional_launchable(v_mean, "v_mean");
+  check_optional_launchable(v_scale, "v_scale");
+  check_optional_launchable(q_mean, "q_mean");
+  const c10::cuda::CUDAGuard guard(k.device());
+  QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, q_mean, block_k, delta_s_multiplier, out);
+  p.v_overlaps_prior_grid = after_smoothing_stats;
+  const bool int4 = parse_qk_dtype(qk_dtype) == QkDtype::kInt4;
+  C10_CUDA_CHECK(
+      launch_quantize_kv(p, input_dtype(k), int4, at::cuda::getCurrentCUDAStream(), after_smoothing_stats));
+  return {out.k_codes, out.k_scales, out.v_codes, out.delta_s, out.v_tile_scale};
+}
+
+}  // namespace sageattention2
