@@ -13,7 +13,7 @@ their CUDA implementations. This module
   build registers one; the CPU implementations of ``sageattn_wgmma`` and ``sageattn_mma`` are
   their chains of ops, :func:`sageattn_wgmma_chain` and :func:`sageattn_mma_chain`).
   Output shapes for FakeTensor / ``torch.compile`` come from the extension's own Meta kernels
-  (``csrc/preprocess_shapes.cpp``, SymInt-aware, so dynamic sequence lengths trace once): the
+  (``csrc/torch/preprocess_shapes.cpp``, ``attention_shapes.cpp``, SymInt-aware, so dynamic sequence lengths trace once): the
   one place that knows the shapes,
 * reads ``_C.build_info()`` (which kernels were compiled for which GPU architectures).
 
@@ -78,7 +78,7 @@ NAMESPACE = "sageattention2"
 LOG2E = math.log2(math.e)
 OP_NAMES = ("smoothing_stats", "quantize_kv")
 QK_DTYPES = ("int8", "int4")
-# Tile geometry of the warp-level attention kernel (csrc/attention_params.h: kMmaBlockQ, kMmaWarps,
+# Tile geometry of the warp-level attention kernel (csrc/mma/params.h: kMmaBlockQ, kMmaWarps,
 # kMmaBlockK): it quantizes Q itself in the groups of reference.quantize_q_reference(
 # block_q=MMA_BLOCK_Q, warps=MMA_WARPS) and takes quantize_kv(block_k=MMA_BLOCK_K): the
 # per-thread groups each thread dequantizes with.
@@ -94,7 +94,7 @@ MMA_INPUT_PV_WARPS = 4
 MMA_INPUT_PV_TILE_K = 64
 MMA_LAZY_RESCALE_LOG2 = 8
 MMA_HEAD_DIMS = (64, 128)
-# The Hopper kernel (csrc/attention_params.h: kWgmmaBlockK): K from quantize_kv(block_k=128).
+# The Hopper kernel (csrc/hopper/params.h: kWgmmaBlockK): K from quantize_kv(block_k=128).
 WGMMA_BLOCK_K = 128
 WGMMA_HEAD_DIMS = (64, 128)
 # Kernel families of build_info().kernels (csrc/torch/module.cpp says what each holds): the

@@ -87,7 +87,7 @@ V_KEY_ORDER: tuple[int, ...] = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14
 # Smallest per-tile V scale (quantize_v_per_tile, the Hopper kernel's V): an all-zero tile still
 # gets a finite ratio s_prev / s_tile in the fold, and V values down to 2^-39 keep E4M3's relative
 # precision. The fold then stays in float32 as long as a head's tile maxima are < 2^60 (always
-# for fp16 inputs; bf16 V beyond 1e18 could overflow, csrc/quant_math.cuh).
+# for fp16 inputs; bf16 V beyond 1e18 could overflow, csrc/common/quant_math.cuh).
 V_TILE_SCALE_MIN = 2.0 ** -30
 
 # K extent of one FP8 mma (mma.m16n8k32.e4m3): the accumulator is rounded (FP22, paper 3.4)

@@ -79,11 +79,11 @@ def validated(*args: Any, **kwargs: Any) -> _call.AttentionCall:
 # ------------------------------------------------------------------------------------------------
 
 ALL_ARCHS = ["sm_80", "sm_89", "sm_90a"]
-# The kernel families of a default build (csrc/module.cpp): what build_info() reports.
-PREPROCESS_KEY = "preprocess (smoothing_stats, quantize_kv)"
-MMA_KEY = "attention_mma (INT8 QK, fp16/bf16 PV, mma.sync)"
-MMA_FP8_KEY = "attention_mma_fp8 (INT8/INT4 QK, FP8 PV, mma.sync)"
-WGMMA_KEY = "attention_wgmma (INT8 QK, FP8 PV, wgmma)"
+# The kernel families of a default build (csrc/torch/module.cpp): what build_info() reports.
+PREPROCESS_KEY = "preprocess"
+MMA_KEY = "attention_mma"
+MMA_FP8_KEY = "attention_mma_fp8"
+WGMMA_KEY = "attention_wgmma"
 DEFAULT_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS, MMA_FP8_KEY: ["sm_89", "sm_90a"],
                  WGMMA_KEY: ["sm_90a"]}
 # TORCH_CUDA_ARCH_LIST="8.0": no FP8 code at all; and a build from before the FP8 variants.

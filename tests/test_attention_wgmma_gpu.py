@@ -191,7 +191,7 @@ def test_wgmma_op_without_lse_and_scale(out_nhd: bool, dtype: torch.dtype) -> No
 @pytest.mark.usefixtures("wgmma_kernel")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_wgmma_grid_modes_agree(causal: bool) -> None:
-    """attention_wgmma's two grids (attention_wgmma.cu): persistent CTAs walking several units
+    """attention_wgmma's two grids (csrc/hopper/launch.cu): persistent CTAs walking several units
     each (up to 8 units per SM: 512 units here, more than any GPU's SMs) and one CTA per unit
     (beyond: the same inputs repeated 9 times over the batch, 4608 units). Each item's arithmetic
     does not depend on which CTA runs it, so the outputs agree bit for bit; with an odd number of

@@ -31,10 +31,10 @@ KERNEL_GEOMETRY = {
 
 @pytest.mark.parametrize("kernel", KERNEL_GEOMETRY)
 def test_geometry_matches_csrc(kernel: str) -> None:
-    """ops' geometry constants of each attention kernel are csrc/attention_params.h's."""
-    path = REPO / "csrc" / "attention_params.h"
+    """ops' geometry constants of each attention kernel are its csrc/<kernel>/params.h's."""
+    path = REPO / "csrc" / {"mma": "mma", "wgmma": "hopper"}[kernel] / "params.h"
     if not path.exists():
-        pytest.skip("csrc/attention_params.h not in this checkout")
+        pytest.skip(f"{path} not in this checkout")
     text = path.read_text()
     for name, value in KERNEL_GEOMETRY[kernel].items():
         match = re.search(rf"constexpr\s+int\s+{name}\s*=\s*(\d+)\s*;", text)

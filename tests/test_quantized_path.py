@@ -19,7 +19,7 @@ from sageattention2.api import smoothing_sample_stride
 def test_smoothing_sample_stride() -> None:
     """The Hopper path's smoothing means: every token up to SMOOTHING_SAMPLE_TOKENS, then an odd
     stride (coprime with power-of-two periods of the token order) that keeps between a third of
-    SMOOTHING_SAMPLE_TOKENS and all of it (csrc/geometry.h reduces up to that many rows per head
+    SMOOTHING_SAMPLE_TOKENS and all of it (csrc/common/geometry.h reduces up to that many rows per head
     in one launch); the ANCHORS lengths sample 205 (1K), 241 (4K) and 253 (16K) tokens."""
     target = _execute.SMOOTHING_SAMPLE_TOKENS
     for n in [*range(1, 2 * target), *range(2 * target, 300_000, 97), 2**20]:
