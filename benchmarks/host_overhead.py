@@ -5,6 +5,9 @@ are close: CPU microseconds per call (launches queued, no sync) and the do_bench
     python3 benchmarks/host_overhead.py --mma      (the table, the warp-level path: pv_quant="none")
     python3 benchmarks/host_overhead.py --profile  (where a call's CPU time goes: each op alone,
                                                     and cProfile's top functions of sageattn)
+    python3 benchmarks/host_overhead.py --tiny     (short calls: sageattn's CPU time per call next
+                                                    to SDPA's, and the exact fallback's next to a
+                                                    direct SDPA call, in this process)
 
 CPU time is taken over 50 calls without a sync: few enough that the launch queue never fills
 (a full queue would make the CPU wait for the GPU and time the GPU instead).
@@ -20,6 +23,7 @@ from typing import Callable
 
 import torch
 
+import sageattention2
 import timing
 from sageattention2 import ops, sageattn
 
@@ -70,6 +74,32 @@ def table(path: str) -> None:
                 out.row(d, n, causal, cpu, gpu, chain_cpu, chain_gpu, only)
 
 
+def tiny() -> None:
+    """Calls too short for the GPU to hide the host (the UNets' attention, cross-attention to a
+    few text tokens): sageattn's CPU time per call next to SDPA's (default backend choice), and
+    the exact fallback (a boolean mask) next to the same SDPA call made directly."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    warnings.simplefilter("ignore")
+    out = timing.Table(["shape (B, H, Nq, Nk, D)", "SDPA CPU us", "sageattn CPU us", "ratio",
+                        "SDPA + mask us", "fallback us", "fallback extra us", "sageattn runs"],
+                       "short calls, CPU time per call")
+    for b, h, nq, nk, d in ((1, 8, 128, 128, 64), (2, 10, 1024, 77, 64), (2, 8, 4096, 77, 40),
+                            (2, 20, 1024, 1024, 64), (1, 24, 512, 512, 128)):
+        q = torch.randn(b, h, nq, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, h, nk, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        mask = torch.ones(nq, nk, device="cuda", dtype=torch.bool)
+        sdpa = cpu_us(lambda: F.scaled_dot_product_attention(q, k, v))
+        ours = cpu_us(lambda: sageattn(q, k, v))
+        sdpa_mask = cpu_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+        fallback = cpu_us(lambda: sageattn(q, k, v, attn_mask=mask))
+        runs = sageattention2.explain(q, k, v).kernel
+        out.row((b, h, nq, nk, d), f"{sdpa:.1f}", f"{ours:.1f}", f"{ours / sdpa:.2f}x", f"{sdpa_mask:.1f}",
+                f"{fallback:.1f}", f"{fallback - sdpa_mask:.1f}", runs)
+
+
 def profile() -> None:
     n, d = 1024, 128
     q, k, v = timing.anchors_inputs(n, d)
@@ -111,8 +141,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--profile", action="store_true", help="where one call's CPU time goes")
     parser.add_argument("--mma", action="store_true", help="the warp-level path instead of the Hopper one")
+    parser.add_argument("--tiny", action="store_true", help="short calls next to SDPA, and the fallback")
     args = parser.parse_args()
-    if args.profile:
+    if args.tiny:
+        tiny()
+    elif args.profile:
         profile()
     else:
         table("mma" if args.mma else "wgmma")

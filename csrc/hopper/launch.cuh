@@ -14,18 +14,17 @@ template <typename T, int kHeadDim, bool kCausal>
 cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
                    cudaStream_t stream) {
   using Kernel = AttentionWgmmaKernel<T, kHeadDim, kCausal>;
-  auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal>;
-  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  constexpr auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal>;
+  int device = 0, sms = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status == cudaSuccess) status = allow_dynamic_smem_once<kernel>(device, Kernel::kSmemBytes);
+  if (status == cudaSuccess) status = device_attribute(cudaDevAttrMultiProcessorCount, device, &sms);
   if (status != cudaSuccess) return status;
   // Up to 8 units per SM the grid is persistent (one CTA per SM): there the items are short and
   // their start-up and drain, overlapped with the neighbouring items, weigh most (+2..10 % at 1K).
   // Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item time
   // variation that a static round-robin accumulates (-2..4 % persistent at 16K; A/B in one
   // process, benchmarks/RESULTS.md).
-  int device = 0, sms = 0;
-  status = cudaGetDevice(&device);
-  if (status == cudaSuccess) status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-  if (status != cudaSuccess) return status;
   const int64_t units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads).units;
   bool persistent = units <= 8 * static_cast<int64_t>(sms);
   if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit

@@ -13,21 +13,22 @@ namespace mma_launch {
 template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
 cudaError_t launch(const AttentionMmaParams& p, cudaStream_t stream) {
   using Kernel = AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>;
-  auto kernel = attention_mma_kernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>;
+  constexpr auto kernel = attention_mma_kernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>;
+  int device = 0, smem_limit = 0;
+  cudaError_t status = cudaGetDevice(&device);
+  if (status != cudaSuccess) return status;
   if constexpr (kPv == PvOperands::kFp8) {
     // The code the driver picked for this GPU must have the FP8 MMA (sm_89+; archs before it
     // compile the FP8 variants as stubs).
-    cudaFuncAttributes attributes;
-    const cudaError_t status = cudaFuncGetAttributes(&attributes, kernel);
+    int version = 0;
+    status = binary_version_once<kernel>(device, &version);
     if (status != cudaSuccess) return status;
-    if (attributes.binaryVersion < 89) return cudaErrorNotSupported;
+    if (version < 89) return cudaErrorNotSupported;
   }
-  int device = 0, smem_limit = 0;
-  cudaError_t status = cudaGetDevice(&device);
-  if (status == cudaSuccess) status = cudaDeviceGetAttribute(&smem_limit, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  status = device_attribute(cudaDevAttrMaxSharedMemoryPerBlockOptin, device, &smem_limit);
   if (status != cudaSuccess) return status;
   if (Kernel::kSmemBytes > smem_limit) return cudaErrorNotSupported;  // INT8 + FP16 PV, hd128, on a 99 KB SM
-  status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
+  status = allow_dynamic_smem_once<kernel>(device, Kernel::kSmemBytes);
   if (status != cudaSuccess) return status;
   const dim3 grid(static_cast<unsigned>((p.q_len + kMmaBlockQ - 1) / kMmaBlockQ), p.q_heads, p.batch);
   return launch_kernel(kernel, grid, dim3(Kernel::kThreads), Kernel::kSmemBytes, stream, p.after_quantize_kv, p);
