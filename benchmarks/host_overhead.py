@@ -95,7 +95,8 @@ def tiny() -> None:
         ours = cpu_us(lambda: sageattn(q, k, v))
         sdpa_mask = cpu_us(lambda: F.scaled_dot_product_attention(q, k, v, attn_mask=mask))
         fallback = cpu_us(lambda: sageattn(q, k, v, attn_mask=mask))
-        runs = sageattention2.explain(q, k, v).kernel
+        explain = getattr(sageattention2, "explain", None)  # (builds before it: A/B runs)
+        runs = explain(q, k, v).kernel if explain is not None else "?"
         out.row((b, h, nq, nk, d), f"{sdpa:.1f}", f"{ours:.1f}", f"{ours / sdpa:.2f}x", f"{sdpa_mask:.1f}",
                 f"{fallback:.1f}", f"{fallback - sdpa_mask:.1f}", runs)
 
