@@ -235,7 +235,7 @@ def sageattn_kernel(*args: Any, **kwargs: Any) -> KernelChoice:
     needs FP8 PV on a GPU or build without it skips the test)."""
     bound = inspect.signature(sageattn).bind(*args, **kwargs)
     bound.apply_defaults()
-    choice, reason = _plan.route(_call.validate(**bound.arguments))
+    choice, reason = _plan.route(_call.validate(*bound.arguments.values()))  # sageattn's order
     if reason is not None and reason.startswith("FP8 PV needs") and not mma_fp8_on_device():
         pytest.skip(reason)
     assert reason is None, reason
