@@ -114,7 +114,6 @@ def main(argv: list[str] | None = None) -> int:
                   cell(times["flash"]), cell(cudnn), cell(times["default"]), f"{ours:.4f}",
                   f"{fastest / ours:.2f}x", "-" if cudnn is None else f"{cudnn / ours:.2f}x",
                   sageattention2.explain(q, k, v, **kwargs).kernel)
-        del q, k, v
     table.lines += ["", f"{sum(r >= 0.97 for r in vs_fastest)} of {len(vs_fastest)} shapes at >= 0.97x the "
                     f"fastest SDPA backend; {sum(r >= 1.0 for r in vs_cudnn)} of {len(vs_cudnn)} at >= 1.0x cuDNN"]
     print(table.lines[-1])
