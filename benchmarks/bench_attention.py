@@ -1,4 +1,5 @@
-"""Attention throughput, ANCHORS.md protocol (benchmarks/timing.py), side by side in one process:
+"""Attention throughput, the protocol of docs/PROTOCOL.md (benchmarks/timing.py), side by side in
+one process:
 
     python3 benchmarks/bench_attention.py [--quick] [--out table.md] [--env NAME=VALUE ...]
                                           [--no-sdpa] [--d 128 64] [--n 1024 4096 16384] [--rep 150]
@@ -51,7 +52,7 @@ def main() -> None:
                         help="a column of the full call under these environment variables (repeatable)")
     parser.add_argument("--no-sdpa", action="store_true", help="without the SDPA columns")
     # do_bench's time budget per measurement: one 16K hd128 call takes ~19 ms, so 150 ms gives
-    # ~8 samples and +-7 % (the notebook, RESULTS.md, session 23); ~1000 steadies that row.
+    # ~8 samples and +-7 % (docs/PROTOCOL.md#timing); ~1000 steadies that row.
     parser.add_argument("--rep", type=int, default=timing.REP_MS, help="do_bench rep, ms")
     parser.add_argument("--out", help="also write the table as Markdown here")
     args = parser.parse_args()

@@ -1,5 +1,5 @@
-"""The warp-level kernel's variants (issue 3), ANCHORS.md protocol (benchmarks/timing.py), side by
-side in one process:
+"""The warp-level kernel's variants (issue 3), the protocol of docs/PROTOCOL.md
+(benchmarks/timing.py), side by side in one process:
 
     python3 benchmarks/bench_mma_variants.py [--quick] [--out table.md]
 
@@ -7,8 +7,9 @@ TOPS of B=4 H=32 fp16 HND inputs. Columns: SDPA flash (FA2); the INT8 QK + FP16 
 one that runs natively on sm_80 and sm_90) as the full sageattn call (pv_quant="none", every
 preprocessing launch included, strict=True) and as the kernel alone (which quantizes Q itself),
 the full call also with SAGEATTN_PDL=0 (its launches serialised); the INT8 + FP8 and INT4 + FP8
-variants, kernel alone. On the H100 the FP8 and INT4 mma.sync are emulated (ANCHORS.md), so those
-two columns say nothing of Ada; they show what the same source costs on Hopper.
+variants, kernel alone. On the H100 the FP8 and INT4 mma.sync are emulated
+(docs/PROTOCOL.md#tensor-core-rates), so those two columns say nothing of Ada; they show what the
+same source costs on Hopper.
 """
 from __future__ import annotations
 

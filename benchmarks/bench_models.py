@@ -181,10 +181,11 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
     colors = ["#2a9d8f" if s >= 1.0 else "#e76f51" for s in speedups]
     ax.barh(names, speedups, color=colors)
     ax.axvline(1.0, color="black", linewidth=0.8)
+    ax.set_xlim(0, max(speedups) * 1.15)
     for y, s in enumerate(speedups):
         ax.text(s + 0.01, y, f"{s:.2f}x", va="center", fontsize=8)
     ax.set_xlabel("whole-forward speedup over default SDPA")
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=8, loc="left")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

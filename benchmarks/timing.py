@@ -1,4 +1,5 @@
-"""The one timing module of the benchmarks and scripts: the ANCHORS.md protocol in code.
+"""The one timing module of the benchmarks and scripts: the protocol of docs/PROTOCOL.md in code
+(#speed-inputs, #timing, #tops).
 
 Inputs are q, k, v = randn(B=4, H=32, N, D) fp16 in HND; a time is the median of triton's
 do_bench (warmup 25 ms, rep 150 ms, L2 flushed between runs), or of CUDA-event timings where

@@ -1,5 +1,5 @@
 // Host-side arithmetic of the kernels: group geometry (paper Eq. 8 / appendix A.6), the V key
-// permutation, launch geometry and the quantizer arithmetic of docs/DESIGN.md.
+// permutation, launch geometry and the quantizer arithmetic of docs/DESIGN.md#quantizer-arithmetic.
 #include <gtest/gtest.h>
 
 #include <cmath>

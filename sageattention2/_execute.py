@@ -1,5 +1,5 @@
 """Running a validated call (:func:`run`): the quantized kernel that :func:`._plan.route` picks,
-with each kernel's preprocessing in one op (docs/DESIGN.md), or exact
+with each kernel's preprocessing in one op (docs/DESIGN.md#composite-ops), or exact
 ``F.scaled_dot_product_attention`` with a :class:`SageAttentionFallbackWarning` (or an error with
 ``strict=True``) when the route says the kernels cannot serve the call.
 """

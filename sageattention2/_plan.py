@@ -130,8 +130,9 @@ def cuda_capability(device: torch.device) -> Capability | None:
 
 def native_fp8_mma(capability: Capability) -> bool:
     """FP8 mma.sync is a native tensor-core instruction (QMMA) on Ada (sm_89) and consumer
-    Blackwell (sm_12x); sm_90 has it only emulated (ANCHORS.md), where the INT8 + FP8 variant
-    measured 284 TOPS against 363 for INT8 + FP16 (H100, 4K, hd128; benchmarks/RESULTS.md)."""
+    Blackwell (sm_12x); sm_90 has it only emulated (docs/PROTOCOL.md#tensor-core-rates), where
+    the INT8 + FP8 variant measured 286 TOPS against 369 for INT8 + FP16 (H100, 4K, hd128, kernel;
+    docs/DECISIONS.md#d24)."""
     return capability == (8, 9) or capability[0] == 12
 
 

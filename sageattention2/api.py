@@ -99,10 +99,10 @@ def sageattn(
     each rule with its reason, is the routing table: README.md, "Which GPU runs what"
     (``python -m sageattention2 routing-table`` prints it; ``kernel_plan`` says what a GPU
     runs). Both kernels quantize Q themselves, after ``smoothing_stats`` and ``quantize_kv``
-    (K, V and the smoothing means; docs/DESIGN.md) in the same op. They are built for head_dim
-    64 and 128; a smaller multiple of 8 is zero-padded to the next of them (a copy of q, k and
-    v; the scores, with the softmax scale of the true head_dim, and the LSE are unchanged) and
-    the output cut back.
+    (K, V and the smoothing means; docs/DESIGN.md#composite-ops) in the same op. They are built
+    for head_dim 64 and 128; a smaller multiple of 8 is zero-padded to the next of them (a copy of
+    q, k and v; the scores, with the softmax scale of the true head_dim, and the LSE are unchanged)
+    and the output cut back.
 
     The output is written in the input layout. Inputs whose strides the kernels cannot read in
     place (last dimension not contiguous, other strides not multiples of 8 elements, not 16-byte
@@ -122,15 +122,15 @@ def sageattn(
     NaN/Inf: the fallback behaves exactly like SDPA (a NaN in q row i poisons output row i; a NaN or
     Inf in k or v poisons every output row that attends to that key). The quantized path shares one
     scale per quantization group, computed from the group's max |x|, so a NaN or Inf poisons its
-    whole group: in q, every row of its Q group (docs/DESIGN.md; one row on the Hopper kernel), and
-    with smooth_q every row of its Q block ("block") or head ("head"); in k, every key of its K
-    group, and with smooth_k (the default) every key of the head, hence every output row of the
-    head; in v with the warp-level kernels' FP8 PV (one scale per channel over all keys), that
-    channel of every output row of the head, and on the Hopper kernel (one scale per 128-key tile)
-    every channel of the output rows that attend to that tile; in v with PV in the input dtype, the
-    output rows that attend to that key, and possibly the other rows of the same query tile (a
-    masked key is multiplied by 0, and 0 * NaN is NaN). Inputs are not checked for non-finite
-    values.
+    whole group: in q, every row of its Q group (docs/DESIGN.md#q-quantizer; one row on the Hopper
+    kernel), and with smooth_q every row of its Q block ("block") or head ("head"); in k, every key
+    of its K group, and with smooth_k (the default) every key of the head, hence every output row
+    of the head; in v with the warp-level kernels' FP8 PV (one scale per channel over all keys),
+    that channel of every output row of the head, and on the Hopper kernel (one scale per 128-key
+    tile) every channel of the output rows that attend to that tile; in v with PV in the input
+    dtype, the output rows that attend to that key, and possibly the other rows of the same query
+    tile (a masked key is multiplied by 0, and 0 * NaN is NaN). Inputs are not checked for
+    non-finite values.
     """
     q, k, v = query, key, value
     compiling = torch.compiler.is_compiling()

@@ -2,8 +2,8 @@
 path of sageattn as one op (``sageattn_wgmma``, ``sageattn_mma``: statistics, quantize_kv and the
 attention op).
 
-``sageattention2._C`` registers the ops of ``docs/DESIGN.md`` (namespace ``sageattention2``) with
-their CUDA implementations. This module
+``sageattention2._C`` registers the ops of ``docs/DESIGN.md#ops`` (namespace ``sageattention2``)
+with their CUDA implementations. This module
 
 * loads the extension (``HAS_EXTENSION``; ``EXTENSION_ERROR`` says why it is missing),
 * wraps the ops in typed functions returning named tuples,
@@ -82,7 +82,7 @@ QK_DTYPES = ("int8", "int4")
 # kMmaBlockK): it quantizes Q itself in the groups of reference.quantize_q_reference(
 # block_q=MMA_BLOCK_Q, warps=MMA_WARPS) and takes quantize_kv(block_k=MMA_BLOCK_K): the
 # per-thread groups each thread dequantizes with.
-# tests/test_api.py checks that these match the C++ constants.
+# tests/test_ops_compile.py checks that these match the C++ constants.
 MMA_BLOCK_Q = 128
 MMA_WARPS = 8
 MMA_BLOCK_K = 128
@@ -105,7 +105,7 @@ PREPROCESS_FAMILY = "preprocess"
 MMA_FAMILY = "attention_mma"
 MMA_FP8_FAMILY = "attention_mma_fp8"
 WGMMA_FAMILY = "attention_wgmma"
-# Absent outputs are empty float32 tensors of shape [0] (DESIGN.md).
+# Absent outputs are empty float32 tensors of shape [0] (docs/DESIGN.md#ops).
 
 
 class SmoothingStats(NamedTuple):
@@ -154,7 +154,7 @@ if HAS_EXTENSION:
 def _op(name: str) -> Any:
     """``torch.ops.sageattention2.<name>.default``, looked up once: through ``torch.ops`` the
     lookup costs microseconds of every call (a sageattn call is host-bound at short sequences,
-    benchmarks/RESULTS.md). Only found ops are kept, so one a newer build adds is still seen."""
+    docs/DECISIONS.md#d19). Only found ops are kept, so one a newer build adds is still seen."""
     handle = _OP_HANDLES.get(name) if HAS_EXTENSION else None
     if handle is None:
         _require_op(name)
@@ -163,7 +163,7 @@ def _op(name: str) -> Any:
 
 
 # --------------------------------------------------------------------------------------------
-# Typed wrappers (argument order and names of the op schemas in DESIGN.md)
+# Typed wrappers (argument order and names of the op schemas in docs/DESIGN.md#ops)
 # --------------------------------------------------------------------------------------------
 
 
@@ -213,8 +213,8 @@ def attention_mma(
     out_nhd: bool,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Warp-level attention (``mma.sync``, DESIGN.md) on the caller's ``q`` and the outputs of
-    quantize_kv(block_k=MMA_BLOCK_K, qk_dtype, delta_s_multiplier=sm_scale*log2(e)).
+    """Warp-level attention (``mma.sync``, docs/DESIGN.md#attention-mma) on the caller's ``q`` and
+    the outputs of quantize_kv(block_k=MMA_BLOCK_K, qk_dtype, delta_s_multiplier=sm_scale*log2(e)).
 
     ``q`` is fp16/bf16 ``[B, Hq, q_len, D]``, any view whose last dimension is contiguous: the
     kernel quantizes it itself, in the groups and with the arithmetic of
@@ -261,10 +261,11 @@ def attention_wgmma(
     out_nhd: bool,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    """Hopper attention (sm_90a, DESIGN.md): ``q`` the caller's fp16/bf16 ``[B, Hq, Nq, D]`` view
-    (quantized inside the kernel), K and V from quantize_kv(block_k=WGMMA_BLOCK_K, "int8", v
-    without ``v_scale``: its per-tile ``v_tile_scale``, and for smooth V ``v_mean``). Returns ``(out [B, Hq, Nq, D]`` in q's dtype, NHD
-    memory when ``out_nhd``; ``lse [B, Hq, Nq]`` float32 natural log of the true scaled scores,
+    """Hopper attention (sm_90a, docs/DESIGN.md#attention-wgmma): ``q`` the caller's fp16/bf16
+    ``[B, Hq, Nq, D]`` view (quantized inside the kernel), K and V from
+    quantize_kv(block_k=WGMMA_BLOCK_K, "int8", v without ``v_scale``: its per-tile
+    ``v_tile_scale``, and for smooth V ``v_mean``). Returns ``(out [B, Hq, Nq, D]`` in q's dtype,
+    NHD memory when ``out_nhd``; ``lse [B, Hq, Nq]`` float32 natural log of the true scaled scores,
     including the row constant of K smoothing when ``k_mean`` is given, or ``[0]``)."""
     out, lse = _op("attention_wgmma")(
         q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
@@ -285,10 +286,11 @@ def sageattn_wgmma(
     out_nhd: bool,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The Hopper path of sageattn in one op (DESIGN.md): :func:`sageattn_wgmma_chain`, run by
-    the extension in C++, so that its intermediates are never returned to Python. ``q``, ``k``,
-    ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last dimension contiguous, other
-    strides multiples of 8). Returns attention_wgmma's ``(out, lse)``."""
+    """The Hopper path of sageattn in one op (docs/DESIGN.md#composite-ops):
+    :func:`sageattn_wgmma_chain`, run by the extension in C++, so that its intermediates are never
+    returned to Python. ``q``, ``k``, ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last
+    dimension contiguous, other strides multiples of 8). Returns attention_wgmma's
+    ``(out, lse)``."""
     out, lse = _op("sageattn_wgmma")(
         q, k, v, smooth_k, smooth_v, sample_stride, sm_scale, is_causal, out_nhd, return_lse
     )
@@ -332,11 +334,11 @@ def sageattn_mma(
     out_nhd: bool,
     return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
-    """The warp-level path of sageattn in one op (DESIGN.md): :func:`sageattn_mma_chain`, run by
-    the extension in C++, each launch a programmatic dependent of the one before. ``q``, ``k``,
-    ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last dimension contiguous, other
-    strides multiples of 8); ``pv_dtype`` "fp8" or "input". Returns attention_mma's
-    ``(out, lse)``."""
+    """The warp-level path of sageattn in one op (docs/DESIGN.md#composite-ops):
+    :func:`sageattn_mma_chain`, run by the extension in C++, each launch a programmatic dependent
+    of the one before. ``q``, ``k``, ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last
+    dimension contiguous, other strides multiples of 8); ``pv_dtype`` "fp8" or "input". Returns
+    attention_mma's ``(out, lse)``."""
     out, lse = _op("sageattn_mma")(
         q, k, v, qk_dtype, pv_dtype, smooth_q, smooth_k, smooth_v, sample_stride, sm_scale,
         is_causal, out_nhd, return_lse,

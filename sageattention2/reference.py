@@ -3,7 +3,7 @@
 Everything here runs on any device and depends on torch only. It has three jobs:
 
 * ground truth: :func:`exact_attention` (float64, ``scaled_dot_product_attention`` semantics);
-* the op formats of ``docs/DESIGN.md``: :func:`smoothing_stats_reference`,
+* the op formats of ``docs/DESIGN.md#ops``: :func:`smoothing_stats_reference`,
   :func:`quantize_kv_reference` return exactly what the CUDA ops return (shapes, padding, dtypes,
   bits), so GPU tests compare bit for bit and the op layer can use them as its CPU
   implementation; :func:`quantize_q_reference` is what the attention kernels do to Q inside;
@@ -12,18 +12,18 @@ Everything here runs on any device and depends on torch only. It has three jobs:
   does (:func:`hopper_kernel_reference` is the Hopper kernel's setting of them).
 
 The paper's ablations (Q and K per token, per block or per tensor) are in
-``sageattention2.ablation``; accuracy metrics and the ANCHORS input families in
-``sageattention2.testing``.
+``sageattention2.ablation``; accuracy metrics and the input families of
+``docs/PROTOCOL.md#input-families`` in ``sageattention2.testing``.
 
 Citations "paper X" refer to sections, equations, tables and appendices of the paper.
 
-Float32 arithmetic. The quantizer follows DESIGN.md bit for bit: IEEE float32, round to nearest
-even. The divisions ``amax / qmax`` and ``1 / scale`` are computed in float64 and rounded once to
-float32: for operands that are float32 values this is exactly the correctly rounded float32
-quotient (double rounding is innocuous when the wider format has at least 2p+2 bits, 53 >= 50),
-and it does not depend on how a torch backend implements division by a scalar (some replace it by
-a multiplication with the reciprocal). Elementwise float32 subtraction and multiplication in torch
-are single IEEE operations on every backend.
+Float32 arithmetic. The quantizer follows docs/DESIGN.md#quantizer-arithmetic bit for bit: IEEE
+float32, round to nearest even. The divisions ``amax / qmax`` and ``1 / scale`` are computed in
+float64 and rounded once to float32: for operands that are float32 values this is exactly the
+correctly rounded float32 quotient (double rounding is innocuous when the wider format has at least
+2p+2 bits, 53 >= 50), and it does not depend on how a torch backend implements division by a scalar
+(some replace it by a multiplication with the reciprocal). Elementwise float32 subtraction and
+multiplication in torch are single IEEE operations on every backend.
 """
 from __future__ import annotations
 
@@ -79,7 +79,7 @@ FP8_FORMATS: dict[str, tuple[torch.dtype, float]] = {
     "e5m2": (torch.float8_e5m2, 57344.0),
 }
 
-# DESIGN.md "FP8 P and V": stored order of the keys inside every 16 keys of transposed V, so that
+# docs/DESIGN.md#v-layout: stored order of the keys inside every 16 keys of transposed V, so that
 # the S accumulator fragment (keys {2t, 2t+1, 8+2t, 9+2t} in lane t%4) is the A operand of the
 # FP8 PV mma without a shuffle.
 V_KEY_ORDER: tuple[int, ...] = (0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15)
@@ -105,12 +105,12 @@ KERNEL_GRANULARITIES = ("thread", "token")
 
 
 def _absent(t: Optional[Tensor]) -> bool:
-    """An optional op argument is absent when it is None or an empty tensor (DESIGN.md ops)."""
+    """An optional op argument is absent when it is None or an empty tensor (docs/DESIGN.md#ops)."""
     return t is None or t.numel() == 0
 
 
 def _empty(device: torch.device) -> Tensor:
-    """Absent op outputs are empty float32 tensors of shape [0] (DESIGN.md ops)."""
+    """Absent op outputs are empty float32 tensors of shape [0] (docs/DESIGN.md#ops)."""
     return torch.empty(0, dtype=torch.float32, device=device)
 
 
@@ -129,7 +129,8 @@ def pad_tokens(x: Tensor, multiple: int) -> Tensor:
     """Zero-pad dim -2 (tokens) of [B,H,N,D] to a multiple; contiguous result.
 
     Padding is applied after smoothing, so padded rows are exactly 0 and never raise a group's
-    absmax: "rows/keys past the sequence end are not part of any group's max" (DESIGN.md).
+    absmax: "rows and keys past the sequence end are padding: they are in no group's max"
+    (docs/DESIGN.md#quantization-groups).
     """
     n = x.shape[-2]
     pad = _ceil_to(n, multiple) - n
@@ -137,7 +138,8 @@ def pad_tokens(x: Tensor, multiple: int) -> Tensor:
 
 
 def _expand_kv_heads(x: Tensor, n_q_heads: int) -> Tensor:
-    """GQA: q head hq uses kv head hq // (Hq / Hkv) (SDPA enable_gqa, DESIGN.md quantize_kv)."""
+    """GQA: q head hq uses kv head hq // (Hq / Hkv) (SDPA enable_gqa,
+    docs/DESIGN.md#canonical-shapes)."""
     n_kv_heads = x.shape[1]
     if n_q_heads == n_kv_heads:
         return x
@@ -239,7 +241,8 @@ def exact_attention(
 
 
 def q_group_index(block_q: int, warps: int) -> Tensor:
-    """Group of each row of a Q block: (r // rows_per_warp) * 8 + r % 8 (DESIGN.md).
+    """Group of each row of a Q block: (r // rows_per_warp) * 8 + r % 8
+    (docs/DESIGN.md#quantization-groups).
 
     Lane l of an mma accumulator owns rows l/4 and l/4 + 8 of every 16-row slab (Fig. 18), so the
     rows {i, 8+i, 16+i, ...} of one warp's slice are dequantized by one thread (appendix A.6).
@@ -252,11 +255,11 @@ def q_group_index(block_q: int, warps: int) -> Tensor:
 
 
 def k_group_index(block_k: int) -> Tensor:
-    """Group of each key of a K block: (j % 8) // 2 (DESIGN.md).
+    """Group of each key of a K block: (j % 8) // 2 (docs/DESIGN.md#quantization-groups).
 
     Lane l owns columns 2(l%4) and 2(l%4)+1 of every 8-column slab (Fig. 18), hence the groups
     {8m + 2g, 8m + 2g + 1}. Appendix A.6 prints the group starts as j = 0..3; with the fragment
-    layout they are 0, 2, 4, 6, which is what the hardware needs (DESIGN.md note).
+    layout they are 0, 2, 4, 6, which is what the hardware needs (the same section).
     """
     if block_k <= 0 or block_k % 8 != 0:
         raise ValueError("block_k must be a positive multiple of 8 (mma column slabs)")
@@ -281,14 +284,14 @@ def k_group_sets(block_k: int = 64) -> list[list[int]]:
 
 
 # --------------------------------------------------------------------------------------------
-# Bit-level quantizers (paper 2.2 and 3.2; arithmetic of DESIGN.md)
+# Bit-level quantizers (paper 2.2 and 3.2; arithmetic of docs/DESIGN.md#quantizer-arithmetic)
 # --------------------------------------------------------------------------------------------
 
 
 def quantize_symmetric(x: Tensor, reduce_dims: Sequence[int], qmax: int) -> tuple[Tensor, Tensor]:
     """Absmax quantizer over ``reduce_dims`` (kept as size-1 dims in the returned scale).
 
-    DESIGN.md: scale = amax / qmax; inv = 1/scale (0 if scale == 0);
+    docs/DESIGN.md#quantizer-arithmetic: scale = amax / qmax; inv = 1/scale (0 if scale == 0);
     q = clamp(rint(x * inv), -qmax, qmax), all float32, round half to even (torch.round).
     """
     x = x.float()
@@ -382,7 +385,8 @@ def quantize_kernel_rows(
 
 
 def quantize_fp8(x: Tensor, fmt: str = "e4m3") -> Tensor:
-    """Round float32 values to FP8, saturating: ``fp8_*_rn_satfinite`` (DESIGN.md).
+    """Round float32 values to FP8, saturating: ``fp8_*_rn_satfinite``
+    (docs/DESIGN.md#quantizer-arithmetic).
 
     torch's conversion rounds to nearest even but gives NaN/inf above the largest finite value, so
     clamp to +-max first (the same result as the saturating hardware conversion).
@@ -446,7 +450,8 @@ def pack_int4(x: Tensor) -> Tensor:
     """Pack int4 codes (int8 tensor, values in [-8, 7], even last dim) two per byte.
 
     Channel 2c goes to the low nibble and channel 2c+1 to the high nibble, both two's complement
-    (DESIGN.md; the order mma.m16n8k64.s4 reads along K). Returns int8 [..., D/2].
+    (docs/DESIGN.md#int4-packing; the order mma.m16n8k64.s4 reads along K). Returns int8
+    [..., D/2].
     """
     if x.shape[-1] % 2 != 0:
         raise ValueError("the last dimension must be even to pack int4")
@@ -465,7 +470,8 @@ def unpack_int4(packed: Tensor) -> Tensor:
 
 
 def v_key_permutation(n_keys: int, device: torch.device | str | None = None) -> Tensor:
-    """Index of the key stored at each position of transposed V (DESIGN.md, 16-key pattern).
+    """Index of the key stored at each position of transposed V (docs/DESIGN.md#v-layout, 16-key
+    pattern).
 
     stored[..., s] = V^T[..., perm[s]]; n_keys must be a multiple of 16.
     """
@@ -482,9 +488,9 @@ def v_key_permutation(n_keys: int, device: torch.device | str | None = None) -> 
 
 
 def _token_mean(x: Tensor, stride: int = 1) -> Tensor:
-    """Mean over tokens [B,H,N,D] -> [B,H,D]: float64 sum, cast to x's float type (DESIGN.md);
-    over the tokens 0, stride, 2 * stride, ... only when ``stride`` > 1 (a sampled smoothing
-    vector: DESIGN.md, "Smoothing")."""
+    """Mean over tokens [B,H,N,D] -> [B,H,D]: float64 sum, cast to x's float type; over the
+    tokens 0, stride, 2 * stride, ... only when ``stride`` > 1 (a sampled smoothing vector): both
+    as docs/DESIGN.md#smoothing says."""
     return x[:, :, ::stride].double().mean(dim=2).to(x.dtype)
 
 
@@ -529,8 +535,8 @@ def smooth_qk(
     """Smooth Q and K (paper 3.1): gamma(K) = K - mean(K); gamma(Q) = Q - mean per block or head.
 
     Works in float64 for float64 inputs, else in float32 with means summed in float64 and cast
-    to float32 (DESIGN.md). ``smooth_q``: None, "block" (paper Eq. 2: each block of block_q
-    queries subtracts its mean) or "head" (one mean per head; any vector subtracted from all
+    to float32 (docs/DESIGN.md#smoothing). ``smooth_q``: None, "block" (paper Eq. 2: each block of
+    block_q queries subtracts its mean) or "head" (one mean per head; any vector subtracted from all
     queries is exact because Delta-S compensates it). ``mean_stride`` > 1: K's mean over the
     tokens 0, s, 2s, ... (the Hopper path's sampled smoothing vector; any vector subtracted from
     every key shifts each row of S by a constant).
@@ -571,7 +577,7 @@ def delta_s(q_offset: Tensor, gamma_k: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------------------------
-# Op-format references (DESIGN.md "Ops"), bit-exact with the CUDA ops
+# Op-format references (docs/DESIGN.md#ops), bit-exact with the CUDA ops
 # --------------------------------------------------------------------------------------------
 
 
@@ -785,8 +791,8 @@ def sage_attention_reference(
       paper's other granularities this way).
     * smooth_k, smooth_q (None / "block" / "head"), smooth_v: paper 3.1 and A.3.
     * pv_dtype: "e4m3" (paper 3.3), "e5m2" (Table 7), "fp16" / "bf16" (P~ and V rounded to that
-      type, FP32 accumulation: the PV of the warp-level kernels, DESIGN.md), "fp32" (P~ and V
-      unquantized).
+      type, FP32 accumulation: the PV of the warp-level kernels, docs/DESIGN.md#attention-mma),
+      "fp32" (P~ and V unquantized).
     * fp22: the FP8 mma accumulator keeps 13 mantissa bits, truncated after every k-step of 32
       keys (paper 3.4); only for the FP8 pv_dtypes. two_level: a fresh accumulator per KV tile
       folded into an FP32 buffer (paper 3.4); else the FP32 output itself is the mma accumulator.
@@ -1002,11 +1008,12 @@ def hopper_kernel_reference(
     smooth_v: bool = False,
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
-    """The algorithm of the Hopper kernel (attention_wgmma, docs/DESIGN.md): INT8 Q with one scale
-    per query row and no Q smoothing, INT8 K per thread in ``block_k``-key blocks (K's mean over
-    every ``mean_stride``-th token with ``smooth_k``), P~ x448 and V with one power-of-two FP8
-    scale per tile (V's mean with ``smooth_v``), FP32 two-level accumulation, l summed by the PV
-    product. The tests and scripts/smoke_wgmma.py emulate the kernel with this one definition."""
+    """The algorithm of the Hopper kernel (attention_wgmma, docs/DESIGN.md#attention-wgmma): INT8 Q
+    with one scale per query row and no Q smoothing, INT8 K per thread in ``block_k``-key blocks
+    (K's mean over every ``mean_stride``-th token with ``smooth_k``), P~ x448 and V with one
+    power-of-two FP8 scale per tile (V's mean with ``smooth_v``), FP32 two-level accumulation, l
+    summed by the PV product. The tests and scripts/smoke.py emulate the kernel with this one
+    definition."""
     return sage_attention_reference(
         q, k, v, is_causal=is_causal, scale=scale, qk_dtype="int8", granularity="thread",
         q_granularity="token", block_k=block_k, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,

@@ -1,6 +1,6 @@
 """Test utilities, for users comparing sageattn with exact attention and for our tests: the
-accuracy metrics of the paper (A.7), the input families of ANCHORS.md, and a poisoned CUDA
-allocator for catching outputs a kernel forgot to write."""
+accuracy metrics of the paper (A.7), the input families of docs/PROTOCOL.md#input-families, and a
+poisoned CUDA allocator for catching outputs a kernel forgot to write."""
 from __future__ import annotations
 
 from typing import Optional
@@ -36,7 +36,7 @@ def rmse(output: Tensor, reference: Tensor) -> float:
 
 
 # --------------------------------------------------------------------------------------------
-# Input families of ANCHORS.md
+# Input families (docs/PROTOCOL.md#input-families)
 # --------------------------------------------------------------------------------------------
 
 
@@ -47,14 +47,15 @@ def make_input_family(
     device: torch.device | str = "cpu",
     generator: Optional[torch.Generator] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k, v of an ANCHORS.md accuracy family, each [B,H,N,D] in ``dtype``.
+    """q, k, v of an accuracy family of docs/PROTOCOL.md#input-families, each [B,H,N,D] in
+    ``dtype``.
 
     * "bias0": q, k, v ~ randn (nearly uniform attention).
     * "bias4": plus 4 * randn(B,H,1,D) per tensor (a channel-wise offset shared by all tokens).
     * "outliers": 6 random channels of q and k (the same 6) times 12, and k += 6 * randn(B,H,1,D).
 
     Draw order: q, k, v, then the bias of q, k, v ("bias4") or the channel permutation and the
-    bias of k ("outliers"). All arithmetic in ``dtype``, as the ANCHORS recipe does in fp16.
+    bias of k ("outliers"). All arithmetic in ``dtype``, as the protocol's recipe does in fp16.
     """
     B, H, _, D = shape
 

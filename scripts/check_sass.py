@@ -137,7 +137,7 @@ def longest_mufu_run(code: list[tuple[int, str]]) -> int:
     """The most MUFU instructions a stretch of code issues back to back. In the Hopper kernel's
     KV loop a long run (x20 and more) was the sign of a slow schedule: ptxas had put the fold's
     FFMAs after the softmax's exponentials, which then queue on the MUFU pipe with nothing
-    independent beside them (session 17 of the notebook: 7 % slower at head_dim 128). The kept
+    independent beside them (7 % slower at head_dim 128: docs/DECISIONS.md#d12). The kept
     kernel's loops have runs of 2-3."""
     best = run = 0
     for _, text in code:
@@ -156,8 +156,8 @@ def events(loop: list[tuple[int, str]]) -> str:
     "commit x2 | wait<=1 | EX2 x64 | wait<=0": the softmax's exponentials run between the wait
     for S(it) and the wait for PV(it - 1), overlapped with the PV. ptxas places a
     WARPGROUP.DEPBAR (wgmma.wait_group) before the first instruction that touches a register an
-    in-flight wgmma uses, so where a wait lands says which registers ptxas reused (session 16 of
-    the notebook)."""
+    in-flight wgmma uses, so where a wait lands says which registers ptxas reused
+    (docs/DECISIONS.md#d14)."""
     out: list[list] = []
     for _, text in loop:
         op = opcode(text)

@@ -17,7 +17,7 @@ steps
   --info            GPU, driver, `python3 -m sageattention2 info`, the libstdc++ the build links
   --tests [K]       pytest of tests/ from /tmp with --import-mode=importlib (-k K if given)
   --smoke           scripts/smoke.py: every kernel variant vs its emulation and float64
-  --bench           benchmarks/bench_attention.py, the ANCHORS table ($OUT/bench_attention.md)
+  --bench           benchmarks/bench_attention.py, the protocol's speed table ($OUT/bench_attention.md)
   --sanitize        compute-sanitizer memcheck, racecheck, synccheck on scripts/sanitize_kernels.py
                     (racecheck's known ptx::bulk_load report, RACECHECK_KNOWN, does not fail it)
   --sass            scripts/check_sass.py on the installed build
@@ -75,8 +75,8 @@ step_smoke() {
 step_bench() {
   cd /tmp && python3 "$R/benchmarks/bench_attention.py" $QUICK --out "$OUT/bench_attention.md"
 }
-# racecheck's report on the Hopper kernel's K-scale bulk copy (ptx::bulk_load) is known since
-# session 10 of the notebook: it alone does not fail the step.
+# racecheck's report on the Hopper kernel's K-scale bulk copy (ptx::bulk_load) is a known false
+# positive (docs/DECISIONS.md#d26): it alone does not fail the step.
 RACECHECK_KNOWN=${RACECHECK_KNOWN:-ptx::bulk_load}
 export RACECHECK_KNOWN
 step_sanitize() {

@@ -1,4 +1,5 @@
-"""The profiler driver (GPU), ANCHORS inputs (B4 H32 fp16 randn, HND; benchmarks/timing.py):
+"""The profiler driver (GPU), on the speed inputs of docs/PROTOCOL.md#speed-inputs (B4 H32 fp16
+randn, HND; benchmarks/timing.py):
 
     python3 scripts/profile_attention.py launch [--mma] [--kernel] [--n 4096] [--d 128] [--causal]
     python3 scripts/profile_attention.py breakdown [--mma] [--n 1024 4096 16384] [--d 128] [--causal]

@@ -1,7 +1,8 @@
 """Accuracy smoke of every attention kernel variant this build runs on this GPU (no timing: that
 is benchmarks/). Each variant runs on a grid of shapes (tails, GQA, Nq != Nk, both dtypes, causal
 on and off) and is compared with the bit-level emulation of its algorithm (rel. L1, both rounded
-to the output dtype) and with float64 attention; then on the ANCHORS.md input families.
+to the output dtype) and with float64 attention; then on the input families of
+docs/PROTOCOL.md#input-families.
 
     python3 scripts/smoke.py [--quick] [--path all|wgmma|mma]
 
@@ -9,7 +10,7 @@ Variants: the Hopper kernel (attention_wgmma, sm_90a builds on sm_90) through sa
 path; the warp-level attention_mma through the ops (INT8 QK + FP16/BF16 PV everywhere, INT8 and
 INT4 QK + FP8 PV where the build has FP8 mma.sync code for this GPU: sm_89+, emulated on sm_90).
 Exit code 1 when a variant is further than 1e-3 rel. L1 from its emulation (the acceptance
-criterion of tests/test_attention_gpu.py) or writes a non-finite value.
+criterion of tests/gpu_helpers.py) or writes a non-finite value.
 """
 from __future__ import annotations
 
@@ -128,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
                     flag = "  FAIL" if not l1 <= TOLERANCE else ""
                     print(f"{variant.name:<16}{f'{b} {hq} {hkv} {nq} {nk} {d}':<24}{str(dtype)[6:]:<10}"
                           f"{causal!s:<8}{l1:>13.2e}{testing.relative_l1(out, exact):>10.4f}{flag}", flush=True)
-    print("ANCHORS families (B1 H8 N4096 D128 fp16): CosSim / rel. L1 vs float64")
+    print("the input families of docs/PROTOCOL.md (B1 H8 N4096 D128 fp16): CosSim / rel. L1 vs float64")
     for name in FAMILIES:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = testing.make_input_family(name, (1, 8, 4096, 128), torch.float16, "cuda", generator=g)

@@ -1,4 +1,5 @@
-"""Helpers and bounds of the GPU tests of the attention kernels (docs/DESIGN.md):
+"""Helpers and bounds of the GPU tests of the attention kernels (docs/DESIGN.md#attention-mma,
+#attention-wgmma):
 test_attention_mma_gpu.py (the warp-level ``attention_mma`` in its three variants: INT8 QK +
 fp16/bf16 PV on every arch; INT8 QK + FP8 PV and INT4 QK + FP8 PV on sm_89+ builds),
 test_attention_wgmma_gpu.py (the Hopper ``attention_wgmma``, sm_90a builds on sm_90 GPUs) and
@@ -25,8 +26,9 @@ Three references:
   slabs (block_q=128, warps=8), K of quantize_kv(block_k=ops.WGMMA_BLOCK_K), FP8 PV as above;
 - exact float64 attention (``reference.exact_attention``): the 8-bit error level (randn inputs
   give rel. L1 ~0.01 with FP16 PV, bound 0.03; ~0.038 with FP8 PV, bound 0.05), INT4's level
-  derived from its emulation (it depends on the input far more than 8-bit's), and the ANCHORS.md
-  accuracy families (attention_wgmma: no worse than the official 8-bit sm90 kernel);
+  derived from its emulation (it depends on the input far more than 8-bit's), and the accuracy
+  families of docs/PROTOCOL.md#input-families (attention_wgmma: no worse than the official 8-bit
+  sm90 kernel, docs/PROTOCOL.md#official-accuracy);
 - exact LSE (natural log).
 
 A head_dim the kernels are not built for (32, 96, ...) runs zero-padded to the next built one
@@ -36,7 +38,7 @@ Every op allocates its outputs, so calls are preceded by freeing blocks of 0xFF 
 fp16/bf16/fp32) to the caching allocator (``testing.poison_cuda_allocator``): an element the
 kernel forgot to write is NaN.
 
-The ANCHORS numbers are printed (shown without ``-s``).
+The input families' figures are printed (shown without ``-s``).
 """
 from __future__ import annotations
 
@@ -63,7 +65,7 @@ EMULATION_L1 = 1e-3  # kernel vs emulation of the same algorithm
 EXACT_L1 = 0.03  # FP16/BF16 PV vs float64 attention on randn inputs (~0.01)
 # FP8 PV vs float64 attention on randn inputs: nearly uniform attention, whose small outputs
 # carry P's and V's E4M3 rounding (the emulation gives up to 0.038 on the shapes below; the
-# official 8-bit sm90 kernel 0.0383 on ANCHORS bias0).
+# official 8-bit sm90 kernel 0.0383 on bias0, docs/PROTOCOL.md#official-accuracy).
 EXACT_L1_FP8 = 0.05
 # 8-bit variants vs float64 attention on randn inputs. INT4 has no fixed entry: see
 # exact_l1_bound.
@@ -76,7 +78,7 @@ LSE_EMULATION_ATOL = {"int8": 1e-3, "int4": 0.02}
 # attention_wgmma's l is summed by the FP8 PV wgmma (a column of ones), whose accumulator keeps
 # fewer bits than the emulation's float32 per 32-key step (paper 3.4's FP22, truncating): the
 # output, O / l of one accumulator, cancels that; the LSE, log l, shows it (1.3e-3 measured on
-# the H100, session 5).
+# the H100, in the notebook entry of docs/DECISIONS.md#d7).
 WGMMA_LSE_EMULATION_ATOL = 3e-3
 # The same for the op tests, whose inputs have larger K offsets (4 instead of 2).
 OP_LSE_ATOL = {"int8": 5e-3, "int4": 0.1}
@@ -93,8 +95,9 @@ PATHS: dict[str, dict[str, Any]] = {
     "mma-fp16": {"pv_quant": "none"},
     "int4": {"qk_quant": "int4"},
 }
-# INT4 mma.sync has no native instruction on Hopper (emulated at ~50 TOPS, ANCHORS.md) and its
-# exact bound needs the emulation of every case: the int4 path keeps to shapes up to this length.
+# INT4 mma.sync has no native instruction on Hopper (emulated at ~50 TOPS,
+# docs/PROTOCOL.md#tensor-core-rates) and its exact bound needs the emulation of every case: the
+# int4 path keeps to shapes up to this length.
 INT4_MAX_LEN = 2000
 
 
@@ -123,7 +126,8 @@ def make_qkv(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, dtype: torch.d
              seed: int, bias: tuple[float, float, float] = (0.0, 0.0, 0.0),
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HND-contiguous q, k, v: randn plus an optional channel offset per tensor (bias * randn
-    [B, H, 1, D], like real activations and the ANCHORS bias4 family)."""
+    [B, H, 1, D], like real activations and the bias4 family of
+    docs/PROTOCOL.md#input-families)."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
 
     def draw(h: int, n: int, s: float) -> torch.Tensor:
@@ -219,10 +223,11 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
 def exact_l1_bound(kernel: KernelChoice, emu_out: torch.Tensor | None, want: torch.Tensor,
                    dtype: torch.dtype) -> float:
     """The largest rel. L1 vs exact attention (``want``) the kernel may have. 8-bit: the fixed
-    level of EXACT_L1_OF. INT4: its error depends on the input far more (ANCHORS.md: ~0.2 on
-    randn, ~0.02 with channel offsets and smoothing), so the bound is what its emulation
-    ``emu_out`` gives, with 10 % slack, plus twice EMULATION_L1 (by the triangle inequality the
-    kernel, within EMULATION_L1 of the emulation, can be at most that much further away)."""
+    level of EXACT_L1_OF. INT4: its error depends on the input far more (~0.2 on randn, ~0.02
+    with channel offsets and smoothing: docs/PROTOCOL.md#idealised-simulation), so the bound is
+    what its emulation ``emu_out`` gives, with 10 % slack, plus twice EMULATION_L1 (by the triangle
+    inequality the kernel, within EMULATION_L1 of the emulation, can be at most that much further
+    away)."""
     if kernel.qk == "int8":
         return EXACT_L1_OF[kernel]
     assert emu_out is not None, "INT4's exact bound needs the emulation"

@@ -124,7 +124,7 @@ def gen(seed: int) -> torch.Generator:
 
 def input_family(name: str, shape: tuple[int, int, int, int],
            seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """An ANCHORS.md input family (fp16, CPU) drawn from ``seed``."""
+    """An input family of docs/PROTOCOL.md#input-families (fp16, CPU) drawn from ``seed``."""
     return make_input_family(name, shape=shape, generator=gen(seed))
 
 

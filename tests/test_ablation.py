@@ -1,6 +1,6 @@
 """The paper's ablations (sageattention2/ablation.py and the simulator's switches): quantizers at
-every granularity, and the accuracy orderings of the paper's ablation tables and of ANCHORS.md's
-idealised simulation on synthetic inputs with fixed seeds."""
+every granularity, and the accuracy orderings of the paper's ablation tables and of the idealised
+simulation of docs/PROTOCOL.md#idealised-simulation on synthetic inputs with fixed seeds."""
 from __future__ import annotations
 
 import pytest
@@ -53,7 +53,7 @@ def test_smoothing_order_4bit(bias4):
 
 
 def test_head_and_block_q_smoothing_similar(bias4):
-    """DESIGN.md: the head mean of Q does as well as the paper's block means on bias4."""
+    """docs/DECISIONS.md#d4: the head mean of Q does as well as the paper's block means on bias4."""
     q, k, v, want = bias4
     block = simulated_l1(q, k, v, want, qk_dtype="int4", smooth_q="block")
     head = simulated_l1(q, k, v, want, qk_dtype="int4", smooth_q="head")
@@ -103,8 +103,9 @@ def test_two_level_beats_one_level():
 
 
 def test_anchor_figures_loosely(bias4):
-    """ANCHORS.md idealised simulation (8-bit bias4 0.9999 / 0.012, 4-bit 0.99868 / 0.046,
-    4-bit + smooth Q 0.9998 / 0.018) at a quarter of the sequence length."""
+    """The idealised simulation of docs/PROTOCOL.md#idealised-simulation (8-bit bias4 0.9999 /
+    0.012, 4-bit 0.99868 / 0.046, 4-bit + smooth Q 0.9998 / 0.018) at a quarter of the sequence
+    length."""
     q, k, v, want = bias4
     kw = dict(fp22=False)
     o8 = ref.sage_attention_reference(q, k, v, qk_dtype="int8", **kw)

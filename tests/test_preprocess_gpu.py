@@ -1,4 +1,5 @@
-"""GPU tests of the preprocessing kernels against the bit-level reference (docs/DESIGN.md).
+"""GPU tests of the preprocessing kernels against the bit-level reference
+(docs/DESIGN.md#smoothing_stats and #quantize_kv).
 
 Exactness contract:
 - Means and Delta-S are float32 sums in another order than the float64 reference: compared with
@@ -228,7 +229,7 @@ def test_dequantized_matches_input():
     scale = k_scales[:, :, blocks, groups][..., :257, None]
     k_hat = k_codes[:, :, :257].float() * scale + k_mean[:, :, None]
     assert ((k_hat - k.float()).abs() <= scale / 2 + 1e-5).all()
-    # V: undo the key permutation of the PV MMA layout (DESIGN.md) and dequantize.
+    # V: undo the key permutation of the PV MMA layout (docs/DESIGN.md#v-layout) and dequantize.
     slot = torch.arange(v_fp8.shape[-1], device="cuda")
     base, within = slot & ~15, slot & 15
     key = base + 2 * (within // 4) + (within % 4 & 1) + 8 * (within % 4 >> 1)

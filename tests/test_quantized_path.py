@@ -1,6 +1,7 @@
 """The quantized path's wiring, on CPU: what sageattn gives each kernel's op and what it does
 with the result. The preprocessing ops run their reference CPU implementations; attention_mma is
-replaced by a float64 stand-in written from DESIGN.md, attention_wgmma by a recording one."""
+replaced by a float64 stand-in written from docs/DESIGN.md#attention-mma, attention_wgmma by a
+recording one."""
 from __future__ import annotations
 
 import math
@@ -20,7 +21,8 @@ def test_smoothing_sample_stride() -> None:
     """The Hopper path's smoothing means: every token up to SMOOTHING_SAMPLE_TOKENS, then an odd
     stride (coprime with power-of-two periods of the token order) that keeps between a third of
     SMOOTHING_SAMPLE_TOKENS and all of it (csrc/common/geometry.h reduces up to that many rows per head
-    in one launch); the ANCHORS lengths sample 205 (1K), 241 (4K) and 253 (16K) tokens."""
+    in one launch); the lengths of docs/PROTOCOL.md#speed-inputs sample 205 (1K), 241 (4K) and
+    253 (16K) tokens."""
     target = _execute.SMOOTHING_SAMPLE_TOKENS
     for n in [*range(1, 2 * target), *range(2 * target, 300_000, 97), 2**20]:
         stride = smoothing_sample_stride(n)
@@ -59,11 +61,13 @@ def test_kernel_view(make: Any) -> None:
 
 # ------------------------------------------------------------------------------------------------
 # The quantized path's wiring on CPU: the preprocessing ops run their reference CPU
-# implementations, attention_mma is replaced by a float64 stand-in written from DESIGN.md
+# implementations, attention_mma is replaced by a float64 stand-in written from
+# docs/DESIGN.md#attention-mma
 # ------------------------------------------------------------------------------------------------
 
 LOG2E = math.log2(math.e)
-# attention_mma's argument names (the op schema, DESIGN.md), for recording its calls.
+# attention_mma's argument names (the op schema, docs/DESIGN.md#attention-mma), for recording
+# its calls.
 MMA_ARG_NAMES = ("q", "q_mean", "k_codes", "k_scale", "delta_s", "v", "v_scale", "v_mean",
                  "k_mean", "qk_dtype", "kv_len", "sm_scale", "is_causal", "out_nhd", "return_lse")
 
@@ -74,7 +78,7 @@ def attention_mma_stand_in(q: torch.Tensor, q_mean: torch.Tensor | None, k_codes
                            k_mean: torch.Tensor | None, qk_dtype: str, kv_len: int,
                            sm_scale: float, is_causal: bool, out_nhd: bool,
                            return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The op's contract (DESIGN.md) in float64: Q (minus q_mean) quantized as
+    """The op's contract (docs/DESIGN.md#attention-mma) in float64: Q (minus q_mean) quantized as
     reference.quantize_q_reference(block_q=MMA_BLOCK_Q, warps=MMA_WARPS,
     scale_multiplier=sm_scale*log2(e)) does, the per-thread groups dequantized (INT8, or INT4 unpacked from
     its nibbles), Delta-S added, exact base-2 softmax, top-left causal mask; V as given
@@ -111,7 +115,7 @@ def attention_mma_stand_in(q: torch.Tensor, q_mean: torch.Tensor | None, k_codes
     if v.dtype == torch.float8_e4m3fn:
         assert v.shape == (b, hkv, d, nk_pad) and v.is_contiguous()
         assert v_scale is not None and v_scale.shape == (b, hkv, d)
-        # Stored key s of transposed V is key perm[s] (DESIGN.md "FP8 P and V"): un-permute,
+        # Stored key s of transposed V is key perm[s] (docs/DESIGN.md#v-layout): un-permute,
         # transpose back, and scale: code * v_scale (= P~ * 448 * code / 448 * v_scale).
         v_t = torch.empty(v.shape, dtype=torch.float64)
         v_t[..., ref.v_key_permutation(nk_pad)] = v.double()

@@ -1,10 +1,10 @@
 """CPU tests of the pure-PyTorch reference (sageattention2/reference.py).
 
 They pin the reference to the paper (SageAttention2, ICML 2025) and to docs/DESIGN.md: group
-geometry, bit-level quantizer arithmetic (checked against an independent scalar float32
-emulation), layouts, smoothing algebra, the FP22 rule, the tiled forward against float64 SDPA,
-and the kernels' variants of the simulation (per-tile V, the row sum of the PV mma, the lazy
-running max). The paper's ablations are in test_ablation.py.
+geometry (#quantization-groups), bit-level quantizer arithmetic (#quantizer-arithmetic, checked
+against an independent scalar float32 emulation), layouts (#v-layout), smoothing algebra, the FP22
+rule, the tiled forward against float64 SDPA, and the kernels' variants of the simulation (per-tile
+V, the row sum of the PV mma, the lazy running max). The paper's ablations are in test_ablation.py.
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 # ------------------------------------------------------------------------------------------
-# Group geometry (paper Eq. 8, Fig. 18, appendix A.6; DESIGN.md)
+# Group geometry (paper Eq. 8, Fig. 18, appendix A.6; docs/DESIGN.md#quantization-groups)
 # ------------------------------------------------------------------------------------------
 
 
@@ -134,7 +134,8 @@ def test_quantizer_arithmetic_on_hand_made_values():
 
 
 def _scalar_quantize(values: list[float], qmax: int) -> tuple[float, list[int]]:
-    """Independent scalar float32 emulation of the DESIGN.md quantizer on one group."""
+    """Independent scalar float32 emulation of the docs/DESIGN.md#quantizer-arithmetic quantizer
+    on one group."""
     amax = max(abs(v) for v in values)
     scale = _f32(amax / qmax)
     inv = _f32(1.0 / scale) if scale > 0 else 0.0
@@ -502,7 +503,7 @@ def test_tiled_unquantized_matches_exact(nq, nk, hq, hkv, causal, extra):
 
 def test_v_tile_scales_match_per_channel_accuracy():
     """v_granularity="tile" (the Hopper kernel's V, one FP8 scale per tile, O kept in the units
-    of the last folded tile): as accurate as per-channel V on the ANCHORS families (E4M3's
+    of the last folded tile): as accurate as per-channel V on the input families (E4M3's
     exponent gives a tile-wide scale the per-channel one's relative precision), and exact in
     its bookkeeping: with V constant per tile (each tile a different magnitude, one tile zero)
     and uniform attention, O is the average of the tile values to float32 rounding."""

@@ -261,8 +261,8 @@ def test_kernel_for_cpu_calls_is_mma(monkeypatch: pytest.MonkeyPatch,
 
 
 def test_host_path_asks_cuda_and_picks_the_kernel_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A call's host work is measured in microseconds at short sequences (RESULTS.md): whether
-    CUDA is available is asked once per process, not per call, and sageattn picks the kernel
+    """A call's host work is measured in microseconds at short sequences (docs/DECISIONS.md#d19):
+    whether CUDA is available is asked once per process, not per call, and sageattn picks the kernel
     once per call (the fallback decision and the run share the pick)."""
     asked: list[int] = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: asked.append(1) or True)

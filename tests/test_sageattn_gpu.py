@@ -1,7 +1,7 @@
 """GPU tests of ``sageattn``'s quantized path on every kernel this GPU runs (gpu_helpers.PATHS):
-the ANCHORS.md accuracy families, shapes, layouts and dtypes against the emulation of the variant
-it ran and exact attention, the LSE, determinism, torch.compile and CUDA graphs, the fallbacks,
-and kernel_plan (helpers, bounds and references: gpu_helpers.py)."""
+the accuracy families of docs/PROTOCOL.md#input-families, shapes, layouts and dtypes against the
+emulation of the variant it ran and exact attention, the LSE, determinism, torch.compile and CUDA
+graphs, the fallbacks, and kernel_plan (helpers, bounds and references: gpu_helpers.py)."""
 from __future__ import annotations
 
 import warnings
@@ -29,32 +29,34 @@ if not ops.has_op("attention_mma"):
 
 
 # ------------------------------------------------------------------------------------------------
-# ANCHORS.md accuracy families (numbers for the closing note)
+# The accuracy families of docs/PROTOCOL.md#input-families (numbers for the closing note)
 # ------------------------------------------------------------------------------------------------
 
-# 8-bit, family -> (min CosSim, max rel. L1): issue 3's bounds, the official 8-bit sm90 kernel's
-# non-causal level (ANCHORS.md). FP16/BF16 PV should be at least as good on every family and mask
-# (outliers: the official kernel's 0.9984 / 0.0397). With FP8 PV the bounds hold non-causal; causal,
-# the official kernel itself is below the bias4 bound (0.99987), so there the FP8 path must be no
-# worse than the official causal figure (OFFICIAL_SM90); the outliers family is printed only (the
-# emulated algorithm of the warp-level kernel is at the official kernel's level there).
+# 8-bit, family -> (min CosSim, max rel. L1): issue 3's bounds (docs/PROTOCOL.md#targets), the
+# official 8-bit sm90 kernel's non-causal level (docs/PROTOCOL.md#official-accuracy). FP16/BF16 PV
+# should be at least as good on every family and mask (outliers: the official kernel's 0.9984 /
+# 0.0397). With FP8 PV the bounds hold non-causal; causal, the official kernel itself is below the
+# bias4 bound (0.99987), so there the FP8 path must be no worse than the official causal figure
+# (OFFICIAL_SM90); the outliers family is printed only (the emulated algorithm of the warp-level
+# kernel is at the official kernel's level there).
 ANCHOR_BOUNDS = {"bias0": (0.9992, 0.040), "bias4": (0.9999, 0.015), "outliers": (0.998, 0.040)}
 ANCHOR_BOUNDS_OF = {
     MMA_INT8_INPUT: ANCHOR_BOUNDS,
     MMA_INT8_FP8: {name: ANCHOR_BOUNDS[name] for name in ("bias0", "bias4")},
 }
 OFFICIAL_BOUNDS_WHEN_CAUSAL = {MMA_INT8_FP8}
-# ANCHORS.md: the official 8-bit sm90 kernel, (family, causal) -> (CosSim, rel. L1). attention_wgmma
-# (FP8 PV like the official kernel) must be no worse on the same family and mask (issue 4's
-# acceptance point), up to the rounding of the printed figures (half a unit of the last digit).
+# docs/PROTOCOL.md#official-accuracy: the official 8-bit sm90 kernel, (family, causal) ->
+# (CosSim, rel. L1). attention_wgmma (FP8 PV like the official kernel) must be no worse on the same
+# family and mask (issue 4's acceptance point), up to the rounding of the printed figures (half a
+# unit of the last digit).
 OFFICIAL_SM90 = {("bias0", False): (0.999265, 0.0383), ("bias0", True): (0.999389, 0.0367),
                  ("bias4", False): (0.99990, 0.0117), ("bias4", True): (0.99987, 0.0132),
                  ("outliers", False): (0.998399, 0.0397), ("outliers", True): (0.99846, 0.0387)}
 OFFICIAL_ROUNDING = (5e-6, 5e-5)
 # Measured on the H100: with one Q scale per row attention_wgmma is at 0.998436 / 0.03923 on the
 # outliers family (official 0.998399 / 0.0397) and 0.998557 / 0.03783 causal (0.99846 / 0.0387);
-# with the per-thread Q groups of Eq. 8 it was 0.998345 / 0.0403 and 0.998449 / 0.0389, short of
-# the official figures (benchmarks/RESULTS.md, session 17). No known gaps remain.
+# with the per-thread Q groups of Eq. 8 it was 0.998273 / 0.04071 and 0.998403 / 0.03925, short
+# of the official figures (docs/DECISIONS.md#d3). No known gaps remain.
 KNOWN_GAPS: set[tuple[KernelChoice, str]] = set()
 ANCHOR_SHAPE = (1, 8, 4096, 128)
 ANCHOR_FAMILIES = ("bias0", "bias4", "outliers")
@@ -63,7 +65,8 @@ ANCHOR_PATHS = [path for path, options in PATHS.items() if options.get("qk_quant
 
 
 def anchor_families() -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """The ANCHORS.md families, drawn as its protocol says (manual_seed(0), in this order)."""
+    """The input families, drawn as docs/PROTOCOL.md#input-families says (manual_seed(0), in this
+    order)."""
     torch.manual_seed(0)
     return {name: make_input_family(name, ANCHOR_SHAPE, torch.float16, DEVICE)
             for name in ANCHOR_FAMILIES}
@@ -102,7 +105,7 @@ def test_anchor_families(path: str, capsys: pytest.CaptureFixture[str]) -> None:
                 failures.append(f"{lines[-1]}: kernel vs emulation above {EMULATION_L1}")
     ran = ", ".join(f"attention_{c.kernel} {c.qk.upper()} QK + {c.pv} PV" for c in sorted(kernels))
     with capsys.disabled():
-        print(f"\nANCHORS families, B1 H8 N4096 D128 fp16, sageattn ({path} call: {ran}) vs "
+        print(f"\ninput families of docs/PROTOCOL.md, B1 H8 N4096 D128 fp16, sageattn ({path} call: {ran}) vs "
               f"float64 SDPA:")
         print("\n".join(lines))
     assert not failures, "\n".join(failures)
@@ -111,17 +114,19 @@ def test_anchor_families(path: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 # 4-bit on the bias4 family (channel offsets, which smoothing removes): with Q and K smoothed the
-# error must come down to near the 8-bit level (ANCHORS' idealised simulation: 0.9998 / 0.0182),
-# and smoothing Q must at least halve it (the simulation: 0.0463 -> 0.0182).
+# error must come down to near the 8-bit level (the idealised simulation of
+# docs/PROTOCOL.md#idealised-simulation: 0.9998 / 0.0182), and smoothing Q must at least halve it
+# (the simulation: 0.0463 -> 0.0182).
 INT4_BIAS4_BOUNDS = (0.9995, 0.03)
 INT4_Q_SMOOTHING_GAIN = 2.0
 
 
 @pytest.mark.usefixtures("mma_fp8_kernel")
 def test_anchor_families_int4(capsys: pytest.CaptureFixture[str]) -> None:
-    """sageattn(qk_quant="int4") on the ANCHORS families, with and without Q smoothing (K always
-    smoothed); and, emulation only, whether finer query groups than the kernel's would help on
-    the outlier family (which smoothing cannot fix: its large channels vary per token)."""
+    """sageattn(qk_quant="int4") on the input families (docs/PROTOCOL.md#input-families), with and
+    without Q smoothing (K always smoothed); and, emulation only, whether finer query groups than
+    the kernel's would help on the outlier family (which smoothing cannot fix: its large channels
+    vary per token)."""
     families = anchor_families()
     lines, failures, results = [], [], {}
     for name, (q, k, v) in families.items():
@@ -171,7 +176,7 @@ def test_anchor_families_int4(capsys: pytest.CaptureFixture[str]) -> None:
         finer.append(f"  {label:<45} CosSim {cosine_similarity(emu.half(), want):.6f} "
                      f"rel.L1 {rel_l1(emu.half(), want):.5f}")
     with capsys.disabled():
-        print("\nANCHORS families, B1 H8 N4096 D128 fp16, sageattn(qk_quant='int4') "
+        print("\ninput families of docs/PROTOCOL.md, B1 H8 N4096 D128 fp16, sageattn(qk_quant='int4') "
               "(attention_mma INT4 QK + FP8 PV, K smoothed) vs float64 SDPA:")
         print("\n".join(lines))
         print("INT4 query-group geometry on the outliers family, emulation only (Q and K "

@@ -69,12 +69,12 @@ def test_hopper_kernel_uses_wgmma_and_does_not_spill() -> None:
             assert any(op.startswith(want) for op in k.instructions), (k.name, k.instructions)
         # Nothing spills, in the main loop (where it would cost every tile) or around it (the
         # item's state, reloaded per item: the causal head_dim 128 variant had a 24-byte frame
-        # until the masked last tile left the loop, RESULTS.md session 7).
+        # until the masked last tile left the loop, docs/DECISIONS.md#d8).
         assert k.loop_spills == 0, (k.name, k.loop_spills)
         assert k.stack == 0, (k.name, k.stack)
         # ptxas's schedule of the KV loop: no long run of MUFUs with nothing beside them (x21-x42
-        # in the builds that measured 3-9 % slower in session 17, 2-3 in the kept one). A new
-        # compiler that reorders the loop shows here before it shows in a benchmark.
+        # in the builds that measured 3-9 % slower, 2-3 in the kept one: docs/DECISIONS.md#d12). A
+        # new compiler that reorders the loop shows here before it shows in a benchmark.
         assert k.loop_mufu_run <= check.MUFU_RUN_LIMIT, (k.name, k.loop_mufu_run)
 
 

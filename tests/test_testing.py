@@ -1,4 +1,5 @@
-"""sageattention2.testing: the accuracy metrics (paper A.7) and the ANCHORS.md input families."""
+"""sageattention2.testing: the accuracy metrics (paper A.7) and the input families
+(docs/PROTOCOL.md#input-families)."""
 from __future__ import annotations
 
 import math

@@ -99,7 +99,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
 }
 
 // PTX ISA, "Warp-level matrix multiply-accumulate: mma", mma.m16n8k32.row.col.s32.s8.s8.s32:
-// native IMMA on sm_80/89/90 (ANCHORS: 1231 TOPS on the H100 through mma.sync).
+// native IMMA on sm_80/89/90 (1231 TOPS on the H100 through mma.sync:
+// docs/PROTOCOL.md#tensor-core-rates).
 __device__ __forceinline__ void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
@@ -109,9 +110,9 @@ __device__ __forceinline__ void mma_m16n8k32_s8(int32_t (&d)[4], const uint32_t 
 }
 
 // mma.m16n8k64.row.col.s32.s4.s4.s32 (the 4-bit QK of paper 3.2): native IMMA.16864 on sm_80 and
-// sm_89; sm_90a has no such SASS instruction and emulates it (ANCHORS: ~50 TOPS on the H100).
-// Its fragments are those of m16n8k32.s8 with two nibbles per byte (lower channel in the lower
-// nibble), so the INT8 tile loads serve it unchanged.
+// sm_89; sm_90a has no such SASS instruction and emulates it (~50 TOPS on the H100,
+// docs/PROTOCOL.md#tensor-core-rates). Its fragments are those of m16n8k32.s8 with two nibbles
+// per byte (lower channel in the lower nibble), so the INT8 tile loads serve it unchanged.
 __device__ __forceinline__ void mma_m16n8k64_s4(int32_t (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k64.row.col.s32.s4.s4.s32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "

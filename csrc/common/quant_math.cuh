@@ -1,4 +1,5 @@
-// The bit-level quantizer arithmetic of docs/DESIGN.md, shared by host and device code.
+// The bit-level quantizer arithmetic of docs/DESIGN.md#quantizer-arithmetic, shared by host and
+// device code.
 //
 // Host-callable so GoogleTest checks it against hand-made values; the reference in
 // sageattention2/reference.py follows the same steps in torch float32.
@@ -34,8 +35,8 @@ SAGE_HOST_DEVICE float quant_inverse(float scale) { return scale > 0.0f ? 1.0f /
 // 2^-39 keep E4M3's relative precision; the fold stays in float32 while a head's tile maxima
 // stay below 2^60 (always for fp16 inputs). A power of two makes V * (1 / s), the fold's ratios
 // and the output's rescale exact, so a code is E4M3's own rounding of V (over five draws of the
-// ANCHORS families as accurate as per-channel scales, bias4 3 % better: benchmarks/RESULTS.md,
-// session 8). The reference: reference.quantize_v_per_tile.
+// input families as accurate as per-channel scales, bias4 2.4-3.8 % better: docs/DECISIONS.md#d6).
+// The reference: reference.quantize_v_per_tile.
 inline constexpr float kVTileScaleMin = 9.313225746154785e-10f;  // 2^-30
 SAGE_HOST_DEVICE float v_tile_scale(float amax) {
   float scale = quant_scale(amax, kFp8E4M3Max);
@@ -50,8 +51,7 @@ SAGE_HOST_DEVICE float v_tile_scale(float amax) {
 // 1 / s of a v_tile_scale s (a power of two in [2^-30, 2^126)), exactly, by the exponent alone:
 // 2^k has the bits (127 + k) << 23 and 2^-k the bits (127 - k) << 23. An integer subtraction
 // instead of a MUFU reciprocal in the Hopper kernel's fold: one of the choices that lead ptxas
-// to a faster schedule of its KV loop (at head_dim 128 non-causal; benchmarks/RESULTS.md,
-// session 17).
+// to a faster schedule of its KV loop (at head_dim 128 non-causal; docs/DECISIONS.md#d12).
 SAGE_HOST_DEVICE float inverse_of_power_of_two(float s) {
   uint32_t bits;
   __builtin_memcpy(&bits, &s, sizeof bits);
@@ -66,9 +66,9 @@ SAGE_HOST_DEVICE float inverse_of_power_of_two(float s) {
 // the adder's round-half-even, and its low mantissa bits are that integer plus 2^22. F2I, the
 // conversion instruction, issues at 16 per clock and SM against the adder's 128: the same codes
 // for 4 full-rate instructions instead of F2I and two integer clamps (its effect on
-// quantize_kv's time, whose tiles are latency-bound, was not separated: benchmarks/RESULTS.md,
-// session 22). A NaN becomes -qmax here, 0 through F2I: neither is the code of anything, and no
-// NaN reaches a group scale, whose max ignores it.
+// quantize_kv's time, whose tiles are latency-bound, was not separated: docs/DECISIONS.md#d17).
+// A NaN becomes -qmax here, 0 through F2I: neither is the code of anything, and no NaN reaches a
+// group scale, whose max ignores it.
 SAGE_HOST_DEVICE int quantize_to_int(float x, float inv, int qmax) {
 #if defined(__CUDA_ARCH__)
   const float bound = static_cast<float>(qmax);

@@ -24,7 +24,7 @@ struct WgmmaEpilogue {
   // V's channel means (smooth V only; none are loaded without), all loads in flight together.
   // At head_dim 64 they load while the item's last PV product computes (the kernel calls
   // load_v_means before it); at 128 their 32 registers would push the item's own state out of
-  // registers, so they load after the last fold (benchmarks/RESULTS.md, session 7).
+  // registers, so they load after the last fold (docs/DECISIONS.md#d8).
   static constexpr bool kEarlyVMeans = kHeadDim == 64;
   // The staging writes of store_output land where the Q quantizer wrote the item's codes: at
   // head_dim 128 their addresses are the same values, which the compiler computes once before
@@ -75,7 +75,7 @@ struct WgmmaEpilogue {
   // Writes a warp's 16 rows of O through its own 16 rows of the Q code tile (free once the item's
   // last QK product completed; the next item's codes are written after this): the accumulator
   // layout gives each thread 4-byte pieces of 8 rows per store, which cost 8 memory transactions
-  // per instruction (~1 tile's time per item, benchmarks/RESULTS.md, session 7), and the round
+  // per instruction (~0.9 tile's time per item, docs/DECISIONS.md#d8), and the round
   // trip through shared memory turns them into 16-byte stores of whole row segments. The tile
   // holds half the columns at a time.
   __device__ static void store_output(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, const float (&o)[kORegs],

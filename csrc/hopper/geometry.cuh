@@ -25,7 +25,7 @@ struct WgmmaGeometry {
   // The PV product has 8 columns more than V's channels: V's smem tile is followed by 8 rows of
   // E4M3 ones, so the tensor cores also sum each row of the FP8 P~ (the softmax denominator, over
   // exactly the values the numerator used) and the softmax loses 64 FADDs per tile and thread
-  // (+4-14 % measured with the sums dropped; benchmarks/RESULTS.md, session 5).
+  // (kernel +2-11 % over the twelve speed shapes; docs/DECISIONS.md#d7).
   static constexpr int kPvN = kHeadDim + 8;
   static constexpr int kRaccRegs = kPvN / 2;                // PV accumulators per thread
   static constexpr int kVStageBytes = kVBytes + 8 * kBlockK;  // the V^T tile, then 8 rows of ones

@@ -20,9 +20,10 @@
 // says when).
 //
 // The consumer warpgroups run the KV loop unsynchronised: FA3's pingpong (taking turns to issue
-// the GEMMs) measured 9-12 % slower here, since with two warps per scheduler each softmax then
-// hides its own latencies alone (benchmarks/RESULTS.md, sessions 3 and 14). Only their start of
-// an item is ordered, so that they run it a fraction of a tile apart (hopper/mainloop.cuh).
+// the GEMMs) measured slower each of the three times it was tried (up to 12 %), since with two
+// warps per scheduler each softmax then hides its own latencies alone (docs/DECISIONS.md#d10).
+// Only their start of an item is ordered, so that they run it a fraction of a tile apart
+// (hopper/mainloop.cuh, docs/DECISIONS.md#d11).
 #pragma once
 
 #include <cuda.h>  // CUtensorMap

@@ -21,10 +21,10 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   if (status == cudaSuccess) status = device_attribute(cudaDevAttrMultiProcessorCount, device, &sms);
   if (status != cudaSuccess) return status;
   // Up to 8 units per SM the grid is persistent (one CTA per SM): there the items are short and
-  // their start-up and drain, overlapped with the neighbouring items, weigh most (+2..10 % at 1K).
-  // Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item time
-  // variation that a static round-robin accumulates (-2..4 % persistent at 16K; A/B in one
-  // process, benchmarks/RESULTS.md).
+  // their start-up and drain, overlapped with the neighbouring items, weigh most (kernel +7-11 %
+  // at 1K). Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item
+  // time variation that a static round-robin accumulates (persistent 0.94-1.05x at 4K-16K; A/B
+  // in one process, docs/DECISIONS.md#d9).
   const int64_t units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads).units;
   bool persistent = units <= 8 * static_cast<int64_t>(sms);
   if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit

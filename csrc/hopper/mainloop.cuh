@@ -36,10 +36,11 @@ struct WgmmaMainloop {
   static constexpr int kQkSteps = Geometry::kQkSteps, kPvSteps = Geometry::kPvSteps;
   static constexpr int kSRegs = Geometry::kSRegs, kORegs = Geometry::kORegs, kRaccRegs = Geometry::kRaccRegs;
   // How ptxas is led to schedule the KV loop: the same arithmetic, three choices per
-  // instantiation, each measured (benchmarks/RESULTS.md, session 17). With the per-row Q scales
-  // the loop as it was ran 7 % slower at head_dim 128 (ptxas put the 64 fold FFMAs after all the
+  // instantiation, each measured (docs/DECISIONS.md#d12). With the per-row Q scales the loop as
+  // it was ran 7 % slower at head_dim 128 (ptxas put the 64 fold FFMAs after all the
   // exponentials, which then queued on the MUFU pipe alone) and 3.5 % at 64; with these the
-  // kernel is as fast as before (within 0.5 %) or faster on every ANCHORS shape.
+  // kernel is as fast as before (within 0.5 %) or faster on every shape of
+  // docs/PROTOCOL.md#speed-inputs.
   // - fold R(it - 1) into O before tile it's softmax (else after it);
   static constexpr bool kFoldBeforeSoftmax = kHeadDim == 64 || !kCausal;
   // - read the tile's K scale while QK(it) runs (else just before the softmax);
@@ -50,8 +51,8 @@ struct WgmmaMainloop {
   //   (else at the tile's start).
   static constexpr bool kSlotAhead = !kCausal;
 
-  // With V's keys stored in the order of DESIGN.md, the A fragment of k-step c of the PV wgmma is
-  // the S columns of the n8 tiles 4c .. 4c+3, packed in register order, as E4M3.
+  // With V's keys stored in the order of docs/DESIGN.md#v-layout, the A fragment of k-step c of
+  // the PV wgmma is the S columns of the n8 tiles 4c .. 4c+3, packed in register order, as E4M3.
   __device__ static void pack_p(const float (&x)[kSRegs], uint32_t (&pa)[kPvSteps][4]) {
 #pragma unroll
     for (int c = 0; c < kPvSteps; ++c)
@@ -158,7 +159,7 @@ struct WgmmaMainloop {
     // Warpgroup 1 starts an item once warpgroup 0 has its tile 0's P (barrier 3, below): the two
     // then run the KV loop a fraction of a tile apart instead of in step. Left to itself, their
     // offset depended on the per-item code by accident, and the loop tile took 1,644 cycles at
-    // 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; benchmarks/RESULTS.md, session 14).
+    // 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; docs/DECISIONS.md#d11).
     if (consumer == 1) ptx::named_barrier_sync<3, 256>();
     issue_qk(sacc, q_desc, ptx::kmajor_descriptor<kHeadDim>(s.k[stage0]));
     ptx::wgmma_wait<0>();
@@ -171,14 +172,14 @@ struct WgmmaMainloop {
     if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; S(it)'s row maxima are
-    // taken while PV(it - 1) computes (ptxas waits for the PV before the exponentials: session 16
-    // of benchmarks/RESULTS.md); R(it - 1) is folded into O (paper 3.4) before or after the
+    // taken while PV(it - 1) computes (ptxas waits for the PV before the exponentials:
+    // docs/DECISIONS.md#d14); R(it - 1) is folded into O (paper 3.4) before or after the
     // softmax (kFoldBeforeSoftmax), and P(it) packed. A masked tile (the last) first waits for
     // PV(it - 1) and folds it: the masked softmax then has the PV accumulators' registers to
     // itself and spills nothing.
     // Where tile it's K and tile it - 1's V sit in the ring. With kSlotAhead the loop takes the
     // next tile's index (the warp-uniform shuffle) and slot while this tile runs: the per-tile
-    // trace (benchmarks/RESULTS.md, session 18) puts ~330 cycles between a tile's start and its
+    // trace (docs/DECISIONS.md#d13) puts ~330 cycles between a tile's start and its
     // last GEMM issued, a chain of shuffle, uniform-datapath arithmetic and descriptors. ptxas
     // still recomputes part of the slot at the top, but the shuffle leaves the chain: the hd128
     // loop's encoded stall cycles fall from 910 to 867 per tile and the kernel gains 1-2 %
@@ -224,7 +225,7 @@ struct WgmmaMainloop {
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
       if constexpr (kMasked || kFoldBeforeSoftmax) {
-        pv_done();  // (ptxas waits for PV(it - 1) before the exponentials anyway: session 16)
+        pv_done();  // (ptxas waits for PV(it - 1) before the exponentials anyway: docs/DECISIONS.md#d14)
         release_and_fold(prev, prev_scale);
         scores_to_p<kMasked>(s, stage, k_scale(), q, mask, lane, t, sacc, x, m, alpha);
       } else {

@@ -58,13 +58,13 @@ struct WgmmaQQuantizer {
     ptx::cp_async_commit();
   }
 
-  // Takes the staged rows, each row's max |x| over the quad that shares it, quantizes with
-  // DESIGN.md's arithmetic and stores the codes into the warpgroup's Q tile. One scale per query
-  // row, finer than the paper's per-thread group of rows {g, g+8} (Eq. 8) at no cost in the loop:
-  // the softmax treats a thread's two rows apart anyway (row max, bias), so it dequantizes with
-  // one scale per row as cheaply as with one per thread. It is what brings the outliers family
-  // (large channels that vary per token) within the official kernel's accuracy (benchmarks/
-  // RESULTS.md, session 17).
+  // Takes the staged rows, each row's max |x| over the quad that shares it, quantizes with the
+  // arithmetic of docs/DESIGN.md#quantizer-arithmetic and stores the codes into the warpgroup's
+  // Q tile. One scale per query row, finer than the paper's per-thread group of rows {g, g+8}
+  // (Eq. 8), for one multiply per tile and one register in the loop: the softmax treats a
+  // thread's two rows apart anyway (row max, bias), so it dequantizes with one scale per row
+  // nearly as cheaply as with one per thread. It is what brings the outliers family (large
+  // channels that vary per token) within the official kernel's accuracy (docs/DECISIONS.md#d3).
   __device__ static WgmmaQRows quantize(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int slab_row, int t,
                                         const uint2 (&slots)[kQChunks][32], int lane, uint8_t* q_tile) {
     float x[2][kQkSteps][2][4];

@@ -43,7 +43,7 @@ struct MmaKvLoader {
   // Per-(batch, head) base pointers of everything a KV tile reads, held through the KV loop, or
   // derived from the block index again at every tile where their 8 registers would spill
   // (kHeadPerTile: INT8 + FP16 PV at head_dim 128, whose loop runs at 255 registers; at head_dim
-  // 64 holding them measured 10 % faster on the H100, benchmarks/RESULTS.md session 10).
+  // 64 holding them measured 8-12 % faster on the H100, docs/DECISIONS.md#d22).
   struct KvHead {
     const int8_t* k;
     const float* k_scale;

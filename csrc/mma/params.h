@@ -28,8 +28,8 @@ inline constexpr int kMmaInputPvWarps = 4;
 inline constexpr int kMmaInputPvTileK = 64;
 inline constexpr int kMmaLazyRescaleLog2 = 8;
 
-// The variants of the warp-level kernel (template parameters, DESIGN.md): how Q and K are coded
-// for the QK product, and in what type P and V enter the PV product.
+// The variants of the warp-level kernel (template parameters, docs/DESIGN.md#attention-mma): how
+// Q and K are coded for the QK product, and in what type P and V enter the PV product.
 enum class QkCodes : int {
   kInt8,  // per-thread INT8, mma.m16n8k32.s8
   kInt4,  // per-thread INT4, two per byte, mma.m16n8k64.s4 (paper 3.2, the 4-bit kernel)
@@ -52,7 +52,7 @@ struct AttentionMmaParams {
   const float* k_scale = nullptr;   // [B, Hkv, k_padded / 128, 4]
   const float* delta_s = nullptr;   // [B, Hq, k_padded] or null
   // kInput: [B, Hkv, kv_len, D] in the input dtype with the strides below.
-  // kFp8: [B, Hkv, D, k_padded] E4M3 in the PV-MMA key order (DESIGN.md), contiguous.
+  // kFp8: [B, Hkv, D, k_padded] E4M3 in the PV-MMA key order (docs/DESIGN.md#v-layout), contiguous.
   const void* v = nullptr;
   int64_t v_stride_b = 0, v_stride_h = 0, v_stride_n = 0;
   const float* v_scale = nullptr;   // kFp8: [B, Hkv, D] per-channel FP8 scale of V

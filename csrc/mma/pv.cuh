@@ -45,11 +45,11 @@ struct MmaPv {
     }
   }
 
-  // O += P~ V with FP8 operands (paper 3.3, 3.4). With V's keys stored in the order of DESIGN.md,
-  // the S fragment of n8 tiles 4c .. 4c+3 is, packed to E4M3, the A fragment of k-step c. Each
-  // pair of n8 channel tiles gets a fresh accumulator over the tile's kPvSteps k-steps, then
-  // folded into O (already rescaled by alpha): the two-level accumulation, which on Ada keeps
-  // the FP22 accumulator of the FP8 MMA to 128 products of a row.
+  // O += P~ V with FP8 operands (paper 3.3, 3.4). With V's keys stored in the order of
+  // docs/DESIGN.md#v-layout, the S fragment of n8 tiles 4c .. 4c+3 is, packed to E4M3, the A
+  // fragment of k-step c. Each pair of n8 channel tiles gets a fresh accumulator over the tile's
+  // kPvSteps k-steps, then folded into O (already rescaled by alpha): the two-level accumulation,
+  // which on Ada keeps the FP22 accumulator of the FP8 MMA to 128 products of a row.
   __device__ static void accumulate_fp8(const Smem& s, int stage, int lane, const float (&sc)[kSlabs][kKeyTiles][4],
                                         float (&o)[kSlabs][kDimTiles][4]) {
     uint32_t pa[kSlabs][kPvSteps][4];

@@ -111,8 +111,9 @@ struct MmaSoftmax {
     // passes it by more than 2^kMmaLazyRescaleLog2 in some row of the warp (rows past q_len do
     // not count, so the emulation can follow). P~ then stays below 256, far inside both types'
     // range, whose relative rounding does not depend on the magnitude. Past the first tiles a
-    // rescale is rare, and a tile skips kSlabs * 2 * kDimTiles * 2 FMULs on O (+4-8 % on the
-    // H100, benchmarks/RESULTS.md). FP8 P~ * 448 must stay within E4M3's 448: exact max there.
+    // rescale is rare, and a tile skips kSlabs * 2 * kDimTiles * 2 FMULs on O (H100: +4-8 % at
+    // head_dim 128, +1-4 % at 64; docs/DECISIONS.md#d22). FP8 P~ * 448 must stay within E4M3's
+    // 448: exact max there.
     bool rescale = true;
     if constexpr (!kFp8Pv) {
       bool grows = false;

@@ -35,7 +35,7 @@ struct MmaTraits {
   // dtype without Delta-S (sageattn's INT8 default on sm_80/sm_90), whose lazy running max
   // already lets P~ exceed 1 (up to 256), so the max may be rounded up to an integer. At head_dim
   // 64 only: +4-7 % there on the H100; at 128, whose loop runs at 255 registers, it measured
-  // within 1 % and kept a value in local memory (benchmarks/RESULTS.md, session 24).
+  // within 1 % and kept a value in local memory (docs/DECISIONS.md#d23).
   static constexpr bool kFoldedExponent = !kFp8Pv && !kSmoothQ && kHeadDim == 64;
   // The folded exponent's least scale: only all-zero Q or K groups (codes 0) have a smaller one
   // (0); fp16/bf16 inputs give at least ~1e-20. A power of two, so 1.5 * 2^23 * s stays exact.

@@ -91,8 +91,9 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
 // each group max is reduced by shuffles and one shared slot per warp, and the codes are written
 // from the same registers. Same groups and arithmetic as quantize_k_tile, so the same codes and
 // scales bit for bit, without its divisions, second pass over shared memory and shared atomics:
-// at B4 H32 N4096 hd128 the K + V launch went from 68 % of the issue slots and 62 % of DRAM
-// bandwidth to 57 % and 83 % (ncu; benchmarks/RESULTS.md, session 12).
+// at B4 H32 N4096 hd128 the K + V launch, which had kept 68 % of the issue slots and 62 % of DRAM
+// bandwidth busy (ncu), went from 185 to 146 us, 72 to 92 % of copy bandwidth
+// (docs/DECISIONS.md#d16).
 template <typename T, bool kInt4, int kHeadDim>
 __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVParams& p, KVTileSmem& sm, int kb, int h,
                                                               int b) {

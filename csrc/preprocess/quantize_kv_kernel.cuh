@@ -1,6 +1,6 @@
 // The quantize_kv kernel (paper Fig. 3, steps 2-3): per-thread quantization of K, the Delta-S
 // vector, and FP8 V in the layout of the PV MMA. The data contract it implements is
-// docs/DESIGN.md.
+// docs/DESIGN.md#quantize_kv.
 //
 // K and V: two CTAs per (KV block, kv head, batch), one per tensor (one tile of shared memory
 // each, so an SM holds twice as many CTAs as with both tiles in one: more loads in flight while
@@ -8,7 +8,7 @@
 // block) and takes the key's exact Delta-S = q_mean . (K_j - k_mean) from the same tile; the V
 // CTA smooths V (optional), quantizes it to FP8 per channel (smoothing_stats' scales: the
 // warp-level kernels) or with one scale per tile (its own: the Hopper kernel) and writes it
-// transposed in the key order of the PV MMA (DESIGN.md).
+// transposed in the key order of the PV MMA (docs/DESIGN.md#v-layout).
 #pragma once
 
 #include "common/geometry.h"

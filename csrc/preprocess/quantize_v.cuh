@@ -1,5 +1,6 @@
-// V of one block to E4M3 (paper 3.3), transposed into the key order of the PV MMA (DESIGN.md),
-// with smoothing_stats' per-channel scales or one scale per tile: quantize_kv's V CTA.
+// V of one block to E4M3 (paper 3.3), transposed into the key order of the PV MMA
+// (docs/DESIGN.md#v-layout), with smoothing_stats' per-channel scales or one scale per tile:
+// quantize_kv's V CTA.
 #pragma once
 
 #include <cstdint>

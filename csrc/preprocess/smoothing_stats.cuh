@@ -1,5 +1,5 @@
 // Smoothing statistics (paper Fig. 3, step 1): per-channel means over tokens (Q, K, V) and V's
-// per-channel range. The data contract they implement is docs/DESIGN.md.
+// per-channel range. The data contract they implement is docs/DESIGN.md#smoothing_stats.
 //
 // One launch covers up to three tensors; its CTAs each reduce a chunk of rows of one
 // (tensor, batch, head) "job", and, when a job has several chunks, a second tiny launch folds

@@ -1,4 +1,4 @@
-// Host interface of the attention ops (docs/DESIGN.md): the single ops attention_mma and
+// Host interface of the attention ops (docs/DESIGN.md#ops): the single ops attention_mma and
 // attention_wgmma (validation and output allocation in attention_shapes.cpp, shared by the CUDA
 // and Meta implementations; CUDA implementations in attention_ops.cpp) and the composites
 // sageattn_wgmma and sageattn_mma (composites.cpp).
@@ -62,21 +62,22 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(
     const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
     int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv);
 
-// The Hopper path of a sageattn call in one op (docs/DESIGN.md "Ops"): smoothing_stats over
-// every sample_stride-th token (K's mean with smooth_k, V's with smooth_v), quantize_kv for
+// The Hopper path of a sageattn call in one op (docs/DESIGN.md#composite-ops): smoothing_stats
+// over every sample_stride-th token (K's mean with smooth_k, V's with smooth_v), quantize_kv for
 // block_k 128 with one V scale per tile, then attention_wgmma. The intermediates are never
-// returned: at short sequences a call is host-bound, and each op dispatched from Python costs
-// 16-20 us of host time (benchmarks/RESULTS.md, session 20).
+// returned: at short sequences a call is host-bound, and each op dispatched from Python cost
+// 15-37 us of host time (docs/DECISIONS.md#d20).
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        bool smooth_k, bool smooth_v, int64_t sample_stride,
                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
 AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
                                          bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse);
 
-// The warp-level path of a sageattn call in one op, for the same reason (docs/DESIGN.md "Ops"):
-// at most one smoothing_stats launch (Q's mean with smooth_q; K's over every sample_stride-th
-// token with smooth_k, or over all tokens with FP8 PV, whose V range needs them all), quantize_kv
-// for block_k 128, then attention_mma, each launch a programmatic dependent of the one before.
+// The warp-level path of a sageattn call in one op, for the same reason
+// (docs/DESIGN.md#composite-ops): at most one smoothing_stats launch (Q's mean with smooth_q; K's
+// over every sample_stride-th token with smooth_k, or over all tokens with FP8 PV, whose V range
+// needs them all), quantize_kv for block_k 128, then attention_mma, each launch a programmatic
+// dependent of the one before.
 std::tuple<at::Tensor, at::Tensor> sageattn_mma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::string& qk_dtype, const std::string& pv_dtype,
                                                      bool smooth_q, bool smooth_k, bool smooth_v,

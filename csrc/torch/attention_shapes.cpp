@@ -1,6 +1,7 @@
 // Argument validation and output allocation of the attention ops attention_mma and
-// attention_wgmma (docs/DESIGN.md): the one place that knows their shapes, used by the CUDA and
-// the Meta implementations alike (SymInt-aware like preprocess_shapes.cpp).
+// attention_wgmma (docs/DESIGN.md#attention-mma and #attention-wgmma): the one place that knows
+// their shapes, used by the CUDA and the Meta implementations alike (SymInt-aware like
+// preprocess_shapes.cpp).
 #include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 

@@ -1,6 +1,6 @@
-// The composite ops sageattn_wgmma and sageattn_mma (docs/DESIGN.md "Ops"): a sageattn call's
-// preprocessing and attention launches in one op, with its shapes (for the Meta implementation)
-// and its CUDA implementation side by side.
+// The composite ops sageattn_wgmma and sageattn_mma (docs/DESIGN.md#composite-ops): a sageattn
+// call's preprocessing and attention launches in one op, with its shapes (for the Meta
+// implementation) and its CUDA implementation side by side.
 #include <c10/util/Exception.h>
 
 #include "hopper/params.h"  // kWgmmaBlockK

@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor> sageattn_mma_meta(const at::Tensor& q, const 
 }  // namespace sageattention2
 
 TORCH_LIBRARY(sageattention2, m) {
-  // docs/DESIGN.md "Ops" documents every argument and output.
+  // docs/DESIGN.md#ops documents every argument and output.
   m.def(
       "smoothing_stats(Tensor? q, Tensor? k, Tensor? v, bool smooth_v) "
       "-> (Tensor q_mean, Tensor k_mean, Tensor v_mean, Tensor v_scale)");

@@ -1,4 +1,4 @@
-// Host interface of the preprocessing ops (docs/DESIGN.md "Ops").
+// Host interface of the preprocessing ops (docs/DESIGN.md#smoothing_stats and #quantize_kv).
 //
 // Validation and output allocation live in preprocess_shapes.cpp and serve both the CUDA
 // implementation and the Meta implementation that torch.compile traces with, so an output

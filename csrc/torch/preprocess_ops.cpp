@@ -103,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
   p.rows_per_chunk = grid.rows_per_chunk;
   // One chunk per job (sageattn's sampled means): its CTA writes the results, no partials, no
   // second launch, and no allocation either (at a few us of host time each, a call at short
-  // sequences is host-bound: benchmarks/RESULTS.md, session 20).
+  // sequences is host-bound: docs/DECISIONS.md#d19).
   at::Tensor partial_sum, partial_max, partial_min;
   p.partial_sum = p.partial_max = p.partial_min = nullptr;
   if (grid.chunks > 1) {
