@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -69,21 +68,6 @@ GRID: tuple[Shape, ...] = (
 QUICK = ("tiny", "SDXL self 64x64", "SDXL cross 64x64", "B4 H32 4K", "Llama 8K prefill GQA")
 
 
-def sdpa_backend_ms(backend: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, s: Shape,
-                    rep: int) -> float | None:
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    forced = {"flash": [SDPBackend.FLASH_ATTENTION], "cudnn": [SDPBackend.CUDNN_ATTENTION]}.get(backend)
-    kwargs = dict(is_causal=s.causal, enable_gqa=s.hq != s.hkv)
-    try:
-        if forced is None:
-            return timing.median_ms(lambda: F.scaled_dot_product_attention(q, k, v, **kwargs), rep=rep)
-        with sdpa_kernel(forced):
-            return timing.median_ms(lambda: F.scaled_dot_product_attention(q, k, v, **kwargs), rep=rep)
-    except RuntimeError:  # this backend does not serve these inputs here
-        return None
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rep", type=int, default=100, help="do_bench's time budget per timing (ms)")
@@ -101,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         g = torch.Generator(device="cuda").manual_seed(0)
         q = torch.randn(s.b, s.hq, s.nq, s.d, device="cuda", dtype=s.dtype, generator=g)
         k, v = (torch.randn(s.b, s.hkv, s.nk, s.d, device="cuda", dtype=s.dtype, generator=g) for _ in range(2))
-        times = {b: sdpa_backend_ms(b, q, k, v, s, args.rep) for b in ("flash", "cudnn", "default")}
+        times = {b: timing.sdpa_ms(b, q, k, v, s.causal, args.rep, enable_gqa=s.hq != s.hkv)
+                 for b in timing.SDPA_BACKENDS}
         kwargs = dict(is_causal=s.causal, enable_gqa=s.hq != s.hkv)
         ours = timing.median_ms(lambda: sageattn(q, k, v, **kwargs), rep=args.rep)
         fastest = min(t for t in times.values() if t is not None)

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import models  # noqa: E402  (benchmarks/models.py)
-from timing import Table  # noqa: E402
+import timing  # noqa: E402
 
 import sageattention2  # noqa: E402
 from sageattention2.integrations import patch_sdpa  # noqa: E402
@@ -111,13 +111,8 @@ class Clock:
             start = time.perf_counter()
             fn()
             return (time.perf_counter() - start) * 1e3
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return begin.elapsed_time(end)
+        return timing.event_times_ms(fn, 1)[0]
 
 
 def attention_ms(calls: list[tuple[tuple[Any, ...], dict[str, Any]]], clock: Clock, reps: int) -> float:
@@ -206,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in models.CASES if args.models is None or c.key in args.models]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     title = f"{gpu}, torch {torch.__version__}, sageattention2 {sageattention2.__version__}"
-    table = Table(["model", "default SDPA ms", "sageattn ms", "speedup", "attention share",
+    table = timing.Table(["model", "default SDPA ms", "sageattn ms", "speedup", "attention share",
                    "attention calls", "quantized", "output cosine"], title=f"Whole forward ({title})")
     rows, bar = [], progress(len(cases), "models")
     for case in cases:

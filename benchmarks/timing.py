@@ -111,7 +111,8 @@ def environment(assignments: Sequence[str]) -> Iterator[None]:
 SDPA_BACKENDS = ("flash", "cudnn", "default")  # "default": no backend forced (SDPA picks)
 
 
-def sdpa_ms(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, rep: int = REP_MS) -> float | None:
+def sdpa_ms(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, rep: int = REP_MS,
+            enable_gqa: bool = False) -> float | None:
     """Median time of F.scaled_dot_product_attention on one backend of SDPA_BACKENDS (entered
     outside the timed call, so its host cost is not timed), or None where it cannot run."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -120,7 +121,8 @@ def sdpa_ms(backend: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, rep: in
     context = sdpa_kernel(forced) if forced is not None else contextlib.nullcontext()
     try:
         with context:
-            return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), rep=rep)
+            return median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                    enable_gqa=enable_gqa), rep=rep)
     except RuntimeError:  # "No available kernel": this backend does not serve these inputs here
         return None
 

@@ -180,13 +180,19 @@ class Explanation(NamedTuple):
 _SAGEATTN_SIGNATURE = inspect.signature(sageattn)
 
 
+def validated_call(*args: Any, **kwargs: Any) -> AttentionCall:
+    """The validated call of ``sageattn(*args, **kwargs)``: its arguments bound by sageattn's
+    signature (names, defaults) and checked as sageattn checks them."""
+    bound = _SAGEATTN_SIGNATURE.bind(*args, **kwargs)
+    bound.apply_defaults()
+    return validate(*bound.arguments.values())  # sageattn's parameters are validate's, in order
+
+
 def explain(*args: Any, **kwargs: Any) -> Explanation:
     """What ``sageattn(*args, **kwargs)`` would run, and why, without running it: the same
     arguments (validated as sageattn validates them, so a bad one raises the same error), the
     decision of the same routing rules (README.md, "Which GPU runs what")."""
-    bound = _SAGEATTN_SIGNATURE.bind(*args, **kwargs)
-    bound.apply_defaults()
-    call = validate(*bound.arguments.values())  # sageattn's parameters are validate's, in order
+    call = validated_call(*args, **kwargs)
     if call.is_empty:
         return Explanation(False, "nothing (empty)", None, None, None)
     choice, reason = route(call)

@@ -42,7 +42,6 @@ The input families' figures are printed (shown without ``-s``).
 """
 from __future__ import annotations
 
-import inspect
 import math
 import warnings
 from typing import Any
@@ -50,7 +49,7 @@ from typing import Any
 import pytest
 import torch
 
-from sageattention2 import SageAttentionFallbackWarning, _call, _plan, api, ops, sageattn
+from sageattention2 import SageAttentionFallbackWarning, _plan, api, ops, sageattn
 from sageattention2 import reference as ref
 from sageattention2._plan import KernelChoice
 from sageattention2.testing import poison_cuda_allocator, relative_l1
@@ -238,9 +237,7 @@ def sageattn_kernel(*args: Any, **kwargs: Any) -> KernelChoice:
     """The kernel and precisions that sageattn runs on this device for these arguments: the
     choice of ``_plan.route`` on the validated call (which must not fall back; a call that
     needs FP8 PV on a GPU or build without it skips the test)."""
-    bound = inspect.signature(sageattn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    choice, reason = _plan.route(_call.validate(*bound.arguments.values()))  # sageattn's order
+    choice, reason = _plan.route(api.validated_call(*args, **kwargs))
     if reason is not None and reason.startswith("FP8 PV needs") and not mma_fp8_on_device():
         pytest.skip(reason)
     assert reason is None, reason

@@ -2,7 +2,6 @@
 to pretend for the routing tests, and the inputs and error of the reference tests."""
 from __future__ import annotations
 
-import inspect
 import warnings
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sageattention2 import SageAttentionFallbackWarning, _call, _execute, _plan, ops, sageattn
+from sageattention2 import SageAttentionFallbackWarning, _call, _execute, _plan, api, ops, sageattn
 from sageattention2 import reference as ref
 from sageattention2.testing import make_input_family, relative_l1
 
@@ -69,9 +68,7 @@ def fallback_warnings(record: list[warnings.WarningMessage]) -> list[str]:
 
 def validated(*args: Any, **kwargs: Any) -> _call.AttentionCall:
     """_call.validate of the call sageattn(*args, **kwargs) (sageattn's defaults and names)."""
-    bound = inspect.signature(sageattn).bind(*args, **kwargs)
-    bound.apply_defaults()
-    return _call.validate(*bound.arguments.values())  # in sageattn's order, which validate's is
+    return api.validated_call(*args, **kwargs)
 
 
 # ------------------------------------------------------------------------------------------------
