@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from setuptools import find_packages, setup
+from setuptools import find_namespace_packages, setup
 
 ROOT = Path(__file__).parent
 DEFAULT_ARCHS = "8.0;8.9;9.0a"
@@ -95,7 +95,11 @@ ext_modules, cmdclass = extensions()
 setup(
     name="sageattention2",
     version=read_version(),
-    packages=find_packages(include=["sageattention2", "sageattention2.*"]),
+    # sageattention2.crossover holds data only (the measured crossovers of qk_quant="auto",
+    # sageattention2/_crossover.py): a namespace package, so that setuptools ships it as one.
+    packages=find_namespace_packages(include=["sageattention2", "sageattention2.*"],
+                                     exclude=["*.__pycache__"]),
+    package_data={"sageattention2.crossover": ["*.json"]},
     ext_modules=ext_modules,
     cmdclass=cmdclass,
 )

@@ -1,6 +1,7 @@
 """Command line: ``python -m sageattention2 info`` (the build, the GPU and what sageattn runs
-there) and ``python -m sageattention2 routing-table`` (README.md's "Which GPU runs what", from
-the routing rules)."""
+there), ``routing-table`` (README.md's "Which GPU runs what", from the routing rules) and
+``tune`` (measure where exact SDPA is faster than the quantized kernel on this GPU: the
+crossover that ``qk_quant="auto"`` follows)."""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from . import __version__, ops
+from . import __version__, _crossover, _plan, ops
 from ._plan import routing_table_markdown
 from .api import kernel_plan
 
@@ -37,7 +38,19 @@ def _info() -> str:
     else:
         lines.append("GPU: no CUDA GPU")
     lines.append(f"sageattn plan: {kernel_plan()}")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+        table = _crossover.table_for(device, _plan.cuda_capability(device))
+        lines.append("qk_quant='auto': " + (
+            f"exact SDPA where it is faster, by the crossover {table.describe()}"
+            if table is not None else
+            "always quantized (no crossover table for this GPU: python -m sageattention2 tune "
+            f"measures one; {_crossover.ENVIRONMENT}=off turns it off)"))
     return "\n".join(lines)
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in text.split(",") if x)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -46,11 +59,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands.add_parser("info", help="versions, compiled kernels, GPU and what sageattn runs")
     commands.add_parser("routing-table",
                         help="which kernel serves which call, and why calls fall back (Markdown)")
+    tune = commands.add_parser(
+        "tune", help="measure where exact SDPA is faster than the quantized kernel on this GPU "
+                     "(the crossover of qk_quant='auto'; about two minutes on an H100)")
+    tune.add_argument("--quick", action="store_true", help="a coarser grid (a few seconds)")
+    tune.add_argument("--head-dims", type=_ints, default=None,
+                      help="comma-separated head_dims (default: 40,64,80,128)")
+    tune.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
+    tune.add_argument("--out", default=None,
+                      help="where to write the table (default: the one sageattn reads for this "
+                           "GPU model, under ~/.cache/sageattention2/crossover/)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(_info())
     elif args.command == "routing-table":
         print(routing_table_markdown())
+    elif args.command == "tune":
+        from . import _tune
+
+        dtypes = tuple(args.dtypes.split(","))
+        if not set(dtypes) <= set(_tune.DTYPES) or not dtypes:
+            parser.error(f"--dtypes must name float16 and/or bfloat16, got {args.dtypes!r}")
+        path = _tune.tune(axes=_tune.QUICK_AXES if args.quick else None,
+                          head_dims=args.head_dims or _tune.HEAD_DIMS, dtypes=dtypes,
+                          out=args.out)
+        print(f"wrote {path}")
     return 0
 
 

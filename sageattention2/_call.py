@@ -60,6 +60,7 @@ class AttentionCall:
     tensor_layout: TensorLayout
     input_ndim: int
     qk_quant: Literal["int8", "int4"]
+    qk_quant_auto: bool  # "auto" was asked: exact SDPA serves it where faster (_crossover)
     pv_quant: PVQuant
     smooth_q: Literal["auto", "head", "block", "none"]
     smooth_k: bool
@@ -237,7 +238,8 @@ def validate(
     return AttentionCall(
         q=qc, k=kc, v=vc, attn_mask=attn_mask, dropout_p=p, is_causal=causal, scale=scale,
         enable_gqa=gqa, tensor_layout=layout, input_ndim=q.dim(),
-        qk_quant=cast(Literal["int8", "int4"], "int8" if qk == "auto" else qk), pv_quant=pv,
+        qk_quant=cast(Literal["int8", "int4"], "int8" if qk == "auto" else qk),
+        qk_quant_auto=qk == "auto", pv_quant=pv,
         smooth_q=smooth_q_mode, smooth_k=_flag("smooth_k", smooth_k),
         smooth_v=_flag("smooth_v", smooth_v), return_lse=_flag("return_lse", return_lse),
         strict=_flag("strict", strict),

@@ -8,22 +8,24 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-from . import _plan, ops
+from . import _crossover, _plan, ops
 from ._call import AttentionCall
 from ._plan import KernelChoice
 
 __all__ = [
     "SMOOTHING_SAMPLE_TOKENS",
+    "Decision",
     "KernelCall",
     "SageAttentionFallbackWarning",
     "cached_runner",
     "call_key",
     "clear_call_cache",
+    "decide",
     "empty",
     "exact",
     "quantized",
@@ -66,18 +68,42 @@ def _warn_fallback_once(reason: str, stacklevel: int) -> None:
     )
 
 
+class Decision(NamedTuple):
+    """How a call runs: the kernel :func:`._plan.route` picks for it, why that kernel cannot
+    serve it (``fallback``: exact SDPA with a warning, or strict's error), or else why exact SDPA
+    serves it anyway (``faster_exact``: the measured crossover of ``qk_quant="auto"``; no
+    warning, the result is exact)."""
+
+    choice: KernelChoice
+    fallback: str | None
+    faster_exact: str | None
+
+    @property
+    def quantized(self) -> bool:
+        return self.fallback is None and self.faster_exact is None
+
+
+def decide(call: AttentionCall) -> Decision:
+    """The :class:`Decision` for ``call`` (made once per kind of call: the call cache)."""
+    choice, fallback = _plan.route(call)
+    faster_exact = None if fallback is not None else _crossover.exact_is_faster(
+        call, choice, _plan.cuda_capability(call.q.device))
+    return Decision(choice, fallback, faster_exact)
+
+
 def run(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     """What sageattn returns for ``call`` in eager mode."""
     if call.is_empty:
         return empty(call)
-    choice, reason = _plan.route(call)
-    return _run_routed(call, choice, reason)
+    return _run_decided(call, decide(call))
 
 
-def _run_routed(call: AttentionCall, choice: KernelChoice,
-                reason: str | None) -> Tensor | tuple[Tensor, Tensor]:
-    if reason is None:
-        return quantized(call, choice)
+def _run_decided(call: AttentionCall, decision: Decision) -> Tensor | tuple[Tensor, Tensor]:
+    if decision.quantized:
+        return quantized(call, decision.choice)
+    if decision.fallback is None:  # exact by choice: faster here
+        return exact(call)
+    reason = decision.fallback
     if call.strict:
         raise NotImplementedError(
             f"sageattn(strict=True): the quantized kernels cannot serve this call: {reason}"
@@ -258,26 +284,31 @@ def _in_bhnd(t: Tensor, nhd: bool) -> Tensor:
     return t.transpose(-3, -2) if nhd else t
 
 
-def _runner(call: AttentionCall, choice: KernelChoice, reason: str | None) -> Runner | None:
+def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
     """How to run the next call of this kind without validating or routing it again: exactly
     what :func:`run` does for it. None for the calls run takes another way each time (empty
-    ones, strict fallbacks, and fallbacks asked for an lse)."""
+    ones, strict fallbacks, and exact calls asked for an lse)."""
     nhd = call.tensor_layout == "NHD"
-    if reason is not None:
-        if call.strict or call.return_lse:
+    if not decision.quantized:
+        reason = decision.fallback
+        if (reason is not None and call.strict) or call.return_lse:
             return None
 
         def exact_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                          dropout_p: float, is_causal: bool, scale: float | None,
                          enable_gqa: bool) -> Tensor:
-            _warn_fallback_once(reason, stacklevel=3)  # sageattn's caller: sageattn, this
+            if reason is not None:
+                _warn_fallback_once(reason, stacklevel=3)  # sageattn's caller: sageattn, this
+            if not nhd:  # SDPA's own layout: nothing between the caller and SDPA
+                return _exact_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
             out = _exact_sdpa(_in_bhnd(q, nhd), _in_bhnd(k, nhd), _in_bhnd(v, nhd),
                               attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
                               scale=scale, enable_gqa=enable_gqa)
             return _in_bhnd(out, nhd)
         return exact_runner
 
-    kernel = KernelCall.of(call, choice)
+    kernel = KernelCall.of(call, decision.choice)
     rank3 = call.input_ndim == 3
 
     def kernel_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
@@ -298,10 +329,10 @@ def run_and_remember(call: AttentionCall, key: tuple[Any, ...] | None) -> Any:
     """:func:`run`, remembering under ``key`` how to run the next call of this kind."""
     if call.is_empty or key is None:
         return run(call)
-    choice, reason = _plan.route(call)
-    runner = _runner(call, choice, reason)
+    decision = decide(call)
+    runner = _runner(call, decision)
     if runner is not None:
         if len(_runners) >= _MAX_RUNNERS:
             _runners.clear()
         _runners[key] = runner
-    return _run_routed(call, choice, reason)
+    return _run_decided(call, decision)

@@ -19,7 +19,7 @@ from ._call import AttentionCall, PVQuant, QKQuant, SmoothQ, TensorLayout, valid
 from ._execute import SageAttentionFallbackWarning, exact
 # Re-exported (not in __all__): scripts and benchmarks take the sample stride from here.
 from ._execute import smoothing_sample_stride as smoothing_sample_stride
-from ._plan import kernel_plan, route
+from ._plan import kernel_plan
 
 __all__ = ["AttentionCall", "Explanation", "SageAttentionFallbackWarning", "explain", "kernel_plan",
            "sageattn"]
@@ -69,10 +69,13 @@ def sageattn(
         enable_gqa: allow fewer key/value heads than query heads (H_q a multiple of H_kv); as in SDPA,
             unequal head counts without it are an error.
         tensor_layout: ``"HND"`` or ``"NHD"`` (see query, key, value). The output uses the same layout.
-        qk_quant: ``"int8"``, ``"int4"`` or ``"auto"`` (INT8) for Q and K. INT4 (paper 3.2) is
-            about 4x coarser: on inputs without channel offsets its error is several times
-            INT8's; smoothing Q and K (the defaults) is what makes it usable. Which GPUs run it,
-            and with which PV: the routing table (below).
+        qk_quant: ``"int8"``, ``"int4"`` or ``"auto"``: INT8, except where exact SDPA is
+            measured faster for the call's shape on this GPU (short or few sequences; the
+            crossover table, ``python -m sageattention2 tune``): there exact SDPA runs, without
+            a warning. ``"int8"`` and ``"int4"`` always run the quantized kernel. INT4 (paper
+            3.2) is about 4x coarser: on inputs without channel offsets its error is several
+            times INT8's; smoothing Q and K (the defaults) is what makes it usable. Which GPUs
+            run it, and with which PV: the routing table (below).
         pv_quant: ``"fp8"``: P~ and V in E4M3 (paper 3.3: P~ times 448, V per channel), FP32
             accumulation per 128-key tile folded into the FP32 output; ``"none"``: P and V in
             the input dtype with FP32 accumulation (more accurate, and the only PV of GPUs
@@ -88,7 +91,9 @@ def sageattn(
         return_lse: also return the float32 log-sum-exp of the scaled scores (natural log),
             ``[B, H_q, N_q]`` (``[H_q, N_q]`` for 3-D inputs) in either layout; ``-inf`` for a
             query that sees no key.
-        strict: raise ``NotImplementedError`` instead of falling back to exact attention.
+        strict: raise ``NotImplementedError`` instead of falling back to exact attention
+            (where the quantized kernels cannot serve a call; not where ``qk_quant="auto"``
+            chooses exact SDPA for speed).
 
     Returns:
         The attention output with query's shape except the last dimension, ``D_v``, contiguous
@@ -168,7 +173,8 @@ class Explanation(NamedTuple):
     kernel: str         # "attention_wgmma", "attention_mma", "exact SDPA" or "nothing (empty)"
     qk: str | None      # "int8" / "int4" when quantized
     pv: str | None      # "fp8" / "input" when quantized
-    reason: str | None  # why the quantized kernels cannot serve it (the fallback's warning text)
+    reason: str | None  # why no quantized kernel serves it: the fallback's warning text, or
+    #                     the measured crossover (exact SDPA is faster for this shape here)
 
     def __str__(self) -> str:
         if self.quantized:
@@ -195,7 +201,9 @@ def explain(*args: Any, **kwargs: Any) -> Explanation:
     call = validated_call(*args, **kwargs)
     if call.is_empty:
         return Explanation(False, "nothing (empty)", None, None, None)
-    choice, reason = route(call)
-    if reason is not None:
-        return Explanation(False, "exact SDPA", None, None, reason)
+    decision = _execute.decide(call)
+    if not decision.quantized:
+        return Explanation(False, "exact SDPA", None, None,
+                           decision.fallback or decision.faster_exact)
+    choice = decision.choice
     return Explanation(True, f"attention_{choice.kernel}", choice.qk, choice.pv, None)

@@ -23,6 +23,12 @@ steps
   --sass            scripts/check_sass.py on the installed build
   --ncu "RE ARGS"   Nsight Compute on one launch matching RE of
                     `scripts/profile_attention.py launch ARGS` (repeatable)
+  --tune            python -m sageattention2 tune: the crossover table of this GPU, written where
+                    sageattn reads it (later steps use it) and copied to $OUT/crossover.json
+  --grid            benchmarks/bench_grid.py: one call on 44 shapes vs SDPA's backends ($OUT/grid.md)
+  --models          benchmarks/bench_models.py: whole models, default SDPA vs sageattn ($OUT/models.md,
+                    models.png); diffusers comes from the wheels in .whl/ where the image lacks it
+  --host            benchmarks/host_overhead.py --tiny: CPU time of short calls vs SDPA ($OUT/host.md)
   --ab TAR          A/B of two builds: A the tree in TAR (make it before the device call, in the
                     repo root: git archive REV -o base.tar), B the working tree; each is built
                     into its own --target dir, then bench_attention.py --no-sdpa runs A, B, A
@@ -40,7 +46,7 @@ while [ $# -gt 0 ]; do
     --arch) TORCH_CUDA_ARCH_LIST=$2; shift ;;
     --timeout) STEP_TIMEOUT=$2; shift ;;
     --quick) QUICK=--quick ;;
-    --info|--smoke|--bench|--sanitize|--sass) steps+=("${1#--}") ;;
+    --info|--smoke|--bench|--sanitize|--sass|--tune|--grid|--models|--host) steps+=("${1#--}") ;;
     --tests) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("tests $2"); shift; else steps+=(tests); fi ;;
     --ncu|--ab) steps+=("${1#--} $2"); shift ;;
     -h|--help) usage; exit 0 ;;
@@ -116,6 +122,30 @@ step_ncu() {
     | awk '$NF+0 > 0.05 || !/stalled|pipe_/' | head -60
   return $rc
 }
+step_tune() {  # the table is written class by class: a timeout keeps the classes measured
+  cd /tmp && timeout "${TUNE_SECONDS:-270}" python3 -m sageattention2 tune > "$OUT/tune.txt" 2>&1
+  local rc=$?; cat "$OUT/tune.txt"
+  cp "$(python3 -c 'import torch; from sageattention2 import _crossover as c
+print(c.user_dir() / (c.gpu_slug(torch.cuda.get_device_name()) + ".json"))')" "$OUT/crossover.json"
+  return $rc
+}
+step_grid() {
+  cd /tmp && python3 "$R/benchmarks/bench_grid.py" $QUICK --out "$OUT/grid.md" > "$OUT/grid.txt" 2>&1
+  local rc=$?; tail -3 "$OUT/grid.txt"; return $rc
+}
+step_models() {
+  if ! python3 -c "import diffusers" 2>/dev/null && ls "$R"/.whl/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$R"/.whl/*.whl \
+      || return 1
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
+  cd /tmp && python3 "$R/benchmarks/bench_models.py" --reps 6 --out "$OUT" > "$OUT/models.txt" 2>&1
+  local rc=$?; grep -E "^\|" "$OUT/models.txt" | tail -12; tail -2 "$OUT/models.txt"; return $rc
+}
+step_host() {
+  cd /tmp && python3 "$R/benchmarks/host_overhead.py" --tiny > "$OUT/host.md" 2>&1
+  local rc=$?; cat "$OUT/host.md"; return $rc
+}
 step_ab() {
   local tar=$1 side i=0 runs=()
   [[ $tar == /* ]] || tar=$R/$tar
@@ -138,10 +168,11 @@ step_ab() {
   done
   python3 "$R/benchmarks/timing.py" merge "${runs[@]}" | tee "$OUT/ab.md"
 }
-export -f step_install step_info step_tests step_smoke step_bench step_sanitize step_sass step_ncu step_ab
+export -f step_install step_info step_tests step_smoke step_bench step_sanitize step_sass step_ncu step_ab \
+  step_tune step_grid step_models step_host
 
 declare -A LIMIT=([install]=480 [info]=60 [tests]=420 [smoke]=300 [bench]=420 [sanitize]=540 [sass]=120
-                  [ncu]=240 [ab]=590)
+                  [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [host]=120)
 summary=(); first_rc=0; installed=0
 run() {  # run NAME [ARG]: one step under its time limit, its exit code and time in the summary
   local name=$1 t0=$SECONDS rc

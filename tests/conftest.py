@@ -131,17 +131,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _fresh_fallback_warnings() -> Iterator[None]:
+def _fresh_fallback_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """Every test starts as if no fallback warning had been shown yet and no call had been made
     (sageattn remembers how it ran each kind of call: a test that pretends another GPU or build
-    must not find a decision of another test)."""
-    from sageattention2 import _execute
+    must not find a decision of another test), and with no crossover table: qk_quant="auto"
+    always runs the quantized kernel, which is what the tests of the kernels test (the tests of
+    the crossover, tests/test_crossover.py, give it their own tables)."""
+    from sageattention2 import _crossover, _execute
 
+    monkeypatch.setenv(_crossover.ENVIRONMENT, "off")
     _execute._warned_reasons.clear()
     _execute.clear_call_cache()
+    _crossover.clear_cache()
     yield
     _execute._warned_reasons.clear()
     _execute.clear_call_cache()
+    _crossover.clear_cache()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,264 @@
+"""qk_quant="auto" and the measured crossover (sageattention2/_crossover.py, _tune.py): the
+table's file, its interpolation and the class that stands for a call, which table a GPU uses,
+the decision (exact SDPA without a warning where it is faster, the kernel where asked for), the
+shipped H100 table, and ``tune`` on the GPU."""
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import sageattention2
+from helpers import DEFAULT_BUILD, ORIGINAL_SDPA, pretend_gpu, qkv, validated
+from sageattention2 import _crossover, _execute, _plan, _tune
+from sageattention2._crossover import CrossoverTable
+
+N_Q, N_K, HEADS = (64, 1024, 16384), (77, 1024), (4, 64)
+
+
+def grid(value: Any) -> list:
+    """[n_q][n_k][heads] of ``value(i, j, h)``."""
+    return [[[value(i, j, h) for h in range(len(HEADS))] for j in range(len(N_K))]
+            for i in range(len(N_Q))]
+
+
+def table_json(classes: list[dict[str, Any]] | None = None, **fields: Any) -> dict[str, Any]:
+    # Speedup 2^(i + j + h - 2): below 1 at the small corner, above at the large one.
+    speedup = grid(lambda i, j, h: 2.0 ** (i + j + h - 2))
+    data = {
+        "format": _crossover.FORMAT, "gpu": "NVIDIA Pretend GPU", "capability": [9, 0],
+        "kernel": list(_plan.WGMMA), "measured": "2026-11-25, test",
+        "axes": {"n_q": list(N_Q), "n_k": list(N_K), "heads": list(HEADS)},
+        "classes": classes if classes is not None else [
+            {"head_dim": d, "causal": c, "dtype": t, "speedup": speedup}
+            for d in (40, 64, 80, 128) for c in (False, True) for t in ("float16",)],
+    }
+    data.update(fields)
+    return data
+
+
+def test_points_interpolation_and_clamping() -> None:
+    table = CrossoverTable.from_json(table_json())
+    at = table.speedup
+    for i, n_q in enumerate(N_Q):
+        for j, n_k in enumerate(N_K):
+            for h, heads in enumerate(HEADS):
+                assert at(64, False, torch.float16, n_q, n_k, heads) == pytest.approx(
+                    2.0 ** (i + j + h - 2))
+    # Geometric in log2 of each axis: halfway (in log2) between n_q 64 and 1024 is 256.
+    assert at(64, False, torch.float16, 256, 77, 4) == pytest.approx(2.0 ** -1.5)
+    assert at(64, False, torch.float16, 64, 77, 16) == pytest.approx(2.0 ** -1.5)
+    # Clamped outside the grid.
+    assert at(64, False, torch.float16, 1, 8, 1) == pytest.approx(0.25)
+    assert at(64, False, torch.float16, 10 ** 6, 10 ** 6, 10 ** 4) == pytest.approx(4.0)
+
+
+def test_untimed_points_take_fewer_heads() -> None:
+    speedup = grid(lambda i, j, h: None if h == 1 else 0.5 + i + j)
+    speedup[1][0][0] = None  # no time even with the fewest heads: the shorter query length's
+    table = CrossoverTable.from_json(table_json(
+        [{"head_dim": 64, "causal": False, "dtype": "float16", "speedup": speedup}]))
+    assert table.speedup(64, False, torch.float16, 16384, 1024, 64) == pytest.approx(3.5)
+    assert table.speedup(64, False, torch.float16, 1024, 77, 4) == pytest.approx(0.5)
+    speedup[0][0][0] = None
+    with pytest.raises(ValueError, match="no time"):
+        CrossoverTable.from_json(table_json(
+            [{"head_dim": 64, "causal": False, "dtype": "float16", "speedup": speedup}]))
+
+
+@pytest.mark.parametrize("change, match", [
+    (dict(format=99), "format 99"),
+    (dict(axes={"n_q": [1, 2], "n_k": list(N_K), "heads": list(HEADS)}), "speedups for a 2x2x2"),
+    (dict(classes=[{"head_dim": 64, "causal": False, "dtype": "float16",
+                    "speedup": grid(lambda i, j, h: -1.0)}]), "not positive"),
+])
+def test_bad_tables_are_refused(change: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        CrossoverTable.from_json(table_json(**change))
+
+
+def test_the_class_that_stands_for_a_call() -> None:
+    classes = [{"head_dim": d, "causal": c, "dtype": "bfloat16", "speedup": grid(lambda *_: 1.0)}
+               for d in (40, 64, 80, 128) for c in (False,)]
+    table = CrossoverTable.from_json(table_json(classes))
+    stands = table.class_for
+    assert stands(64, False, torch.bfloat16) == (64, False, "bfloat16")
+    assert stands(128, False, torch.float16) == (128, False, "bfloat16")  # the other half type
+    assert stands(48, False, torch.bfloat16) == (40, False, "bfloat16")   # zero-padded to 64
+    assert stands(32, False, torch.bfloat16) == (40, False, "bfloat16")
+    assert stands(96, False, torch.bfloat16) == (80, False, "bfloat16")   # zero-padded to 128
+    assert stands(120, False, torch.bfloat16) == (80, False, "bfloat16")
+    assert stands(64, True, torch.bfloat16) is None   # no causal class
+    assert stands(136, False, torch.bfloat16) is None  # the kernels do not run it
+    only_64 = CrossoverTable.from_json(table_json(classes[1:2]))
+    assert only_64.class_for(40, False, torch.bfloat16) is None  # padded: not measured
+
+
+def test_which_table_a_gpu_uses(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    shipped, cache = tmp_path / "shipped", tmp_path / "cache"
+    shipped.mkdir()
+    monkeypatch.setattr(_crossover, "SHIPPED", shipped)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    _crossover.clear_cache()
+
+    def write(path: Path, gpu: str, capability: list[int]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(table_json(gpu=gpu, capability=capability)))
+
+    def used(setting: str | None, name: str, capability: tuple[int, int]) -> str | None:
+        _crossover.clear_cache()
+        table = _crossover._table_for(setting, name, capability)
+        return None if table is None else table.gpu
+
+    assert used(None, "NVIDIA H200", (9, 0)) is None  # nothing measured
+    write(shipped / "nvidia-h100-80gb-hbm3.json", "NVIDIA H100 80GB HBM3", [9, 0])
+    assert used(None, "NVIDIA H100 80GB HBM3", (9, 0)) == "NVIDIA H100 80GB HBM3"
+    assert used(None, "NVIDIA H200", (9, 0)) == "NVIDIA H100 80GB HBM3"  # same capability
+    assert used(None, "NVIDIA GeForce RTX 4090", (8, 9)) is None
+    write(_crossover.user_dir() / "nvidia-h200.json", "NVIDIA H200", [9, 0])  # tune's
+    assert used(None, "NVIDIA H200", (9, 0)) == "NVIDIA H200"
+    assert used("off", "NVIDIA H200", (9, 0)) is None
+    write(tmp_path / "mine.json", "mine", [9, 0])
+    assert used(str(tmp_path / "mine.json"), "NVIDIA H200", (9, 0)) == "mine"
+    assert _crossover.gpu_slug("NVIDIA H100 80GB HBM3") == "nvidia-h100-80gb-hbm3"
+
+
+@pytest.fixture
+def pretend_h100_with_table(monkeypatch: pytest.MonkeyPatch) -> CrossoverTable:
+    """CPU calls routed as on an H100 with the default build, and the test table."""
+    table = CrossoverTable.from_json(table_json())
+    pretend_gpu(monkeypatch, (9, 0), DEFAULT_BUILD)
+    monkeypatch.setattr(_crossover, "table_for", lambda device, capability: table)
+    return table
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_auto_runs_exact_sdpa_where_it_is_faster(pretend_h100_with_table: CrossoverTable,
+                                                 strict: bool) -> None:
+    """A shape the table says SDPA is faster at runs exact SDPA: the result is SDPA's, bit for
+    bit, with no warning (not a fallback; strict does not refuse it); explain says why."""
+    q, k, v = qkv(b=1, hq=4, nq=64, nk=77, d=64, dtype=torch.float16)
+    expected = ORIGINAL_SDPA(q, k, v)
+    for _ in range(2):  # the first call decides, the second reuses the decision
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert torch.equal(sageattention2.sageattn(q, k, v, strict=strict), expected)
+    explanation = sageattention2.explain(q, k, v)
+    assert not explanation.quantized and explanation.kernel == "exact SDPA"
+    assert "exact SDPA is faster for this shape" in explanation.reason
+    assert "0.25x" in explanation.reason and "NVIDIA Pretend GPU" in explanation.reason
+    decision = _execute.decide(validated(q, k, v))
+    assert decision.fallback is None and not decision.quantized
+
+
+def test_auto_runs_the_kernel_where_it_is_faster(pretend_h100_with_table: CrossoverTable) -> None:
+    big = torch.empty(1, 64, 16384, 128, dtype=torch.float16)
+    assert sageattention2.explain(big, big, big) == (True, "attention_wgmma", "int8", "fp8", None)
+
+
+def test_explicit_qk_quant_always_runs_the_kernel(pretend_h100_with_table: CrossoverTable) -> None:
+    q, k, v = qkv(b=1, hq=4, nq=64, nk=77, d=64, dtype=torch.float16)
+    assert sageattention2.explain(q, k, v, qk_quant="int8").kernel == "attention_wgmma"
+    assert sageattention2.explain(q, k, v, qk_quant="int4").kernel == "attention_mma"
+
+
+def test_a_table_of_another_kernel_does_not_decide(pretend_h100_with_table: CrossoverTable) -> None:
+    """The table measured the Hopper kernel: a call that options route to the warp-level kernel
+    (here PV in the input dtype) is not decided by it."""
+    q, k, v = qkv(b=1, hq=4, nq=64, nk=77, d=64, dtype=torch.float16)
+    explanation = sageattention2.explain(q, k, v, pv_quant="none")
+    assert explanation.quantized and explanation.kernel == "attention_mma"
+
+
+def test_a_fallback_is_still_a_fallback(pretend_h100_with_table: CrossoverTable) -> None:
+    """Where the kernels cannot serve a call, the fallback's reason (and warning) wins."""
+    q, k, v = qkv(b=1, hq=4, nq=64, nk=77, d=64, dtype=torch.float16)
+    decision = _execute.decide(validated(q, k, v, dropout_p=0.5))
+    assert decision.fallback is not None and decision.faster_exact is None
+
+
+def test_json_layout_reads_back() -> None:
+    data = table_json()
+    text = _tune._dumps(data)
+    assert json.loads(text) == data
+    rows = [line for line in text.splitlines() if line.strip().startswith("[[")]
+    assert len(rows) == len(N_Q) * len(data["classes"])  # one line per query length
+
+
+def test_tune_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        _tune.tune()
+
+
+# ------------------------------------------------------------------------------------------------
+# The shipped tables
+# ------------------------------------------------------------------------------------------------
+
+SHIPPED = sorted(_crossover.SHIPPED.glob("*.json"))
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_table(path: Path) -> None:
+    """Each shipped table reads, is named for its GPU, measured the kernel a default call runs
+    on its GPU, has a class for every head_dim and mask that tune measures (in one dtype at
+    least: the other's calls take it), and agrees with what we know of the kernel: it wins at
+    long sequences and loses on tiny calls."""
+    table = CrossoverTable.load(path)
+    assert path.stem == _crossover.gpu_slug(table.gpu)
+    assert table.kernel == _plan.WGMMA and table.capability == (9, 0)
+    for head_dim in _tune.HEAD_DIMS:
+        for causal in (False, True):
+            for dtype in _tune.DTYPES:
+                key = table.class_for(head_dim, causal, getattr(torch, dtype))
+                assert key is not None and key[:2] == (head_dim, causal)
+    for key in table.speedups:
+        head_dim, causal, dtype = key
+        long = table.speedup(head_dim, causal, getattr(torch, dtype), 32768, 32768, 64)
+        tiny = table.speedup(head_dim, causal, getattr(torch, dtype), 64, 128, 4)
+        assert long > 1.0 > tiny, (key, long, tiny)
+
+
+def test_an_h100_table_ships() -> None:
+    assert any(path.stem.startswith("nvidia-h100") for path in SHIPPED)
+
+
+# ------------------------------------------------------------------------------------------------
+# On the GPU
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_tune_measures_and_sageattn_follows(attention_kernel: None, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """tune on a small grid writes a table that reads back; with it, each default call runs
+    what the table says for its shape: exact SDPA's result where SDPA is faster, the kernel
+    elsewhere; an explicit qk_quant always runs the kernel."""
+    axes = {"n_q": (64, 4096), "n_k": (77, 4096), "heads": (4, 64)}
+    path = _tune.tune(axes=axes, head_dims=(64,), dtypes=("float16",), causal=(False,),
+                      out=tmp_path / "table.json", log=lambda line: None)
+    table = CrossoverTable.load(path)
+    assert table.gpu == torch.cuda.get_device_name()
+    monkeypatch.setenv(_crossover.ENVIRONMENT, str(path))
+    _crossover.clear_cache()
+    seen = set()
+    for n_q, n_k, heads in ((64, 77, 4), (4096, 4096, 64)):
+        q = torch.randn(1, heads, n_q, 64, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(1, heads, n_k, 64, device="cuda", dtype=torch.float16)
+                for _ in range(2))
+        assert _execute.decide(validated(q, k, v)).choice == table.kernel
+        faster = table.speedup(64, False, torch.float16, n_q, n_k, heads)
+        assert faster is not None and math.isfinite(faster)
+        explanation = sageattention2.explain(q, k, v)
+        assert explanation.quantized == (faster >= _crossover.THRESHOLD)
+        assert sageattention2.explain(q, k, v, qk_quant="int8").quantized
+        out = sageattention2.sageattn(q, k, v)
+        if not explanation.quantized:
+            assert torch.equal(out, ORIGINAL_SDPA(q, k, v))
+        seen.add(explanation.quantized)
+    assert seen == {True, False}, "the tiny call and the 4K call should fall on either side"
