@@ -136,3 +136,18 @@ def simulated_l1(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, want: torch.
                  **kw: Any) -> float:
     """Relative L1 of reference.sage_attention_reference(q, k, v, **kw) against ``want``."""
     return relative_l1(ref.sage_attention_reference(q, k, v, **kw), want)
+
+
+class CallCounter:
+    """Records the calls of sageattn that ``module`` makes through its global name
+    ``sageattn`` (the integrations' tests: which calls reached sageattn, with what)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, module: Any) -> None:
+        self.calls: list[tuple[tuple[Any, ...], dict[str, Any]]] = []
+        real = module.sageattn
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((args, kwargs))
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, "sageattn", counted)

@@ -1,4 +1,7 @@
-"""Helpers to use :func:`sageattn` inside code written against PyTorch's SDPA."""
+"""Using :func:`sageattn` inside code written against PyTorch's SDPA: :func:`patch_sdpa` (here),
+diffusers' attention backend and processors (:mod:`sageattention2.integrations.diffusers`) and
+transformers' attention implementation (:mod:`sageattention2.integrations.transformers`); each
+library is imported only by its module."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +12,7 @@ from typing import Any
 
 import torch.nn.functional as F
 
-from .api import sageattn
+from ..api import sageattn
 
 __all__ = ["patch_sdpa"]
 
@@ -19,6 +22,15 @@ _PATCHABLE = frozenset(
     for name, param in inspect.signature(sageattn).parameters.items()
     if param.kind is inspect.Parameter.KEYWORD_ONLY
 ) - {"tensor_layout", "return_lse"}
+
+
+def _check_options(options: dict[str, Any], function: str) -> None:
+    """The options an integration passes to every sageattn call: those that keep SDPA's calling
+    convention and return type (:data:`_PATCHABLE`)."""
+    unknown = sorted(set(options) - _PATCHABLE)
+    if unknown:
+        raise TypeError(f"{function} got unsupported keyword(s) {', '.join(unknown)}; allowed: "
+                        f"{', '.join(sorted(_PATCHABLE))}")
 
 
 @contextlib.contextmanager
@@ -33,12 +45,7 @@ def patch_sdpa(**sageattn_kwargs: Any) -> Iterator[Callable[..., Any]]:
     Allowed keywords: qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, strict (tensor_layout and
     return_lse would change SDPA's calling convention or return type).
     """
-    unknown = sorted(set(sageattn_kwargs) - _PATCHABLE)
-    if unknown:
-        raise TypeError(
-            f"patch_sdpa got unsupported keyword(s) {', '.join(unknown)}; allowed: "
-            f"{', '.join(sorted(_PATCHABLE))}"
-        )
+    _check_options(sageattn_kwargs, "patch_sdpa")
     replacement = functools.partial(sageattn, **sageattn_kwargs)
     previous = F.scaled_dot_product_attention
     F.scaled_dot_product_attention = replacement
