@@ -1,16 +1,18 @@
 """Command line: ``python -m sageattention2 info`` (the build, the GPU and what sageattn runs
 there), ``routing-table`` (README.md's "Which GPU runs what", from the routing rules) and
 ``tune`` (measure where exact SDPA is faster than the quantized kernel on this GPU: the
-crossover that ``qk_quant="auto"`` follows)."""
+crossover that ``qk_quant="auto"`` follows) and ``bench --models`` (whole models under default
+SDPA and under sageattn)."""
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
-from . import __version__, _crossover, _plan, ops
+from . import __version__, _crossover, _model_suite, _plan, ops
 from ._plan import routing_table_markdown
 from .api import kernel_plan
 
@@ -69,6 +71,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("--out", default=None,
                       help="where to write the table (default: the one sageattn reads for this "
                            "GPU model, under ~/.cache/sageattention2/crossover/)")
+    bench = commands.add_parser(
+        "bench", help="whole models under default SDPA and under sageattn, side by side "
+                      "(needs the [models] extra: diffusers, transformers, matplotlib, tqdm)")
+    bench.add_argument("--models", nargs="*", metavar="KEY", default=None,
+                       help="the model suite, or these of its models: " + ", ".join(
+                           c.key for c in _model_suite.CASES))
+    bench.add_argument("--tiny", action="store_true",
+                       help="tiny widths and resolutions: every call site, in seconds")
+    bench.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    bench.add_argument("--reps", type=int, default=10, help="timed forwards per mode (median)")
+    bench.add_argument("--out", type=Path, default=None,
+                       help="folder for models.md and models.png")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(_info())
@@ -84,6 +98,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                           head_dims=args.head_dims or _tune.HEAD_DIMS, dtypes=dtypes,
                           out=args.out)
         print(f"wrote {path}")
+    elif args.command == "bench":
+        if args.models is None:
+            parser.error("bench: say what to run: --models [KEY ...] (the per-call protocol "
+                         "tables are benchmarks/bench_attention.py and bench_grid.py)")
+        unknown = sorted(set(args.models) - {c.key for c in _model_suite.CASES})
+        if unknown:
+            parser.error(f"bench --models: unknown model(s) {', '.join(unknown)}")
+        from . import _bench_models
+
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        _bench_models.run(args.models, device, args.tiny, args.reps, args.out)
     return 0
 
 

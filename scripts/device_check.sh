@@ -26,7 +26,7 @@ steps
   --tune            python -m sageattention2 tune: the crossover table of this GPU, written where
                     sageattn reads it (later steps use it) and copied to $OUT/crossover.json
   --grid            benchmarks/bench_grid.py: one call on 44 shapes vs SDPA's backends ($OUT/grid.md)
-  --models          benchmarks/bench_models.py: whole models, default SDPA vs sageattn ($OUT/models.md,
+  --models          python -m sageattention2 bench --models: whole models, default SDPA vs sageattn ($OUT/models.md,
                     models.png); diffusers comes from the wheels in .whl/ where the image lacks it
   --host            benchmarks/host_overhead.py --tiny: CPU time of short calls vs SDPA ($OUT/host.md)
   --ab TAR          A/B of two builds: A the tree in TAR (make it before the device call, in the
@@ -139,7 +139,7 @@ step_models() {
       || return 1
     export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
-  cd /tmp && python3 "$R/benchmarks/bench_models.py" --reps 6 --out "$OUT" > "$OUT/models.txt" 2>&1
+  cd /tmp && python3 -m sageattention2 bench --models --reps 6 --out "$OUT" > "$OUT/models.txt" 2>&1
   local rc=$?; grep -E "^\|" "$OUT/models.txt" | tail -12; tail -2 "$OUT/models.txt"; return $rc
 }
 step_host() {

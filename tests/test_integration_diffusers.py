@@ -5,7 +5,6 @@ SDPA (the fallback), so results must equal the native backend's bit for bit; on 
 quantized kernel runs (forced: tiny shapes are exact SDPA's under qk_quant="auto")."""
 from __future__ import annotations
 
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -13,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import REPO, CallCounter
+from helpers import CallCounter
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -21,10 +20,9 @@ from diffusers.models import attention_dispatch  # noqa: E402
 
 from sageattention2 import integrations  # noqa: E402
 from sageattention2.integrations import diffusers as sage_diffusers  # noqa: E402
+from sageattention2 import _model_suite as models  # noqa: E402  (the tiny configs of the classes)
 from sageattention2.testing import cosine_similarity  # noqa: E402
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import models  # noqa: E402  (the model suite's builders: the tiny configs of the classes)
 
 
 @pytest.fixture(autouse=True)

@@ -6,7 +6,6 @@ the quantized kernel runs (forced: tiny shapes are exact SDPA's under qk_quant="
 from __future__ import annotations
 
 import copy
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -14,15 +13,14 @@ from typing import Any
 import pytest
 import torch
 
-from helpers import REPO, CallCounter
+from helpers import CallCounter
 
 transformers = pytest.importorskip("transformers")
 
 from sageattention2.integrations import transformers as sage_transformers  # noqa: E402
+from sageattention2 import _model_suite as models  # noqa: E402  (the tiny configs of the classes)
 from sageattention2.testing import cosine_similarity  # noqa: E402
 
-sys.path.insert(0, str(REPO / "benchmarks"))
-import models  # noqa: E402  (the model suite's builders: the tiny configs of the classes)
 
 
 @pytest.fixture(autouse=True)

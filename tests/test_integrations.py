@@ -132,3 +132,25 @@ def test_cli_info(tmp_path: Path) -> None:
 def test_cli_routing_table(tmp_path: Path) -> None:
     """``python -m sageattention2 routing-table`` prints README.md's routing table."""
     assert run_cli("routing-table", cwd=tmp_path) == _plan.routing_table_markdown() + "\n"
+
+
+def test_cli_bench_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m sageattention2 bench --models KEY... --tiny``: a row per model, every output at
+    cosine 1 on the CPU (the exact path), the table and chart written; unknown names refused."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from sageattention2 import _bench_models
+
+    rows = _bench_models.run(["sd15", "bert"], torch.device("cpu"), tiny=True, reps=1,
+                             out=tmp_path)
+    assert [r["model"] for r in rows] == ["SD1.5 UNet, 512 px, batch 2", "BERT-base, padded 16 x 512"]
+    for row in rows:
+        assert row["calls"] > 0 and row["quantized"] == 0 and row["cosine"] > 0.999999
+        assert row["default_ms"] > 0 and row["sage_ms"] > 0
+    table = (tmp_path / "models.md").read_text()
+    assert table.count("\n| ") == 3 and "geomean speedup" in table  # header and two rows
+    from sageattention2.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--models", "nope"])
+    assert exit_info.value.code == 2 and "unknown model(s) nope" in capsys.readouterr().err

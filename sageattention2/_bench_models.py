@@ -1,42 +1,37 @@
-"""Whole-model forwards under PyTorch's default SDPA and under sageattn (``patch_sdpa``), side by
-side in one process: the model suite of benchmarks/models.py.
+"""``python -m sageattention2 bench --models``: whole-model forwards under PyTorch's default SDPA
+and under sageattn (``patch_sdpa``), side by side in one process: the model suite
+(``_model_suite``).
 
-    python3 benchmarks/bench_models.py [--models sd15 sdxl ...] [--reps 10] [--out DIR]
-    python3 benchmarks/bench_models.py --tiny --device cpu      (every call site, in seconds)
+    python -m sageattention2 bench --models [KEY ...] [--reps 10] [--out DIR]
+    python -m sageattention2 bench --models --tiny --device cpu   (every call site, in seconds)
 
 Per model: the median forward time under each (the two alternate, forward by forward, so drift
 cancels), the speedup, the attention share of the default forward (every SDPA call of one forward
 replayed alone, timed, summed, over the forward's time), the attention calls per forward and how
 many ran the quantized kernels, and the cosine similarity of the model's output to the default
-one. Writes ``models.md`` (the table) and ``models.png`` (a chart, with matplotlib) to --out.
-Needs diffusers and transformers (``pip install .[models]``); tqdm for the progress bar when
-present.
+one. Writes ``models.md`` (the table) and ``models.png`` (a chart) to --out. Needs diffusers,
+transformers, matplotlib and tqdm: ``pip install "sageattention2[models]"``.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import statistics
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import models  # noqa: E402  (benchmarks/models.py)
-import timing  # noqa: E402
-
-import sageattention2  # noqa: E402
-from sageattention2.integrations import patch_sdpa  # noqa: E402
+from . import __version__, _model_suite
+from .api import explain
+from .integrations import patch_sdpa
 
 
 def progress(total: int, desc: str) -> Any:
-    """A tqdm bar when tqdm is installed, else a bar that prints each step."""
+    """A tqdm bar when tqdm is installed (the [models] extra), else one line per step."""
     try:
         from tqdm import tqdm
 
@@ -90,12 +85,8 @@ def signature(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
     return tuple(map(describe, args)) + tuple(sorted((k, describe(v)) for k, v in kwargs.items()))
 
 
-def routed_quantized(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> int | None:
-    """How many of the recorded calls sageattn serves with a quantized kernel, as
-    ``sageattention2.explain`` says (None where this version has no explain)."""
-    explain = getattr(sageattention2, "explain", None)
-    if explain is None:
-        return None
+def routed_quantized(calls: list[tuple[tuple[Any, ...], dict[str, Any]]]) -> int:
+    """How many of the recorded calls sageattn serves with a quantized kernel (``explain``)."""
     return sum(1 for args, kwargs in calls if explain(*args, **kwargs).quantized)
 
 
@@ -112,7 +103,12 @@ class Clock:
             fn()
             return (time.perf_counter() - start) * 1e3
         torch.cuda.synchronize()
-        return timing.event_times_ms(fn, 1)[0]
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
 
 
 def attention_ms(calls: list[tuple[tuple[Any, ...], dict[str, Any]]], clock: Clock, reps: int) -> float:
@@ -131,7 +127,7 @@ def attention_ms(calls: list[tuple[tuple[Any, ...], dict[str, Any]]], clock: Clo
     return total
 
 
-def measure(case: models.ModelCase, device: torch.device, tiny: bool, reps: int) -> dict[str, Any]:
+def measure(case: _model_suite.ModelCase, device: torch.device, tiny: bool, reps: int) -> dict[str, Any]:
     dtype = case.dtype if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model, inputs = case.build(device, dtype, tiny)
@@ -187,45 +183,39 @@ def chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=[c.key for c in models.CASES], metavar="KEY",
-                        help="which models (default: all): " + ", ".join(c.key for c in models.CASES))
-    parser.add_argument("--tiny", action="store_true", help="tiny widths and resolutions (a smoke run)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--reps", type=int, default=10, help="timed forwards per mode (median)")
-    parser.add_argument("--out", type=Path, default=None, help="folder for models.md and models.png")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    cases = [c for c in models.CASES if args.models is None or c.key in args.models]
+def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]], title: str) -> str:
+    lines = [title, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(map(str, row)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def run(keys: Sequence[str] | None, device: torch.device, tiny: bool, reps: int,
+        out: Path | None) -> list[dict[str, Any]]:
+    """Measure the cases named by ``keys`` (all when None or empty), print the table (and the
+    geometric-mean speedup), write models.md and models.png to ``out``; return the rows."""
+    cases = [c for c in _model_suite.CASES if not keys or c.key in keys]
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    title = f"{gpu}, torch {torch.__version__}, sageattention2 {sageattention2.__version__}"
-    table = timing.Table(["model", "default SDPA ms", "sageattn ms", "speedup", "attention share",
-                   "attention calls", "quantized", "output cosine"], title=f"Whole forward ({title})")
+    title = f"Whole forward ({gpu}, torch {torch.__version__}, sageattention2 {__version__})"
     rows, bar = [], progress(len(cases), "models")
     for case in cases:
         bar.set_postfix_str(case.key)
-        row = measure(case, device, args.tiny, args.reps)
+        rows.append(measure(case, device, tiny, reps))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model's weights and activations are garbage now
-        rows.append(row)
-        quantized = "?" if row["quantized"] is None else row["quantized"]
-        table.row(row["model"], f"{row['default_ms']:.2f}", f"{row['sage_ms']:.2f}", f"{row['speedup']:.3f}x",
-                  f"{100 * row['attention_share']:.0f} %", row["calls"], quantized, f"{row['cosine']:.5f}")
         bar.update()
     bar.close()
-    speedups = [r["speedup"] for r in rows]
-    geomean = math.exp(sum(map(math.log, speedups)) / len(speedups))
-    table.lines += ["", f"geomean speedup {geomean:.3f}x over {len(rows)} models"]
-    print(table.lines[-1])
-    if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        table.write(str(args.out / "models.md"))
-        if chart(rows, args.out / "models.png", title):
-            print(f"wrote {args.out / 'models.md'} and {args.out / 'models.png'}")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    geomean = math.exp(sum(math.log(r["speedup"]) for r in rows) / len(rows))
+    table = markdown_table(
+        ["model", "default SDPA ms", "sageattn ms", "speedup", "attention share",
+         "attention calls", "quantized", "output cosine"],
+        [(r["model"], f"{r['default_ms']:.2f}", f"{r['sage_ms']:.2f}", f"{r['speedup']:.3f}x",
+          f"{100 * r['attention_share']:.0f} %", r["calls"], r["quantized"], f"{r['cosine']:.5f}")
+         for r in rows], title)
+    table += f"\n\ngeomean speedup {geomean:.3f}x over {len(rows)} models"
+    print(table)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "models.md").write_text(table + "\n")
+        if chart(rows, out / "models.png", title):
+            print(f"wrote {out / 'models.md'} and {out / 'models.png'}")
+    return rows

