@@ -17,6 +17,7 @@ import torch.nn.functional as F
 import sageattention2
 from helpers import ORIGINAL_SDPA, fallback_warnings, qkv
 from sageattention2 import SageAttentionFallbackWarning, _plan, api, sageattn
+from sageattention2 import integrations
 from sageattention2.integrations import patch_sdpa
 
 # ------------------------------------------------------------------------------------------------
@@ -154,3 +155,46 @@ def test_cli_bench_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--models", "nope"])
     assert exit_info.value.code == 2 and "unknown model(s) nope" in capsys.readouterr().err
+
+
+def test_patch_sdpa_reaches_multihead_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """nn.MultiheadAttention calls SDPA (so patch_sdpa reaches it) only with need_weights=False
+    (with weights it multiplies them out itself) and off its fused inference fast path
+    (torch.backends.mha.set_fastpath_enabled(False)); then the output is SDPA's (CPU: exact)."""
+    from helpers import CallCounter
+
+    torch.manual_seed(0)
+    mha = torch.nn.MultiheadAttention(32, 4, batch_first=True).eval()
+    x = torch.randn(2, 9, 32)
+    counter = CallCounter(monkeypatch, integrations)
+    fastpath = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        with torch.no_grad():
+            expected = mha(x, x, x, need_weights=False)[0]
+            with warnings.catch_warnings(), patch_sdpa():
+                warnings.simplefilter("ignore")
+                got = mha(x, x, x, need_weights=False)[0]
+                mha(x, x, x)  # need_weights=True: no SDPA call
+    finally:
+        torch.backends.mha.set_fastpath_enabled(fastpath)
+    assert torch.equal(got, expected)
+    assert len(counter.calls) == 1 and counter.calls[0][0][0].shape == (2, 4, 9, 8)
+
+
+def test_patch_sdpa_reaches_timm_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """timm's Attention (ViTs) calls F.scaled_dot_product_attention (fused_attn): patch_sdpa
+    reaches it, with the same output on the CPU."""
+    timm_layers = pytest.importorskip("timm.layers")
+    from helpers import CallCounter
+
+    torch.manual_seed(0)
+    attention = timm_layers.Attention(64, num_heads=4).eval()
+    x = torch.randn(2, 17, 64)
+    counter = CallCounter(monkeypatch, integrations)
+    with torch.no_grad():
+        expected = attention(x)
+        with warnings.catch_warnings(), patch_sdpa():
+            warnings.simplefilter("ignore")
+            got = attention(x)
+    assert torch.equal(got, expected) and len(counter.calls) == 1
