@@ -48,7 +48,7 @@ def cpu_us(fn: Callable[[], object], calls: int = 50, repeats: int = 15) -> floa
 def table(path: str) -> None:
     """``path`` "wgmma" or "mma": the call as one op (sageattn_<path>) and as its chain of ops
     called from Python (sageattn_<path>_chain, what sageattn ran before the op existed)."""
-    kwargs = {} if path == "wgmma" else {"pv_quant": "none", "strict": True}
+    kwargs = {"qk_quant": "int8"} if path == "wgmma" else {"pv_quant": "none", "strict": True}
     op = f"sageattn_{path}"
     out = timing.Table(["D", "N", "causal", "sageattn CPU us/call", "GPU us/call (do_bench)",
                         "sageattn, ops from Python: CPU", "GPU", "ops only CPU us/call"], f"{path} path")
@@ -123,17 +123,17 @@ def profile() -> None:
                                                                   False, False),
         "sageattn_wgmma_chain (3 ops from Python)": lambda: ops.sageattn_wgmma_chain(
             q, k, v, True, False, 5, d ** -0.5, False, False, False),
-        "sageattn": lambda: sageattn(q, k, v),
+        "sageattn": lambda: sageattn(q, k, v, qk_quant="int8"),
     }
     for name, fn in parts.items():
         print(f"{name:40s} {cpu_us(fn):7.1f} us/call CPU", flush=True)
     for _ in range(20):
-        sageattn(q, k, v)
+        sageattn(q, k, v, qk_quant="int8")
     torch.cuda.synchronize()
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(50):
-        sageattn(q, k, v)
+        sageattn(q, k, v, qk_quant="int8")
     prof.disable()
     torch.cuda.synchronize()
     s = io.StringIO()

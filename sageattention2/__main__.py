@@ -1,8 +1,8 @@
 """Command line: ``python -m sageattention2 info`` (the build, the GPU and what sageattn runs
 there), ``routing-table`` (README.md's "Which GPU runs what", from the routing rules) and
 ``tune`` (measure where exact SDPA is faster than the quantized kernel on this GPU: the
-crossover that ``qk_quant="auto"`` follows) and ``bench --models`` (whole models under default
-SDPA and under sageattn)."""
+crossover that ``qk_quant="auto"`` follows), ``check`` (every kernel variant's accuracy on this
+GPU, PASS/FAIL) and ``bench --models`` (whole models under default SDPA and under sageattn)."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("--out", default=None,
                       help="where to write the table (default: the one sageattn reads for this "
                            "GPU model, under ~/.cache/sageattention2/crossover/)")
+    check = commands.add_parser(
+        "check", help="the accuracy of every kernel variant this GPU runs, PASS/FAIL (a GPU)")
+    check.add_argument("--quick", action="store_true", help="without the shapes of 2K keys and more")
+    check.add_argument("--path", choices=("all", "wgmma", "mma"), default="all",
+                       help="the Hopper kernel, the warp-level one, or both (default)")
     bench = commands.add_parser(
         "bench", help="whole models under default SDPA and under sageattn, side by side "
                       "(needs the [models] extra: diffusers, transformers, matplotlib, tqdm)")
@@ -98,6 +103,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                           head_dims=args.head_dims or _tune.HEAD_DIMS, dtypes=dtypes,
                           out=args.out)
         print(f"wrote {path}")
+    elif args.command == "check":
+        from . import _check
+
+        return _check.run(args.quick, args.path)
     elif args.command == "bench":
         if args.models is None:
             parser.error("bench: say what to run: --models [KEY ...] (the per-call protocol "

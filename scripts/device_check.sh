@@ -12,11 +12,12 @@ step (exit code, seconds) and the script exits with the first failing step's cod
 options
   --arch LIST       TORCH_CUDA_ARCH_LIST of every build (default 9.0a)
   --timeout S       time limit of every step, seconds (default: each step's own)
-  --quick           --smoke, --bench and --ab in their quick forms (hd128, N 1K/4K)
+  --quick           --check, --bench and --ab in their quick forms (hd128, N 1K/4K)
 steps
   --info            GPU, driver, `python3 -m sageattention2 info`, the libstdc++ the build links
   --tests [K]       pytest of tests/ from /tmp with --import-mode=importlib (-k K if given)
-  --smoke           scripts/smoke.py: every kernel variant vs its emulation and float64
+  --check           python -m sageattention2 check: every kernel variant vs its emulation and
+                    float64 (the input families against their documented bounds)
   --bench           benchmarks/bench_attention.py, the protocol's speed table ($OUT/bench_attention.md)
   --sanitize        compute-sanitizer memcheck, racecheck, synccheck on scripts/sanitize_kernels.py
                     (racecheck's known ptx::bulk_load report, RACECHECK_KNOWN, does not fail it)
@@ -46,7 +47,7 @@ while [ $# -gt 0 ]; do
     --arch) TORCH_CUDA_ARCH_LIST=$2; shift ;;
     --timeout) STEP_TIMEOUT=$2; shift ;;
     --quick) QUICK=--quick ;;
-    --info|--smoke|--bench|--sanitize|--sass|--tune|--grid|--models|--host) steps+=("${1#--}") ;;
+    --info|--check|--bench|--sanitize|--sass|--tune|--grid|--models|--host) steps+=("${1#--}") ;;
     --tests) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("tests $2"); shift; else steps+=(tests); fi ;;
     --ncu|--ab) steps+=("${1#--} $2"); shift ;;
     -h|--help) usage; exit 0 ;;
@@ -74,9 +75,9 @@ step_tests() {
     > "$OUT/pytest.txt" 2>&1
   local rc=$?; grep -vE '^[.sxXF]+( +\[ *[0-9]+%\])?$' "$OUT/pytest.txt" | tail -25; return $rc
 }
-step_smoke() {
-  cd /tmp && python3 "$R/scripts/smoke.py" $QUICK > "$OUT/smoke.txt" 2>&1
-  local rc=$?; grep -E "FAIL|^smoke|Error" "$OUT/smoke.txt"; return $rc
+step_check() {
+  cd /tmp && python3 -m sageattention2 check $QUICK > "$OUT/check.txt" 2>&1
+  local rc=$?; grep -E "FAIL|^check|Error|causal=" "$OUT/check.txt"; return $rc
 }
 step_bench() {
   cd /tmp && python3 "$R/benchmarks/bench_attention.py" $QUICK --out "$OUT/bench_attention.md"
@@ -168,10 +169,10 @@ step_ab() {
   done
   python3 "$R/benchmarks/timing.py" merge "${runs[@]}" | tee "$OUT/ab.md"
 }
-export -f step_install step_info step_tests step_smoke step_bench step_sanitize step_sass step_ncu step_ab \
+export -f step_install step_info step_tests step_check step_bench step_sanitize step_sass step_ncu step_ab \
   step_tune step_grid step_models step_host
 
-declare -A LIMIT=([install]=480 [info]=60 [tests]=420 [smoke]=300 [bench]=420 [sanitize]=540 [sass]=120
+declare -A LIMIT=([install]=480 [info]=60 [tests]=420 [check]=300 [bench]=420 [sanitize]=540 [sass]=120
                   [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [host]=120)
 summary=(); first_rc=0; installed=0
 run() {  # run NAME [ARG]: one step under its time limit, its exit code and time in the summary

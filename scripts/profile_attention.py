@@ -46,7 +46,7 @@ def calls(args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor,
         qk = args.qk or "int8"
         full = lambda: sageattn(q, k, v, is_causal=args.causal, qk_quant=qk, pv_quant=pv, strict=True)  # noqa: E731
         return full, timing.mma_kernel_call(q, k, v, args.causal, qk, pv == "fp8")
-    full = lambda: sageattn(q, k, v, is_causal=args.causal, strict=True)  # noqa: E731
+    full = lambda: sageattn(q, k, v, is_causal=args.causal, qk_quant="int8", strict=True)  # noqa: E731
     return full, timing.kernel_call(q, k, v, args.causal)
 
 

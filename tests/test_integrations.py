@@ -198,3 +198,22 @@ def test_patch_sdpa_reaches_timm_attention(monkeypatch: pytest.MonkeyPatch) -> N
             warnings.simplefilter("ignore")
             got = attention(x)
     assert torch.equal(got, expected) and len(counter.calls) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the check runs the kernels here")
+def test_cli_check_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from sageattention2.__main__ import main
+
+    assert main(["check", "--quick"]) == 1
+    assert "check: needs a CUDA GPU" in capsys.readouterr().out
+
+
+@pytest.mark.gpu
+def test_cli_check_passes(attention_kernel: None, capsys: pytest.CaptureFixture[str]) -> None:
+    """``check --quick --path wgmma`` passes on this GPU (the full check: device_check.sh)."""
+    from sageattention2 import _plan
+    from sageattention2.__main__ import main
+
+    if not _plan.target_of(torch.device("cuda")).wgmma:
+        pytest.skip("no Hopper kernel here")
+    assert main(["check", "--quick", "--path", "wgmma"]) == 0, capsys.readouterr().out

@@ -1,36 +1,45 @@
-"""Accuracy smoke of every attention kernel variant this build runs on this GPU (no timing: that
-is benchmarks/). Each variant runs on a grid of shapes (tails, GQA, Nq != Nk, both dtypes, causal
-on and off) and is compared with the bit-level emulation of its algorithm (rel. L1, both rounded
-to the output dtype) and with float64 attention; then on the input families of
-docs/PROTOCOL.md#input-families.
+"""``python -m sageattention2 check``: the accuracy of every attention kernel variant this build
+runs on this GPU, PASS or FAIL (no timing: that is ``bench``).
 
-    python3 scripts/smoke.py [--quick] [--path all|wgmma|mma]
+Two checks per variant:
+
+1. the kernel against the bit-level emulation of its algorithm (``reference``) on a grid of shapes
+   (tails, GQA, Nq != Nk, both dtypes, causal on and off), both rounded to the output dtype:
+   rel. L1 at most :data:`TOLERANCE` (what the GPU tests hold the kernels to), every value finite;
+2. the kernel against float64 attention on the input families of docs/PROTOCOL.md
+   (B1 H8 N4096 D128, float16, causal and not): CosSim and rel. L1 within :data:`BOUNDS`, the
+   figures of docs/RESULTS.md#accuracy with a margin for the draw (INT4's bounds on the outliers
+   family are as bad as documented: it cannot represent per-token outliers,
+   docs/DECISIONS.md#d25).
 
 Variants: the Hopper kernel (attention_wgmma, sm_90a builds on sm_90) through sageattn's default
 path; the warp-level attention_mma through the ops (INT8 QK + FP16/BF16 PV everywhere, INT8 and
 INT4 QK + FP8 PV where the build has FP8 mma.sync code for this GPU: sm_89+, emulated on sm_90).
-Exit code 1 when a variant is further than 1e-3 rel. L1 from its emulation (the acceptance
-criterion of tests/gpu_helpers.py) or writes a non-finite value.
 """
 from __future__ import annotations
 
-import argparse
 import math
-import sys
 from typing import Callable, NamedTuple
 
 import torch
 from torch import Tensor
 
-from sageattention2 import api, ops, sageattn
-from sageattention2 import reference as ref
-from sageattention2 import testing
+from . import api, ops, testing
+from . import reference as ref
+from .api import sageattn
 
 TOLERANCE = 1e-3
 SHAPES = [(1, 2, 2, 1, 1, 128), (2, 4, 4, 17, 17, 64), (1, 8, 2, 127, 127, 128), (1, 4, 1, 1000, 333, 64),
           (1, 4, 4, 300, 1000, 128), (2, 2, 2, 300, 700, 64), (1, 4, 1, 77, 1, 128)]
 LARGE_SHAPES = [(1, 4, 4, 2048, 2048, 64), (1, 8, 8, 4097, 4097, 128), (1, 2, 2, 4097, 4097, 64)]
 FAMILIES = ("bias0", "bias4", "outliers")
+# Per variant and family: (lowest CosSim, highest rel. L1) against float64, causal or not.
+BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
+    "wgmma int8+fp8": {"bias0": (0.9990, 0.042), "bias4": (0.9998, 0.014), "outliers": (0.9980, 0.044)},
+    "mma int8+fp16": {"bias0": (0.9998, 0.014), "bias4": (0.99998, 0.005), "outliers": (0.9982, 0.028)},
+    "mma int8+fp8": {"bias0": (0.9990, 0.042), "bias4": (0.9998, 0.014), "outliers": (0.9980, 0.045)},
+    "mma int4+fp8": {"bias0": (0.975, 0.23), "bias4": (0.9996, 0.022), "outliers": (0.78, 0.42)},
+}
 
 
 class Variant(NamedTuple):
@@ -42,10 +51,11 @@ class Variant(NamedTuple):
 
 
 def wgmma_variant() -> Variant:
-    """sageattn's Hopper path (its defaults: K smoothed over a token sample, V not smoothed)."""
+    """sageattn's Hopper path (its defaults, the kernel forced: K smoothed over a token sample, V
+    not smoothed)."""
     def run(q: Tensor, k: Tensor, v: Tensor, causal: bool, smooth_v: bool) -> Tensor:
         return sageattn(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], smooth_v=smooth_v,
-                        strict=True)
+                        qk_quant="int8", strict=True)  # int8: "auto" runs short calls on SDPA
 
     def emulate(q: Tensor, k: Tensor, v: Tensor, causal: bool, smooth_v: bool) -> Tensor:
         return ref.hopper_kernel_reference(q, k, v, block_k=ops.WGMMA_BLOCK_K, is_causal=causal,
@@ -102,19 +112,22 @@ def inputs(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, dtype: torch.dty
     return draw(hq, nq, 2.0), draw(hkv, nk, 4.0), draw(hkv, nk, 1.0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="without the shapes of 2K keys and more")
-    parser.add_argument("--path", choices=("all", "wgmma", "mma"), default="all")
-    args = parser.parse_args(argv)
-    found = variants(args.path)
+def run(quick: bool = False, path: str = "all") -> int:
+    """Print both checks for every variant; 0 when all pass, else 1."""
+    if not torch.cuda.is_available():
+        print("check: needs a CUDA GPU (the kernels' accuracy is a property of the GPU it runs on)")
+        return 1
+    found = variants(path)
     print(torch.cuda.get_device_name(), "| kernel plan:", api.kernel_plan())
     if not found:
-        print("smoke: no kernel variant of this build runs on this GPU: FAILED")
+        print("check: no kernel variant of this build runs on this GPU: FAIL")
         return 1
-    shapes = SHAPES + ([] if args.quick else LARGE_SHAPES)
+    shapes = SHAPES + ([] if quick else LARGE_SHAPES)
     worst = {v.name: 0.0 for v in found}
-    print(f"{'variant':<16}{'B Hq Hkv Nq Nk D':<24}{'dtype':<10}{'causal':<8}{'vs emulation':>13}{'vs exact':>10}")
+    print("1. each variant against the emulation of its algorithm (rel. L1 <= "
+          f"{TOLERANCE:g}), and against float64")
+    print(f"{'variant':<16}{'B Hq Hkv Nq Nk D':<24}{'dtype':<10}{'causal':<8}{'vs emulation':>13}"
+          f"{'vs exact':>10}")
     for variant in found:
         for i, (b, hq, hkv, nq, nk, d) in enumerate(shapes):
             smooth_v = i % 2 == 1  # V's mean subtracted (FP8 PV only) on every other shape
@@ -129,23 +142,24 @@ def main(argv: list[str] | None = None) -> int:
                     flag = "  FAIL" if not l1 <= TOLERANCE else ""
                     print(f"{variant.name:<16}{f'{b} {hq} {hkv} {nq} {nk} {d}':<24}{str(dtype)[6:]:<10}"
                           f"{causal!s:<8}{l1:>13.2e}{testing.relative_l1(out, exact):>10.4f}{flag}", flush=True)
-    print("the input families of docs/PROTOCOL.md (B1 H8 N4096 D128 fp16): CosSim / rel. L1 vs float64")
+    failed = {name for name, l1 in worst.items() if not l1 <= TOLERANCE}
+    print("2. the input families of docs/PROTOCOL.md (B1 H8 N4096 D128 float16) against float64: "
+          "CosSim / rel. L1 (bound)")
     for name in FAMILIES:
         g = torch.Generator(device="cuda").manual_seed(0)
         q, k, v = testing.make_input_family(name, (1, 8, 4096, 128), torch.float16, "cuda", generator=g)
         for causal in (False, True):
             want = ref.exact_attention(q, k, v, is_causal=causal)
-            cells = []
             for variant in found:
                 out = variant.run(q, k, v, causal, False)
-                cells.append(f"{variant.name} {testing.cosine_similarity(out, want):.6f} / "
-                             f"{testing.relative_l1(out, want):.5f}")
-            print(f"  {name:<9} causal={causal!s:<6} " + " | ".join(cells), flush=True)
-    failed = [name for name, l1 in worst.items() if not l1 <= TOLERANCE]
+                cos, l1 = testing.cosine_similarity(out, want), testing.relative_l1(out, want)
+                low, high = BOUNDS[variant.name][name]
+                ok = cos >= low and l1 <= high
+                if not ok:
+                    failed.add(variant.name)
+                print(f"  {name:<9} causal={causal!s:<6} {variant.name:<16} {cos:.6f} / {l1:.5f} "
+                      f"(>= {low} / <= {high}) {'PASS' if ok else 'FAIL'}", flush=True)
     for name, l1 in worst.items():
-        print(f"smoke: {name}: worst rel. L1 vs emulation {l1:.2e} ({'FAILED' if name in failed else 'ok'})")
+        print(f"check: {name}: worst rel. L1 vs emulation {l1:.2e}; "
+              f"{'FAIL' if name in failed else 'PASS'}")
     return 1 if failed else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
