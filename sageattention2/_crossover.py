@@ -257,9 +257,10 @@ def clear_cache() -> None:
 def exact_is_faster(call: AttentionCall, choice: KernelChoice,
                     capability: Capability | None) -> str | None:
     """Why exact SDPA serves ``call`` although ``choice`` could (it is faster for this shape on
-    this GPU), or None: only for ``qk_quant="auto"``, and only where a table measured ``choice``
-    on a GPU of this kind."""
-    if not call.qk_quant_auto:
+    this GPU), or None: only for ``qk_quant="auto"``, only where a table measured ``choice`` on a
+    GPU of this kind, and not for calls that ask for the LSE (SDPA does not return it: the exact
+    path computes it in float64, far slower than the kernel, which returns it as it goes)."""
+    if not call.qk_quant_auto or call.return_lse:
         return None
     table = table_for(call.q.device, capability)
     if table is None or table.kernel != choice:

@@ -72,8 +72,9 @@ def sageattn(
         qk_quant: ``"int8"``, ``"int4"`` or ``"auto"``: INT8, except where exact SDPA is
             measured faster for the call's shape on this GPU (short or few sequences; the
             crossover table, ``python -m sageattention2 tune``): there exact SDPA runs, without
-            a warning. ``"int8"`` and ``"int4"`` always run the quantized kernel. INT4 (paper
-            3.2) is about 4x coarser: on inputs without channel offsets its error is several
+            a warning (not with ``return_lse=True``: SDPA has no LSE to return). ``"int8"``
+            and ``"int4"`` always run the quantized kernel. INT4 (paper 3.2) is about 4x
+            coarser: on inputs without channel offsets its error is several
             times INT8's; smoothing Q and K (the defaults) is what makes it usable. Which GPUs
             run it, and with which PV: the routing table (below).
         pv_quant: ``"fp8"``: P~ and V in E4M3 (paper 3.3: P~ times 448, V per channel), FP32

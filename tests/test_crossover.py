@@ -156,6 +156,13 @@ def test_auto_runs_exact_sdpa_where_it_is_faster(pretend_h100_with_table: Crosso
     assert decision.fallback is None and not decision.quantized
 
 
+def test_calls_asking_for_the_lse_keep_the_kernel(pretend_h100_with_table: CrossoverTable) -> None:
+    """SDPA returns no LSE: an exact call computes it in float64, slower than any kernel."""
+    q, k, v = qkv(b=1, hq=4, nq=64, nk=77, d=64, dtype=torch.float16)
+    assert not sageattention2.explain(q, k, v).quantized
+    assert sageattention2.explain(q, k, v, return_lse=True).kernel == "attention_wgmma"
+
+
 def test_auto_runs_the_kernel_where_it_is_faster(pretend_h100_with_table: CrossoverTable) -> None:
     big = torch.empty(1, 64, 16384, 128, dtype=torch.float16)
     assert sageattention2.explain(big, big, big) == (True, "attention_wgmma", "int8", "fp8", None)
