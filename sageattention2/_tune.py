@@ -6,7 +6,7 @@ For each class (head_dim, causal, dtype) and each point of a grid of query lengt
 x B*H, both calls are timed as an eager forward runs them (``compare_ms``): calls queued back to
 back between CUDA events, so that the GPU's time counts, and the host's where it is the longer
 (the shortest calls, where exact SDPA wins either way). A point whose work is above
-:data:`MAX_WORK` (or that runs out of memory) is not timed; the table then takes the value of the
+:data:`MAX_WORK` (or that runs out of memory, or that a backend refuses) is not timed; the table then takes the value of the
 same lengths with fewer heads.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ def _point(n_q: int, n_k: int, heads: int, head_dim: int, causal: bool,
         exact_ms, quantized_ms = compare_ms(
             lambda: _execute._exact_sdpa(q, k, v, is_causal=causal),
             lambda: sageattn(q, k, v, is_causal=causal, qk_quant="int8"))
-    except torch.cuda.OutOfMemoryError:
+    except RuntimeError:  # out of memory, or a shape an SDPA backend refuses: not timed
         torch.cuda.empty_cache()
         return None
     return exact_ms / quantized_ms

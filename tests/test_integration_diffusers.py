@@ -157,7 +157,9 @@ def test_backend_runs_the_kernel_on_the_gpu(attention_kernel: None,
         out = real(q, k, v, *args, **kwargs)
         assert explain(q, k, v, *args, **kwargs).quantized
         sdpa = torch.nn.functional.scaled_dot_product_attention
-        want = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), *args[:4]).transpose(1, 2)
+        mask, dropout_p, is_causal, scale, enable_gqa = args  # the backend passes them so
+        want = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, dropout_p=dropout_p,
+                    is_causal=is_causal, scale=scale, enable_gqa=enable_gqa).transpose(1, 2)
         seen.append(float(cosine_similarity(out.float(), want.float())))
         return out
 

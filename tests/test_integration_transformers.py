@@ -134,7 +134,10 @@ def test_decoder_runs_the_kernel_on_the_gpu(attention_kernel: None,
     def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         out = real(q, k, v, *args, **kwargs)
         assert explain(q, k, v, *args, **kwargs).quantized
-        want = torch.nn.functional.scaled_dot_product_attention(q, k, v, *args)
+        mask, dropout_p, is_causal, scale, enable_gqa = args  # the function passes them so
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+            enable_gqa=enable_gqa)
         seen.append(float(cosine_similarity(out.float(), want.float())))
         return out
 
