@@ -6,8 +6,8 @@ For each class (head_dim, causal, dtype) and each point of a grid of query lengt
 x B*H, both calls are timed as an eager forward runs them (``compare_ms``): calls queued back to
 back between CUDA events, so that the GPU's time counts, and the host's where it is the longer
 (the shortest calls, where exact SDPA wins either way). A point whose work is above
-:data:`MAX_WORK` (or that runs out of memory, or that a backend refuses) is not timed; the table then takes the value of the
-same lengths with fewer heads.
+:data:`MAX_WORK` (or that runs out of memory, or that a backend refuses) is not timed; the table
+then takes the value of the same lengths with fewer heads.
 """
 from __future__ import annotations
 
