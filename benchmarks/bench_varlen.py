@@ -1,0 +1,58 @@
+"""sageattn_varlen against padding to the longest sequence, side by side in one process: packed
+sequences of random lengths (1 to --max tokens, seeded) through ``sageattn_varlen``, against the
+same sequences padded to the longest as one batch through ``sageattn`` (the padding computed:
+what a caller without varlen runs) and through SDPA with the key-padding mask.
+
+    python3 benchmarks/bench_varlen.py [--sequences 16] [--max 8192] [--heads 16] [--d 128]
+
+GPU time per call, do_bench median (timing.py).
+"""
+from __future__ import annotations
+
+import argparse
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+import timing
+
+from sageattention2 import sageattn, sageattn_varlen
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sequences", type=int, default=16)
+    parser.add_argument("--max", type=int, default=8192)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--d", type=int, default=128)
+    parser.add_argument("--causal", action="store_true")
+    args = parser.parse_args()
+    warnings.simplefilter("ignore")
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, args.max + 1, (args.sequences,), generator=g).tolist()
+    total, longest, h, d = sum(lengths), max(lengths), args.heads, args.d
+    q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    padded = [torch.zeros(len(lengths), longest, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    mask = torch.zeros(len(lengths), 1, 1, longest, device="cuda", dtype=torch.bool)
+    for i, (s, e) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
+        for dst, src in zip(padded, (q, k, v)):
+            dst[i, : e - s] = src[s:e]
+        mask[i, ..., : e - s] = True
+    pq, pk, pv = padded
+    rows = {
+        "sageattn_varlen": lambda: sageattn_varlen(q, k, v, cu, cu, longest, longest, is_causal=args.causal),
+        "sageattn, padded to the longest": lambda: sageattn(pq, pk, pv, is_causal=args.causal, tensor_layout="NHD"),
+    }
+    if not args.causal:  # SDPA takes a mask or is_causal, not both
+        rows["SDPA, padded, key mask"] = lambda: F.scaled_dot_product_attention(
+            pq.transpose(1, 2), pk.transpose(1, 2), pv.transpose(1, 2), attn_mask=mask)
+    table = timing.Table(["call", "ms"], f"{torch.cuda.get_device_name()} | {len(lengths)} sequences of "
+                         f"{min(lengths)}-{longest} tokens ({total} in all), H{h} D{d}, causal={args.causal}")
+    for name, fn in rows.items():
+        table.row(name, f"{timing.median_ms(fn):.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+""":func:`sageattn_varlen`: attention over packed sequences of different lengths, as
+``flash_attn_varlen_func`` takes them (issue 34, item 2).
+
+``q`` is ``[total_q, H_q, D]``, ``k`` and ``v`` are ``[total_k, H_kv, D]``: the sequences one
+after another, sequence i's tokens at ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (and likewise for
+the keys). Each sequence is its own attention: it runs as one :func:`sageattn` call on views of
+its tokens (``tensor_layout="NHD"``, no copies of the inputs), so quantization groups and
+smoothing means never straddle sequences, and the result is bit for bit that of calling
+:func:`sageattn` on each sequence (the quantized kernel, or exact SDPA where the crossover says it
+is faster for that sequence's shape). A native varlen kernel, one launch for all the sequences,
+is future work; until then a batch of many short sequences pays one call's host time per
+sequence.
+
+The boundaries are read on the host once per ``cu_seqlens`` tensor (one synchronisation when
+they live on the GPU; models pass the same tensors to every layer). Under ``torch.compile`` the
+call is one graph op, ``sageattention2::sageattn_varlen``.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ._call import QK_QUANTS, PV_QUANTS
+from .api import sageattn
+
+__all__ = ["sageattn_varlen"]
+
+_MAX_CACHED = 64
+_bounds_cache: dict[int, tuple[weakref.ref[Tensor], int, tuple[int, ...]]] = {}
+
+
+def _bounds(name: str, cu_seqlens: object, total: int) -> tuple[int, ...]:
+    """The checked boundaries of ``cu_seqlens`` (cached per tensor while it is unmodified)."""
+    if not isinstance(cu_seqlens, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    entry = _bounds_cache.get(id(cu_seqlens))
+    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
+        bounds = entry[2]
+    else:
+        if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"{name} must be 1-D with at least 2 entries (B + 1 boundaries), got "
+                             f"shape {tuple(cu_seqlens.shape)}")
+        if cu_seqlens.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+        bounds = tuple(int(x) for x in cu_seqlens.tolist())
+        if len(_bounds_cache) >= _MAX_CACHED:
+            _bounds_cache.clear()
+        _bounds_cache[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, bounds)
+    if bounds[0] != 0 or bounds[-1] != total or any(a > b for a, b in zip(bounds, bounds[1:])):
+        raise ValueError(f"{name} must rise from 0 to the number of tokens ({total}) without "
+                         f"falling, got {list(bounds) if len(bounds) <= 16 else 'a tensor that does not'}")
+    return bounds
+
+
+def _check_inputs(q: object, k: object, v: object) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be 3-D, [total tokens, heads, head_dim] (packed "
+                             f"sequences), got shape {tuple(t.shape)}")
+    assert isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+    if k.shape[0] != v.shape[0] or k.shape[1] != v.shape[1]:
+        raise ValueError(f"k and v must have the same tokens and heads, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[1] % max(k.shape[1], 1) != 0 or k.shape[1] == 0:
+        raise ValueError(f"q's heads ({q.shape[1]}) must be a multiple of k's and v's "
+                         f"({k.shape[1]})")
+
+
+def sageattn_varlen(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    cu_seqlens_q: Tensor,
+    cu_seqlens_k: Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    scale: float | None = None,
+    qk_quant: str = "auto",
+    pv_quant: str = "auto",
+    smooth_k: bool = True,
+    smooth_q: bool | str = "auto",
+    smooth_v: bool = False,
+    return_lse: bool = False,
+    strict: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """Attention over packed sequences of different lengths (``flash_attn_varlen_func``'s
+    arguments): sequence i's queries ``q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]]`` attend to its keys
+    and values ``k[cu_seqlens_k[i]:cu_seqlens_k[i + 1]]``, ``v[...]``.
+
+    Args:
+        q: ``[total_q, H_q, D]``; k, v: ``[total_k, H_kv, D]`` with H_q a multiple of H_kv
+            (grouped-query attention needs no flag here).
+        cu_seqlens_q, cu_seqlens_k: int32 or int64 ``[B + 1]``: 0, then the running totals of the
+            sequences' lengths (on any device).
+        max_seqlen_q, max_seqlen_k: the longest sequence's lengths (as flash-attn takes them);
+            checked against the boundaries.
+        is_causal: per sequence, aligned to the top-left as SDPA (query j sees keys up to j).
+        scale, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, strict: as :func:`sageattn`.
+        return_lse: also return the float32 natural-log LSE, ``[H_q, total_q]``.
+
+    Returns:
+        ``[total_q, H_q, D_v]`` in q's dtype (and the LSE). A sequence with queries and no keys
+        gets zeros (LSE -inf), as :func:`sageattn` gives; the tokens of no sequence do not
+        exist (the boundaries cover every token).
+    """
+    _check_inputs(q, k, v)
+    if qk_quant not in QK_QUANTS or pv_quant not in PV_QUANTS:
+        raise ValueError(f"qk_quant must be one of {QK_QUANTS} and pv_quant one of {PV_QUANTS}; "
+                         f"got {qk_quant!r}, {pv_quant!r}")
+    if torch.compiler.is_compiling():  # the boundaries are data: the op's eager call checks them
+        out, lse = torch.ops.sageattention2.sageattn_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
+            qk_quant, pv_quant, smooth_k, str(smooth_q), smooth_v, return_lse, strict)
+        return (out, lse) if return_lse else out
+    bounds_q = _bounds("cu_seqlens_q", cu_seqlens_q, q.shape[0])
+    bounds_k = _bounds("cu_seqlens_k", cu_seqlens_k, k.shape[0])
+    if len(bounds_q) != len(bounds_k):
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same number of "
+                         f"sequences, got {len(bounds_q) - 1} and {len(bounds_k) - 1}")
+    for name, bounds, given in (("max_seqlen_q", bounds_q, max_seqlen_q),
+                                ("max_seqlen_k", bounds_k, max_seqlen_k)):
+        longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+        if isinstance(given, bool) or not isinstance(given, int) or given < longest:
+            raise ValueError(f"{name} must be an int at least the longest sequence ({longest}), "
+                             f"got {given!r}")
+    return _run(q, k, v, bounds_q, bounds_k, dict(
+        is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
+        tensor_layout="NHD", qk_quant=qk_quant, pv_quant=pv_quant, smooth_k=smooth_k,
+        smooth_q=smooth_q, smooth_v=smooth_v, return_lse=return_lse, strict=strict))
+
+
+def _run(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...],
+         options: dict[str, Any]) -> Tensor | tuple[Tensor, Tensor]:
+    """One sageattn call per sequence, on views, its output copied into the packed result."""
+    return_lse = options["return_lse"]
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse = q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse else None
+    for (q0, q1), (k0, k1) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+        if q1 == q0:
+            continue
+        result = sageattn(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], **options)
+        if return_lse:
+            part, part_lse = result
+            assert lse is not None
+            lse[:, q0:q1] = part_lse[0]
+        else:
+            part = result
+        out[q0:q1] = part[0]
+    return (out, lse) if return_lse else out  # type: ignore[return-value]
+
+
+def _smooth_q_from_op(value: str) -> bool | str:
+    return {"True": True, "False": False}.get(value, value)
+
+
+@torch.library.custom_op(
+    "sageattention2::sageattn_varlen", mutates_args=(),
+    schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+           "int max_seqlen_q, int max_seqlen_k, bool is_causal, float? scale, str qk_quant, "
+           "str pv_quant, bool smooth_k, str smooth_q, bool smooth_v, bool return_lse, "
+           "bool strict) -> (Tensor, Tensor)")
+def _sageattn_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                        cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                        is_causal: bool, scale: float | None, qk_quant: str, pv_quant: str,
+                        smooth_k: bool, smooth_q: str, smooth_v: bool, return_lse: bool,
+                        strict: bool) -> tuple[Tensor, Tensor]:
+    """sageattn_varlen as one opaque op of a torch.compile graph: the eager call."""
+    result = sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                             is_causal=is_causal, scale=scale, qk_quant=qk_quant,
+                             pv_quant=pv_quant, smooth_k=smooth_k,
+                             smooth_q=_smooth_q_from_op(smooth_q), smooth_v=smooth_v,
+                             return_lse=return_lse, strict=strict)
+    if return_lse:
+        return result[0], result[1]
+    assert isinstance(result, Tensor)
+    return result, q.new_empty(0, dtype=torch.float32)
+
+
+@_sageattn_varlen_op.register_fake
+def _sageattn_varlen_fake(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
+                          cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
+                          is_causal: bool, scale: float | None, qk_quant: str, pv_quant: str,
+                          smooth_k: bool, smooth_q: str, smooth_v: bool, return_lse: bool,
+                          strict: bool) -> tuple[Tensor, Tensor]:
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
+    return out, q.new_empty(lse_shape, dtype=torch.float32)
