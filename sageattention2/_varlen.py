@@ -12,7 +12,8 @@ is future work; until then a batch of many short sequences pays one call's host 
 sequence.
 
 The boundaries are read on the host once per ``cu_seqlens`` tensor (one synchronisation when
-they live on the GPU; models pass the same tensors to every layer). Under ``torch.compile`` the
+they live on the GPU; models pass the same tensors to every layer), so a CUDA graph captures a
+call only with tensors read before the capture. Under ``torch.compile`` the
 call is one graph op, ``sageattention2::sageattn_varlen``.
 """
 from __future__ import annotations
@@ -45,6 +46,10 @@ def _bounds(name: str, cu_seqlens: object, total: int) -> tuple[int, ...]:
                              f"shape {tuple(cu_seqlens.shape)}")
         if cu_seqlens.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"{name} must be int32 or int64, got {cu_seqlens.dtype}")
+        if cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError(f"sageattn_varlen reads {name} on the host, which a CUDA graph "
+                               "capture forbids: call it once with the same cu_seqlens tensors "
+                               "before capturing (they are read once per tensor)")
         bounds = tuple(int(x) for x in cu_seqlens.tolist())
         if len(_bounds_cache) >= _MAX_CACHED:
             _bounds_cache.clear()

@@ -145,3 +145,16 @@ def test_varlen_on_the_gpu(attention_kernel: None, d: int, is_causal: bool) -> N
         want = ref.exact_attention(*(t[None, s:e].transpose(1, 2) for t in (q, k, v)),
                                    is_causal=is_causal, enable_gqa=True)
         assert relative_l1(out[None, s:e].transpose(1, 2), want) < 0.06, i
+
+
+def test_capture_needs_boundaries_read_before(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CUDA graph capture forbids reading the GPU's boundaries: a clear error, unless the same
+    tensors were read before (then nothing is read)."""
+    q, k, v, cu_q, cu_k = packed([3, 4], [3, 4], 2, 2, 8)
+    _varlen._bounds_cache.clear()
+    sageattn_varlen(q, k, v, cu_q, cu_k, 4, 4)  # read before the "capture"
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    sageattn_varlen(q, k, v, cu_q, cu_k, 4, 4)
+    with pytest.raises(RuntimeError, match="before capturing"):
+        sageattn_varlen(q, k, v, cu_q.clone(), cu_k, 4, 4)
