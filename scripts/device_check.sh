@@ -28,7 +28,7 @@ steps
                     sageattn reads it (later steps use it) and copied to $OUT/crossover.json
   --grid            benchmarks/bench_grid.py: one call on 44 shapes vs SDPA's backends ($OUT/grid.md)
   --models          python -m sageattention2 bench --models: whole models, default SDPA vs sageattn ($OUT/models.md,
-                    models.png); diffusers comes from the wheels in .whl/ where the image lacks it
+                    models.png); diffusers comes from the wheels in .whl/ (carried) where the image lacks it
   --host            benchmarks/host_overhead.py --tiny: CPU time of short calls vs SDPA ($OUT/host.md)
   --ab TAR          A/B of two builds: A the tree in TAR (make it before the device call, in the
                     repo root: git archive REV -o base.tar), B the working tree; each is built
@@ -56,6 +56,13 @@ while [ $# -gt 0 ]; do
   shift
 done
 [ ${#steps[@]} -gt 0 ] || { usage >&2; exit 2; }
+
+# Wheels carried in .whl/ (diffusers: the H100 image lacks it) for the tests of the integrations
+# and the model suite, installed aside and put on the path of every step.
+if ! python3 -c "import diffusers" 2>/dev/null && ls "$R"/.whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$R"/.whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 
 # Each step_NAME runs in a child bash under `timeout` (see run); from /tmp, `import sageattention2`
 # finds the installed package, not the checkout.
@@ -135,11 +142,6 @@ step_grid() {
   local rc=$?; tail -3 "$OUT/grid.txt"; return $rc
 }
 step_models() {
-  if ! python3 -c "import diffusers" 2>/dev/null && ls "$R"/.whl/*.whl > /dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$R"/.whl/*.whl \
-      || return 1
-    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
-  fi
   cd /tmp && python3 -m sageattention2 bench --models --reps 6 --out "$OUT" > "$OUT/models.txt" 2>&1
   local rc=$?; grep -E "^\|" "$OUT/models.txt" | tail -12; tail -2 "$OUT/models.txt"; return $rc
 }
