@@ -2,10 +2,11 @@
 there), ``routing-table`` (README.md's "Which GPU runs what", from the routing rules) and
 ``tune`` (measure where exact SDPA is faster than the quantized kernel on this GPU: the
 crossover that ``qk_quant="auto"`` follows), ``check`` (every kernel variant's accuracy on this
-GPU, PASS/FAIL) and ``bench --models`` (whole models under default SDPA and under sageattn)."""
+GPU, PASS/FAIL) and ``bench`` (sageattn against SDPA: the ANCHORS shapes, whole models)."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +52,40 @@ def _info() -> str:
     return "\n".join(lines)
 
 
+def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``bench``: the shapes and/or the models; what cannot run here is said and skipped, or an
+    error where it was asked for by name."""
+    shapes = args.shapes or args.models is None
+    models = args.models is not None or not args.shapes
+    unknown = sorted(set(args.models or ()) - {c.key for c in _model_suite.CASES})
+    if unknown:
+        parser.error(f"bench --models: unknown model(s) {', '.join(unknown)}")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if shapes:
+        if device.type != "cuda":
+            if args.shapes:
+                parser.error("bench --shapes needs a CUDA GPU")
+            print("bench: the ANCHORS shapes need a CUDA GPU: skipped", file=sys.stderr)
+        else:
+            from . import _bench_shapes
+
+            _bench_shapes.run(args.out)
+    if models:
+        missing = [name for name in ("diffusers", "transformers")
+                   if importlib.util.find_spec(name) is None]
+        if missing:
+            message = (f"the model suite needs {' and '.join(missing)}: pip install "
+                       '"sageattention2[models]"')
+            if args.models is not None:
+                parser.error(f"bench --models: {message}")
+            print(f"bench: {message}; skipped", file=sys.stderr)
+        else:
+            from . import _bench_models
+
+            _bench_models.run(args.models, device, args.tiny, args.reps, args.out)
+    return 0
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -77,17 +112,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--path", choices=("all", "wgmma", "mma"), default="all",
                        help="the Hopper kernel, the warp-level one, or both (default)")
     bench = commands.add_parser(
-        "bench", help="whole models under default SDPA and under sageattn, side by side "
-                      "(needs the [models] extra: diffusers, transformers, matplotlib, tqdm)")
+        "bench", help="sageattn against SDPA on this GPU: the ANCHORS shapes (TOPS) and whole "
+                      "models (the model suite needs the [models] extra); both by default")
+    bench.add_argument("--shapes", action="store_true", help="the ANCHORS shapes only")
     bench.add_argument("--models", nargs="*", metavar="KEY", default=None,
-                       help="the model suite, or these of its models: " + ", ".join(
+                       help="the model suite only, or these of its models: " + ", ".join(
                            c.key for c in _model_suite.CASES))
     bench.add_argument("--tiny", action="store_true",
                        help="tiny widths and resolutions: every call site, in seconds")
     bench.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     bench.add_argument("--reps", type=int, default=10, help="timed forwards per mode (median)")
     bench.add_argument("--out", type=Path, default=None,
-                       help="folder for models.md and models.png")
+                       help="folder for the tables and charts (shapes.md/png, models.md/png)")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(_info())
@@ -108,16 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return _check.run(args.quick, args.path)
     elif args.command == "bench":
-        if args.models is None:
-            parser.error("bench: say what to run: --models [KEY ...] (the per-call protocol "
-                         "tables are benchmarks/bench_attention.py and bench_grid.py)")
-        unknown = sorted(set(args.models) - {c.key for c in _model_suite.CASES})
-        if unknown:
-            parser.error(f"bench --models: unknown model(s) {', '.join(unknown)}")
-        from . import _bench_models
-
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        _bench_models.run(args.models, device, args.tiny, args.reps, args.out)
+        return _bench(parser, args)
     return 0
 
 

@@ -157,14 +157,22 @@ def measure(case: _model_suite.ModelCase, device: torch.device, tiny: bool, reps
     return row
 
 
-def chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
-    """Speedup per model as horizontal bars, the 1.0 line marked. False without matplotlib."""
+def pyplot() -> Any:
+    """matplotlib.pyplot on the file backend, or None without matplotlib (the [models] extra)."""
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def chart(rows: list[dict[str, Any]], path: Path, title: str) -> bool:
+    """Speedup per model as horizontal bars, the 1.0 line marked. False without matplotlib."""
+    plt = pyplot()
+    if plt is None:
         return False
     names = [r["model"] for r in rows][::-1]
     speedups = [r["speedup"] for r in rows][::-1]

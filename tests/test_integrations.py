@@ -217,3 +217,22 @@ def test_cli_check_passes(attention_kernel: None, capsys: pytest.CaptureFixture[
     if not _plan.target_of(torch.device("cuda")).wgmma:
         pytest.skip("no Hopper kernel here")
     assert main(["check", "--quick", "--path", "wgmma"]) == 0, capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the shapes run here")
+def test_cli_bench_shapes_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
+    from sageattention2.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--shapes"])
+    assert exit_info.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_cli_bench_shapes(attention_kernel: None, tmp_path: Path) -> None:
+    """One ANCHORS shape: every column timed, the table written."""
+    from sageattention2 import _bench_shapes
+
+    rows = _bench_shapes.run(tmp_path, shapes=[(128, 1024, False)])
+    assert len(rows) == 1 and all(rows[0][c] and rows[0][c] > 0 for c in _bench_shapes.COLUMNS)
+    assert "hd128 N1K" in (tmp_path / "shapes.md").read_text()
