@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from . import __version__, _model_suite
+from ._timing import queued_ms
 from .api import explain
 from .integrations import patch_sdpa
 
@@ -103,12 +104,7 @@ class Clock:
             fn()
             return (time.perf_counter() - start) * 1e3
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end)
+        return queued_ms(fn)
 
 
 def attention_ms(calls: list[tuple[tuple[Any, ...], dict[str, Any]]], clock: Clock, reps: int) -> float:

@@ -92,8 +92,6 @@ def run(out: Path | None, shapes: Sequence[tuple[int, int, bool]] = SHAPES) -> l
         row: dict[str, Any] = {"shape": f"hd{d} N{n // 1024}K{' causal' if causal else ''}"}
         row.update({c: None if t is None else work / t / 1e9 for c, t in times.items()})
         rows.append(row)
-        del q, k, v
-        torch.cuda.empty_cache()
         bar.update()
     bar.close()
 

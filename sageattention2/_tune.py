@@ -14,7 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import re
-import statistics
 import time
 from pathlib import Path
 from typing import Callable, Sequence
@@ -22,6 +21,7 @@ from typing import Callable, Sequence
 import torch
 
 from . import __version__, _crossover, _execute, _plan
+from ._timing import queued_ms
 from .api import sageattn, validated_call
 
 __all__ = ["AXES", "HEAD_DIMS", "MAX_WORK", "QUICK_AXES", "tune"]
@@ -49,29 +49,18 @@ TARGET_MS = 0.5
 ROUNDS = 3
 
 
-def _queued_ms(fn: Callable[[], object], calls: int) -> float:
-    """Time per call of ``calls`` calls queued back to back, between two CUDA events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(calls):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / calls
-
-
 def compare_ms(first: Callable[[], object], second: Callable[[], object]) -> tuple[float, float]:
     """Time per call of two callables, in milliseconds, as an eager forward sees them: calls
     queued back to back (as many as fill :data:`TARGET_MS`), the two in turn
     :data:`ROUNDS` times, the best of each kept (interference only ever adds time)."""
     for fn in (first, second, first, second):  # warm: the call cache, SDPA's plans
         fn()
-    estimate = max(_queued_ms(first, 1), _queued_ms(second, 1), 1e-3)
+    estimate = max(queued_ms(first, 1), queued_ms(second, 1), 1e-3)
     calls = max(2, min(32, round(TARGET_MS / estimate)))
     times: list[list[float]] = [[], []]
     for _ in range(ROUNDS):
         for fn, measured in zip((first, second), times):
-            measured.append(_queued_ms(fn, calls))
+            measured.append(queued_ms(fn, calls))
     return min(times[0]), min(times[1])
 
 
