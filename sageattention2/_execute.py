@@ -299,13 +299,11 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
                          enable_gqa: bool) -> Tensor:
             if reason is not None:
                 _warn_fallback_once(reason, stacklevel=3)  # sageattn's caller: sageattn, this
-            if not nhd:  # SDPA's own layout: nothing between the caller and SDPA
-                return _exact_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                   is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-            out = _exact_sdpa(_in_bhnd(q, nhd), _in_bhnd(k, nhd), _in_bhnd(v, nhd),
-                              attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
-                              scale=scale, enable_gqa=enable_gqa)
-            return _in_bhnd(out, nhd)
+            if nhd:  # (SDPA's own layout goes straight through: no call between)
+                q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+            out = _exact_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
+            return out.transpose(-3, -2) if nhd else out
         return exact_runner
 
     kernel = KernelCall.of(call, decision.choice)

@@ -1012,8 +1012,8 @@ def hopper_kernel_reference(
     with one scale per query row and no Q smoothing, INT8 K per thread in ``block_k``-key blocks
     (K's mean over every ``mean_stride``-th token with ``smooth_k``), P~ x448 and V with one
     power-of-two FP8 scale per tile (V's mean with ``smooth_v``), FP32 two-level accumulation, l
-    summed by the PV product. The tests and ``python -m sageattention2 check`` emulate the kernel with this one
-    definition."""
+    summed by the PV product. The tests and ``python -m sageattention2 check`` emulate the
+    kernel with this one definition."""
     return sage_attention_reference(
         q, k, v, is_causal=is_causal, scale=scale, qk_dtype="int8", granularity="thread",
         q_granularity="token", block_k=block_k, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,
