@@ -12,6 +12,8 @@ Only masks of shape ``[..., 1, 1, N_kv]`` (after broadcasting from the left: no 
 dimension) are examined, so that a mask that is not of this kind costs nothing; examining one
 reads it once on the GPU and waits for the result (one synchronisation), and the answer is kept
 for that mask tensor while it is alive and unmodified (models pass the same mask to every layer).
+During a CUDA graph capture a mask not examined before is not examined (the call is captured as
+exact SDPA).
 Bool masks (True: attend) and additive masks whose values are 0 (attend) or -inf / the dtype's
 lowest value (masked) qualify; an item left with no key does not (SDPA gives it NaN).
 """
@@ -68,6 +70,8 @@ def key_ranges(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
         ref, version, entry_batch, entry_n_k, ranges = entry
         if ref() is mask and mask._version == version and (entry_batch, entry_n_k) == (batch, n_k):
             return ranges
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # reading the mask would end a CUDA graph capture: exact SDPA, not remembered
     ranges = _examine(mask, batch, n_k)
     if len(_cache) >= _MAX_CACHED:
         _cache.clear()

@@ -69,6 +69,18 @@ def test_examined_once_per_mask_until_modified(monkeypatch: pytest.MonkeyPatch) 
     assert _key_ranges.key_ranges(mask.clone(), 1, 9) == ((0, 6),) and len(examined) == 3
 
 
+def test_not_examined_during_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    mask = key_mask([(0, 5)], 9)
+    assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)  # before the "capture"
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)  # remembered
+    other = mask.clone()
+    assert _key_ranges.key_ranges(other, 1, 9) is None  # not read now ...
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert _key_ranges.key_ranges(other, 1, 9) == ((0, 5),)  # ... nor remembered as None
+
+
 def test_runs() -> None:
     assert _key_ranges.runs(((0, 4), (0, 4), (1, 5), (0, 4))) == [
         (0, 2, 0, 4), (2, 3, 1, 5), (3, 4, 0, 4)]
