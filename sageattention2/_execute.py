@@ -5,6 +5,7 @@ with each kernel's preprocessing in one op (docs/DESIGN.md#composite-ops), or ex
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from dataclasses import dataclass
@@ -13,8 +14,9 @@ from typing import Any, Callable, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-from . import _crossover, _plan, ops
+from . import _crossover, _key_ranges, _plan, ops
 from ._call import AttentionCall
+from ._key_ranges import KeyRanges
 from ._plan import KernelChoice
 
 __all__ = [
@@ -77,18 +79,41 @@ class Decision(NamedTuple):
     choice: KernelChoice
     fallback: str | None
     faster_exact: str | None
+    # A key-padding mask (_key_ranges): each batch item's keys, which the kernel runs on.
+    ranges: KeyRanges | None = None
 
     @property
     def quantized(self) -> bool:
         return self.fallback is None and self.faster_exact is None
 
 
+def _range_calls(call: AttentionCall, ranges: KeyRanges) -> list[tuple[int, int, int, int,
+                                                                      AttentionCall]]:
+    """``call`` with a key-padding mask as unmasked calls: per run of batch items that share a
+    range of keys, (first item, end item, first key, end key, the call on those items' queries
+    and that range of their keys)."""
+    return [(b0, b1, start, end, dataclasses.replace(
+                call, q=call.q[b0:b1], k=call.k[b0:b1, :, start:end],
+                v=call.v[b0:b1, :, start:end], attn_mask=None))
+            for b0, b1, start, end in _key_ranges.runs(ranges)]
+
+
 def decide(call: AttentionCall) -> Decision:
-    """The :class:`Decision` for ``call`` (made once per kind of call: the call cache)."""
+    """The :class:`Decision` for ``call`` (made once per kind of call, and for a call with a
+    key-padding mask once per mask: the call cache)."""
     choice, fallback = _plan.route(call)
-    faster_exact = None if fallback is not None else _crossover.exact_is_faster(
-        call, choice, _plan.cuda_capability(call.q.device))
-    return Decision(choice, fallback, faster_exact)
+    if fallback is not None:
+        return Decision(choice, fallback, None)
+    capability = _plan.cuda_capability(call.q.device)
+    if call.attn_mask is None:
+        return Decision(choice, None, _crossover.exact_is_faster(call, choice, capability))
+    ranges = _key_ranges.key_ranges(call.attn_mask, call.q.shape[0], call.k.shape[2])
+    assert ranges is not None  # else the mask's fallback rule applied
+    for *_, sub in _range_calls(call, ranges):
+        faster = _crossover.exact_is_faster(sub, choice, capability)
+        if faster is not None:
+            return Decision(choice, None, faster)
+    return Decision(choice, None, None, ranges)
 
 
 def run(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
@@ -100,16 +125,21 @@ def run(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
 
 def _run_decided(call: AttentionCall, decision: Decision) -> Tensor | tuple[Tensor, Tensor]:
     if decision.quantized:
-        return quantized(call, decision.choice)
+        return quantized(call, decision.choice, decision.ranges)
     if decision.fallback is None:  # exact by choice: faster here
         return exact(call)
-    reason = decision.fallback
-    if call.strict:
+    _fall_back(decision.fallback, call.strict, stacklevel=4)  # sageattn's caller: sageattn, run, this
+    return exact(call)
+
+
+def _fall_back(reason: str, strict: bool, stacklevel: int) -> None:
+    """strict's error, or the fallback's warning (``stacklevel``: of sageattn's caller, counted
+    from this function's caller)."""
+    if strict:
         raise NotImplementedError(
             f"sageattn(strict=True): the quantized kernels cannot serve this call: {reason}"
         )
-    _warn_fallback_once(reason, stacklevel=4)  # sageattn's caller: sageattn, run, this
-    return exact(call)
+    _warn_fallback_once(reason, stacklevel=stacklevel + 1)
 
 
 def empty(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
@@ -226,11 +256,45 @@ class KernelCall:
         return out, lse
 
 
-def quantized(call: AttentionCall, choice: KernelChoice) -> Tensor | tuple[Tensor, Tensor]:
+def quantized(call: AttentionCall, choice: KernelChoice,
+              ranges: KeyRanges | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Serve ``call`` with ``choice``, the quantized kernel :func:`._plan.route` picks (only
-    when it says the kernel can)."""
-    out, lse = KernelCall.of(call, choice)(call.q, call.k, call.v)
+    when it says the kernel can); with ``ranges``, on each batch item's range of keys."""
+    if ranges is None:
+        out, lse = KernelCall.of(call, choice)(call.q, call.k, call.v)
+    else:
+        out, lse = _run_ranges(call.q, call.k, call.v, _range_kernels(call, choice, ranges))
     return call.result(out, lse if call.return_lse else None)
+
+
+RangeKernels = list[tuple[int, int, int, int, "KernelCall"]]
+
+
+def _range_kernels(call: AttentionCall, choice: KernelChoice, ranges: KeyRanges) -> RangeKernels:
+    """The kernel call of each run of batch items that share a range of keys (its smoothing
+    sample is of the range's length)."""
+    return [(b0, b1, start, end, KernelCall.of(sub, choice))
+            for b0, b1, start, end, sub in _range_calls(call, ranges)]
+
+
+def _run_ranges(q: Tensor, k: Tensor, v: Tensor, kernels: RangeKernels) -> tuple[Tensor, Tensor]:
+    """(out, lse) of ``[B, H, N, D]`` views run per range of keys: one kernel call where one
+    range serves the whole batch (no copy), else each run's output copied into its items."""
+    batch = q.shape[0]
+    if len(kernels) == 1:
+        _, _, start, end, kernel = kernels[0]
+        return kernel(q, k[:, :, start:end], v[:, :, start:end])
+    first = kernels[0][4]
+    b, h, n_q = q.shape[:3]
+    out = q.new_empty((b, n_q, h, v.shape[-1])).transpose(1, 2) if first.out_nhd else \
+        q.new_empty((b, h, n_q, v.shape[-1]))
+    lse = q.new_empty((batch, h, n_q) if first.return_lse else (0,), dtype=torch.float32)
+    for b0, b1, start, end, kernel in kernels:
+        part, part_lse = kernel(q[b0:b1], k[b0:b1, :, start:end], v[b0:b1, :, start:end])
+        out[b0:b1].copy_(part)
+        if first.return_lse:
+            lse[b0:b1].copy_(part_lse)
+    return out, lse
 
 
 # ------------------------------------------------------------------------------------------------
@@ -289,6 +353,8 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
     what :func:`run` does for it. None for the calls run takes another way each time (empty
     ones, strict fallbacks, and exact calls asked for an lse)."""
     nhd = call.tensor_layout == "NHD"
+    if call.attn_mask is not None and decision.fallback in (None, _plan.MASK_RULE.reason):
+        return _mask_runner(call)
     if not decision.quantized:
         reason = decision.fallback
         if (reason is not None and call.strict) or call.return_lse:
@@ -299,11 +365,8 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
                          enable_gqa: bool) -> Tensor:
             if reason is not None:
                 _warn_fallback_once(reason, stacklevel=3)  # sageattn's caller: sageattn, this
-            if nhd:  # (SDPA's own layout goes straight through: no call between)
-                q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
-            out = _exact_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                              is_causal=is_causal, scale=scale, enable_gqa=enable_gqa)
-            return out.transpose(-3, -2) if nhd else out
+            return _exact_in_layout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                    nhd)
         return exact_runner
 
     kernel = KernelCall.of(call, decision.choice)
@@ -321,6 +384,63 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
             out, lse = out.squeeze(0), lse.squeeze(0)
         return (out, lse) if kernel.return_lse else out
     return kernel_runner
+
+
+def _exact_in_layout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                     is_causal: bool, scale: float | None, enable_gqa: bool, nhd: bool) -> Tensor:
+    """Exact SDPA on the caller's tensors (any rank), in their layout."""
+    if nhd:  # (SDPA's own layout goes straight through: no call between)
+        q, k, v = q.transpose(-3, -2), k.transpose(-3, -2), v.transpose(-3, -2)
+    out = _exact_sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                      scale=scale, enable_gqa=enable_gqa)
+    return out.transpose(-3, -2) if nhd else out
+
+
+_MAX_MASK_PLANS = 64  # kinds of key ranges one runner remembers
+
+
+def _mask_runner(call: AttentionCall) -> Runner:
+    """The runner of a kind of call with a mask whose fate depends on its values: each call's
+    mask is examined (``_key_ranges``: once per mask tensor), a key-padding mask runs the kernel
+    on each item's keys (the decision made once per set of ranges), any other mask runs exact
+    SDPA with the mask rule's warning, as :func:`run` does."""
+    nhd, rank3 = call.tensor_layout == "NHD", call.input_ndim == 3
+    options = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)
+               if f.name not in ("q", "k", "v", "attn_mask")}  # not the tensors: kept alive
+    batch, n_k = call.q.shape[0], call.k.shape[2]
+    plans: dict[KeyRanges, RangeKernels | Decision] = {}
+
+    def views(q: Tensor, k: Tensor, v: Tensor) -> list[Tensor]:
+        found = [_in_bhnd(t, nhd) for t in (q, k, v)]
+        return [t.unsqueeze(0) for t in found] if rank3 else found
+
+    def mask_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                    is_causal: bool, scale: float | None, enable_gqa: bool) -> Any:
+        assert attn_mask is not None
+        ranges = _key_ranges.key_ranges(attn_mask, batch, n_k)
+        plan = None if ranges is None else plans.get(ranges)
+        if ranges is not None and plan is None:
+            this = AttentionCall(*views(q, k, v), attn_mask, **options)  # type: ignore[misc]
+            decision = decide(this)
+            plan = (_range_kernels(this, decision.choice, decision.ranges)
+                    if decision.quantized and decision.ranges is not None else decision)
+            if len(plans) >= _MAX_MASK_PLANS:
+                plans.clear()
+            plans[ranges] = plan
+        if not isinstance(plan, list):  # exact SDPA: not a key-padding mask, or faster here
+            reason = _plan.MASK_RULE.reason if plan is None else plan.fallback
+            if reason is not None:
+                _fall_back(reason, options["strict"], stacklevel=3)  # sageattn's caller: sageattn, this
+            if options["return_lse"]:  # the exact LSE: the float64 reference
+                return exact(AttentionCall(*views(q, k, v), attn_mask, **options))  # type: ignore[misc]
+            return _exact_in_layout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                                    nhd)
+        out, lse = _run_ranges(*views(q, k, v), plan)
+        out = _in_bhnd(out, nhd)
+        if rank3:
+            out, lse = out.squeeze(0), lse.squeeze(0)
+        return (out, lse) if options["return_lse"] else out
+    return mask_runner
 
 
 def run_and_remember(call: AttentionCall, key: tuple[Any, ...] | None) -> Any:

@@ -26,7 +26,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from . import ops
+from . import _key_ranges, ops
 from ._call import AttentionCall, validate
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "WGMMA_PLAN",
     "Fallback",
     "KernelChoice",
+    "MASK_RULE",
     "Route",
     "Target",
     "cuda_capability",
@@ -271,14 +272,22 @@ DEVICE_RULES: tuple[Fallback, ...] = (
              f"{MIN_CAPABILITY[1]} or newer, got {{arch}}",
              lambda target: {"arch": _arch(target.capability)}),
 )
+# Its own name: a call's mask decides it (and a later call's mask may not), so the call cache
+# examines each new mask (_execute).
+MASK_RULE = Fallback(
+    "an `attn_mask` other than a key-padding mask (one that leaves each batch item a contiguous "
+    "range of keys, the same for all its heads and queries: `[B, 1, 1, N_kv]`)",
+    lambda call: call.attn_mask is not None and _key_ranges.key_ranges(
+        call.attn_mask, call.q.shape[0], call.k.shape[2]) is None,
+    "the quantized kernels take no attn_mask other than a key-padding mask (one that leaves each "
+    "batch item a contiguous range of keys, the same for all heads and queries: [B, 1, 1, N_kv])")
 CALL_RULES: tuple[Fallback, ...] = (
     Fallback("float32 or float64 inputs", lambda call: call.q.dtype not in KERNEL_DTYPES,
              "the quantized kernels need float16 or bfloat16 inputs, got {dtype}",
              lambda call: {"dtype": call.q.dtype}),
     Fallback("`dropout_p` > 0", lambda call: call.dropout_p > 0.0,
              "the quantized kernels have no dropout (dropout_p > 0)"),
-    Fallback("an `attn_mask`", lambda call: call.attn_mask is not None,
-             "the quantized kernels take no attn_mask"),
+    MASK_RULE,
     Fallback(f"a head_dim above {max(ops.MMA_HEAD_DIMS)} or not a multiple of "
              f"{HEAD_DIM_MULTIPLE}",
              lambda call: kernel_head_dim(call.head_dim) is None,

@@ -60,8 +60,11 @@ def sageattn(
             have the same rank and batch size; key and value the same heads and length; query
             and key the same head_dim (value's may differ, which only the fallback serves).
         attn_mask: bool (True = attend) or additive float mask broadcasting to
-            ``[..., H_q, N_q, N_kv]`` (always in this order, whatever ``tensor_layout``).
-            Served by the fallback only.
+            ``[..., H_q, N_q, N_kv]`` (always in this order, whatever ``tensor_layout``). A
+            key-padding mask (``[B, 1, 1, N_kv]``, leaving each batch item one contiguous range
+            of keys: right or left padding; additive: 0 or -inf) runs the kernel on each item's
+            range of keys (examined once per mask tensor, one GPU synchronisation); any other
+            mask is served by the fallback.
         dropout_p: in ``[0, 1)``; > 0 is served by the fallback only (applied as SDPA does).
         is_causal: causal mask aligned to the top-left, as SDPA: query i sees keys j <= i (also
             when N_q != N_kv). Exclusive with ``attn_mask``.

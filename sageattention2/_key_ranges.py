@@ -1,0 +1,94 @@
+"""Key-padding masks on the quantized kernels (issue 34, item 1).
+
+A mask that only removes keys, the same for every head and query of a batch item, and leaves each
+item one contiguous range of keys (right padding: a prefix; left padding: a suffix;
+HunyuanVideo's joint attention, the dispatcher's ``[B, N_kv]`` key masks) is the attention of
+each item's queries over that range of its keys alone. :func:`key_ranges` finds the ranges, and
+the call then runs the kernel on K and V narrowed to them (views, no copies; one kernel call per
+run of batch items that share a range): exactly the masked attention, with K's quantization
+groups and smoothing mean over the item's own keys only, never the padding.
+
+Only masks of shape ``[..., 1, 1, N_kv]`` (after broadcasting from the left: no head or query
+dimension) are examined, so that a mask that is not of this kind costs nothing; examining one
+reads it once on the GPU and waits for the result (one synchronisation), and the answer is kept
+for that mask tensor while it is alive and unmodified (models pass the same mask to every layer).
+During a CUDA graph capture a mask not examined before is not examined (the call is captured as
+exact SDPA).
+Bool masks (True: attend) and additive masks whose values are 0 (attend) or -inf / the dtype's
+lowest value (masked) qualify; an item left with no key does not (SDPA gives it NaN).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+__all__ = ["KeyRanges", "clear_cache", "key_ranges", "runs"]
+
+KeyRanges = tuple[tuple[int, int], ...]  # (first key, end) per batch item
+
+_MAX_CACHED = 64
+_cache: dict[int, tuple[weakref.ref[Tensor], int, int, int, Optional[KeyRanges]]] = {}
+
+
+def _examine(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
+    m = mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    if m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1 or m.shape[3] != n_k:
+        return None
+    if m.shape[0] not in (1, batch) or n_k == 0 or m.device.type == "meta":
+        return None
+    rows = m.reshape(m.shape[0], n_k)
+    if rows.dtype == torch.bool:
+        keep, values_ok = rows, torch.ones((), dtype=torch.bool, device=rows.device)
+    else:
+        keep = rows == 0
+        masked = (rows == -math.inf) | (rows == torch.finfo(rows.dtype).min)
+        values_ok = (keep | masked).all()
+    counts = keep.sum(-1)
+    starts = keep.to(torch.int32).argmax(-1)  # the first kept key (0 when none)
+    index = torch.arange(n_k, device=rows.device)
+    expected = (index >= starts[:, None]) & (index < (starts + counts)[:, None])
+    contiguous = (expected == keep).all(-1)
+    found = torch.stack([starts.long(), counts.long(), contiguous.long(),
+                         values_ok.long().expand_as(counts)]).tolist()  # the one synchronisation
+    if not all(found[3]) or not all(found[2]) or not all(found[1]):
+        return None
+    ranges = tuple((s, s + c) for s, c in zip(found[0], found[1]))
+    return ranges * batch if len(ranges) == 1 else ranges
+
+
+def key_ranges(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
+    """Each batch item's range of keys if ``mask`` (broadcasting to ``[batch, H, N_q, n_k]``) is
+    a key-padding mask of the kind the kernels run (see the module), else None."""
+    entry = _cache.get(id(mask))
+    if entry is not None:
+        ref, version, entry_batch, entry_n_k, ranges = entry
+        if ref() is mask and mask._version == version and (entry_batch, entry_n_k) == (batch, n_k):
+            return ranges
+    if mask.is_cuda and torch.cuda.is_current_stream_capturing():
+        return None  # reading the mask would end a CUDA graph capture: exact SDPA, not remembered
+    ranges = _examine(mask, batch, n_k)
+    if len(_cache) >= _MAX_CACHED:
+        _cache.clear()
+    _cache[id(mask)] = (weakref.ref(mask), mask._version, batch, n_k, ranges)
+    return ranges
+
+
+def runs(ranges: KeyRanges) -> list[tuple[int, int, int, int]]:
+    """Consecutive batch items that share a range: (first item, end item, first key, end key)."""
+    found: list[tuple[int, int, int, int]] = []
+    for b, (start, end) in enumerate(ranges):
+        if found and found[-1][1] == b and found[-1][2:] == (start, end):
+            found[-1] = (found[-1][0], b + 1, start, end)
+        else:
+            found.append((b, b + 1, start, end))
+    return found
+
+
+def clear_cache() -> None:
+    _cache.clear()

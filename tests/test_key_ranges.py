@@ -1,0 +1,211 @@
+"""Key-padding masks on the quantized kernels (sageattention2/_key_ranges.py): which masks
+qualify, and a masked call run as unmasked kernel calls on each batch item's range of keys. On
+the CPU the kernel is a stand-in (exact attention on what it is given, recorded): the test is the
+split and the reassembly, against SDPA with the mask; the kernels are tested on the GPU."""
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from helpers import DEFAULT_BUILD, ORIGINAL_SDPA, fallback_warnings, pretend_gpu, qkv
+from sageattention2 import _execute, _key_ranges, sageattn
+from sageattention2 import reference as ref
+from sageattention2.api import explain
+
+NEG = -math.inf
+
+
+def key_mask(ranges: list[tuple[int, int]], n_k: int, kind: str = "bool") -> torch.Tensor:
+    """A [B, 1, 1, n_k] mask keeping each item's range."""
+    index = torch.arange(n_k)
+    keep = torch.stack([(index >= s) & (index < e) for s, e in ranges])[:, None, None]
+    if kind == "bool":
+        return keep
+    low = NEG if kind == "-inf" else torch.finfo(torch.float16).min
+    return torch.zeros(keep.shape, dtype=torch.float16).masked_fill(~keep, low)
+
+
+@pytest.mark.parametrize("kind", ["bool", "-inf", "finfo.min"])
+def test_key_ranges_found(kind: str) -> None:
+    ranges = [(0, 5), (3, 9), (0, 9)]  # right padding, left padding, none
+    assert _key_ranges.key_ranges(key_mask(ranges, 9, kind), 3, 9) == tuple(ranges)
+    one = key_mask([(0, 4)], 9, kind)  # broadcast over the batch
+    assert _key_ranges.key_ranges(one, 3, 9) == ((0, 4),) * 3
+    assert _key_ranges.key_ranges(one[0, 0], 3, 9) == ((0, 4),) * 3  # [1, N_kv] broadcasting
+    assert _key_ranges.key_ranges(one[0, 0, 0], 3, 9) == ((0, 4),) * 3  # [N_kv]
+
+
+def test_other_masks_do_not_qualify() -> None:
+    keep = key_mask([(0, 5), (2, 9)], 9)
+    holes = keep.clone()
+    holes[0, 0, 0, 2] = False
+    assert _key_ranges.key_ranges(holes, 2, 9) is None  # not contiguous
+    assert _key_ranges.key_ranges(key_mask([(0, 5), (4, 4)], 9), 2, 9) is None  # no key left
+    assert _key_ranges.key_ranges(keep.expand(2, 1, 7, 9), 2, 9) is None  # per query: not looked at
+    assert _key_ranges.key_ranges(keep.expand(2, 3, 1, 9), 2, 9) is None  # per head
+    assert _key_ranges.key_ranges(keep, 2, 10) is None  # other keys
+    additive = key_mask([(0, 5), (2, 9)], 9, "-inf")
+    additive[0, 0, 0, 0] = -1.0  # a bias, not a mask
+    assert _key_ranges.key_ranges(additive, 2, 9) is None
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()
+    assert _key_ranges.key_ranges(causal, 2, 9) is None
+
+
+def test_examined_once_per_mask_until_modified(monkeypatch: pytest.MonkeyPatch) -> None:
+    examined: list[int] = []
+    real = _key_ranges._examine
+    monkeypatch.setattr(_key_ranges, "_examine",
+                        lambda m, b, n: examined.append(1) or real(m, b, n))
+    mask = key_mask([(0, 5)], 9)
+    assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)
+    assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),) and len(examined) == 1
+    mask[..., 5] = True  # in place: a new version
+    assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 6),) and len(examined) == 2
+    assert _key_ranges.key_ranges(mask.clone(), 1, 9) == ((0, 6),) and len(examined) == 3
+
+
+def test_not_examined_during_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    mask = key_mask([(0, 5)], 9)
+    assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)  # before the "capture"
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)  # remembered
+    other = mask.clone()
+    assert _key_ranges.key_ranges(other, 1, 9) is None  # not read now ...
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert _key_ranges.key_ranges(other, 1, 9) == ((0, 5),)  # ... nor remembered as None
+
+
+def test_runs() -> None:
+    assert _key_ranges.runs(((0, 4), (0, 4), (1, 5), (0, 4))) == [
+        (0, 2, 0, 4), (2, 3, 1, 5), (3, 4, 0, 4)]
+
+
+@pytest.fixture
+def kernel_stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, ...]]]:
+    """CPU calls routed as on an H100; each kernel call is exact attention on the views it gets
+    (float64, in the kernel's output layout), its K shape recorded."""
+    pretend_gpu(monkeypatch, (9, 0), DEFAULT_BUILD)
+    seen: list[tuple[int, ...]] = []
+
+    def kernel(self: _execute.KernelCall, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(tuple(k.shape))
+        out, lse = ref.exact_attention(q, k, v, scale=self.sm_scale, enable_gqa=q.shape[1] != k.shape[1],
+                                       return_lse=True)
+        out = out.to(q.dtype)
+        if self.out_nhd:
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        return out, lse.float() if self.return_lse else q.new_empty(0, dtype=torch.float32)
+
+    monkeypatch.setattr(_execute.KernelCall, "__call__", kernel)
+    yield seen
+
+
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("ranges", [[(0, 37), (0, 37)], [(0, 20), (5, 40), (5, 40)], [(3, 40)]],
+                         ids=["one range", "three items, two runs", "one item"])
+def test_masked_call_runs_per_key_range(kernel_stand_in: list[tuple[int, ...]], layout: str,
+                                        ranges: list[tuple[int, int]]) -> None:
+    b = len(ranges)
+    q, k, v = qkv(b=b, hq=4, hkv=2, nq=23, nk=40, d=64, dtype=torch.float32, layout=layout)
+    q, k, v = (t.to(torch.float16) for t in (q, k, v))
+    mask = key_mask(ranges, 40)
+    nhd = layout == "NHD"
+    hnd = (lambda t: t.transpose(1, 2)) if nhd else (lambda t: t)
+    want = hnd(ORIGINAL_SDPA(hnd(q).float(), hnd(k).float(), hnd(v).float(), attn_mask=mask,
+                             enable_gqa=True))
+    assert explain(q, k, v, mask, enable_gqa=True, tensor_layout=layout).quantized
+    for _ in range(2):  # decided, then through the call cache
+        kernel_stand_in.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            out, lse = sageattn(q, k, v, mask, enable_gqa=True, tensor_layout=layout, return_lse=True)
+        torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=0)
+        assert out.shape == q.shape and out.is_contiguous()
+        runs = _key_ranges.runs(tuple(ranges))
+        assert kernel_stand_in == [(b1 - b0, 2, e - s, 64) for b0, b1, s, e in runs]
+        scores = torch.einsum("bhnd,bhmd->bhnm", hnd(q).double(), hnd(k).double().repeat_interleave(2, 1)) / 8
+        scores = scores.masked_fill(~mask, -math.inf)
+        torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float(), atol=1e-3, rtol=0)
+
+
+def test_a_new_mask_of_the_same_shape_is_examined(kernel_stand_in: list[tuple[int, ...]]) -> None:
+    """The call cache remembers a kind of call, not its mask: each call's mask decides."""
+    q, k, v = qkv(b=2, hq=2, nq=8, nk=16, d=64, dtype=torch.float16)
+    first, second = key_mask([(0, 10), (0, 16)], 16), key_mask([(2, 16), (0, 7)], 16)
+    holes = first.clone()
+    holes[0, 0, 0, 3] = False
+    for mask in (first, second, holes):
+        kernel_stand_in.clear()
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = sageattn(q, k, v, mask)
+        want = ORIGINAL_SDPA(q.float(), k.float(), v.float(), attn_mask=mask)
+        torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=0)
+        if mask is holes:  # not a key-padding mask: exact SDPA, the mask rule's warning
+            assert kernel_stand_in == [] and torch.equal(out, ORIGINAL_SDPA(q, k, v, attn_mask=mask))
+            assert any("key-padding mask" in m for m in fallback_warnings(record))
+        else:
+            assert len(kernel_stand_in) == 2 and not fallback_warnings(record)
+    with pytest.raises(NotImplementedError, match="key-padding mask"):
+        sageattn(q, k, v, holes, strict=True)
+
+
+def test_per_query_masks_still_fall_back(kernel_stand_in: list[tuple[int, ...]]) -> None:
+    q, k, v = qkv(b=2, hq=2, nq=8, nk=16, d=64, dtype=torch.float16)
+    mask = key_mask([(0, 10), (0, 16)], 16).expand(2, 1, 8, 16).contiguous()
+    reason = explain(q, k, v, mask).reason
+    assert reason is not None and "key-padding mask" in reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_key_padding_mask_on_the_gpu(attention_kernel: None, layout: str, d: int) -> None:
+    """On the GPU a key-padding mask runs the kernel: each item's output is bit for bit the
+    unmasked call on its range of keys, and within the 8-bit bound of float64 masked attention."""
+    g = torch.Generator(device="cuda").manual_seed(d)
+    ranges = [(0, 1000), (0, 1000), (37, 1537), (0, 1537)]
+    shape = (4, 300, 8, d) if layout == "NHD" else (4, 8, 300, d)
+    kv_shape = (4, 1537, 2, d) if layout == "NHD" else (4, 2, 1537, d)
+    q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    mask = key_mask(ranges, 1537).cuda()
+    kw = dict(enable_gqa=True, tensor_layout=layout, qk_quant="int8")
+    assert explain(q, k, v, mask, **kw).quantized
+    out = sageattn(q, k, v, mask, **kw)
+    n_axis = 1 if layout == "NHD" else 2
+    for b, (s, e) in enumerate(ranges):
+        alone = sageattn(q[b:b + 1], k[b:b + 1].narrow(n_axis, s, e - s),
+                         v[b:b + 1].narrow(n_axis, s, e - s), **kw)
+        assert torch.equal(out[b:b + 1], alone), b
+    hnd = (lambda t: t.transpose(1, 2)) if layout == "NHD" else (lambda t: t)
+    want = ref.exact_attention(hnd(q), hnd(k), hnd(v), attn_mask=mask, enable_gqa=True)
+    from sageattention2.testing import relative_l1
+
+    assert torch.isfinite(out).all() and relative_l1(hnd(out), want) < 0.05
+
+
+def test_hunyuan_video_masks_run_the_kernel(kernel_stand_in: list[tuple[int, ...]]) -> None:
+    """HunyuanVideo (tiny, real class) passes a [B, 1, 1, N] key mask to its joint attention:
+    those calls run the (stand-in) kernel on the unpadded keys, and the output is SDPA's."""
+    pytest.importorskip("diffusers")
+    from sageattention2 import _model_suite
+    from sageattention2.integrations import patch_sdpa
+
+    torch.manual_seed(0)
+    model, inputs = _model_suite.hunyuan_video(torch.device("cpu"), torch.bfloat16, tiny=True)
+    inputs["encoder_attention_mask"][:, 5:] = 0  # text padding
+    with torch.no_grad():
+        want = model(**inputs)[0]
+        with warnings.catch_warnings(), patch_sdpa():
+            warnings.simplefilter("ignore")
+            got = model(**inputs)[0]
+    assert len(kernel_stand_in) >= 2  # the joint calls
+    assert torch.nn.functional.cosine_similarity(got.flatten().float(), want.flatten().float(), 0) > 0.999
