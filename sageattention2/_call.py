@@ -21,6 +21,8 @@ __all__ = [
     "SMOOTH_Q_MODES",
     "TENSOR_LAYOUTS",
     "AttentionCall",
+    "CAUSAL_ALIGNMENTS",
+    "CausalAlignment",
     "PVQuant",
     "QKQuant",
     "SmoothQ",
@@ -32,11 +34,13 @@ TensorLayout = Literal["HND", "NHD"]
 QKQuant = Literal["auto", "int8", "int4"]
 PVQuant = Literal["auto", "fp8", "none"]
 SmoothQ = Union[bool, Literal["auto", "head", "block"]]
+CausalAlignment = Literal["top_left", "bottom_right"]
 
 TENSOR_LAYOUTS: tuple[str, ...] = ("HND", "NHD")
 QK_QUANTS: tuple[str, ...] = ("auto", *ops.QK_DTYPES)
 PV_QUANTS: tuple[str, ...] = ("auto", "fp8", "none")
 SMOOTH_Q_MODES: tuple[str, ...] = ("auto", "head", "block")
+CAUSAL_ALIGNMENTS: tuple[str, ...] = ("top_left", "bottom_right")
 
 _INPUT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -67,6 +71,9 @@ class AttentionCall:
     smooth_v: bool
     return_lse: bool
     strict: bool
+    # FlashAttention's causal rule, query i sees keys j <= i + N_kv - N_q (only where is_causal
+    # and N_q != N_kv: elsewhere it is SDPA's top-left rule).
+    bottom_right: bool = False
 
     @property
     def head_dim(self) -> int:
@@ -149,6 +156,7 @@ def validate(
     smooth_v: object,
     return_lse: object,
     strict: object,
+    causal_alignment: object = "top_left",
 ) -> AttentionCall:
     """Check every argument of :func:`sageattn` (same names, same order) and build the
     :class:`AttentionCall`; bad arguments raise ``TypeError``/``ValueError`` naming them."""
@@ -164,6 +172,7 @@ def validate(
         if not math.isfinite(scale):
             raise ValueError(f"scale must be finite or None, got {scale}")
     causal = _flag("is_causal", is_causal)
+    alignment = _choice("causal_alignment", causal_alignment, CAUSAL_ALIGNMENTS)
     gqa = _flag("enable_gqa", enable_gqa)
 
     names = {"HND": "[B, H, N, D] or [H, N, D]", "NHD": "[B, N, H, D] or [N, H, D]"}[layout]
@@ -243,4 +252,5 @@ def validate(
         smooth_q=smooth_q_mode, smooth_k=_flag("smooth_k", smooth_k),
         smooth_v=_flag("smooth_v", smooth_v), return_lse=_flag("return_lse", return_lse),
         strict=_flag("strict", strict),
+        bottom_right=causal and alignment == "bottom_right" and n_q != n_kv,
     )

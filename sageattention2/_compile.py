@@ -33,13 +33,14 @@ def tracks_grad(*tensors: object) -> bool:
 def graph_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                is_causal: bool, scale: float | None, enable_gqa: bool, tensor_layout: str,
                qk_quant: str, pv_quant: str, smooth_k: bool, smooth_q: SmoothQ, smooth_v: bool,
-               return_lse: bool, strict: bool) -> Tensor | tuple[Tensor, Tensor]:
+               return_lse: bool, strict: bool,
+               causal_alignment: str = "top_left") -> Tensor | tuple[Tensor, Tensor]:
     """What torch.compile traces for a sageattn call (sageattn's arguments, unchecked): the graph
     op, with no graph break."""
     smooth_q_arg = _SMOOTH_Q_BOOL[smooth_q] if isinstance(smooth_q, bool) else smooth_q
     out, lse = torch.ops.sageattention2.sageattn(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant,
-        pv_quant, smooth_k, smooth_q_arg, smooth_v, return_lse, strict)
+        pv_quant, smooth_k, smooth_q_arg, smooth_v, return_lse, strict, causal_alignment)
     return (out, lse) if return_lse else out
 
 
@@ -47,18 +48,19 @@ def graph_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropou
     "sageattention2::sageattn", mutates_args=(),
     schema="(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float dropout_p, bool is_causal, "
            "float? scale, bool enable_gqa, str tensor_layout, str qk_quant, str pv_quant, "
-           "bool smooth_k, str smooth_q, bool smooth_v, bool return_lse, bool strict) "
+           "bool smooth_k, str smooth_q, bool smooth_v, bool return_lse, bool strict, "
+           "str causal_alignment) "
            "-> (Tensor, Tensor)")
 def _sageattn_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                  is_causal: bool, scale: float | None, enable_gqa: bool, tensor_layout: str,
                  qk_quant: str, pv_quant: str, smooth_k: bool, smooth_q: str, smooth_v: bool,
-                 return_lse: bool, strict: bool) -> tuple[Tensor, Tensor]:
+                 return_lse: bool, strict: bool, causal_alignment: str) -> tuple[Tensor, Tensor]:
     """sageattn as one opaque op of a torch.compile graph: the eager call, returning out
     contiguous in the caller's layout (as the fake implementation says) and lse, empty unless
     ``return_lse``."""
     result = run(validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                           tensor_layout, qk_quant, pv_quant, smooth_k, _smooth_q_from_op(smooth_q),
-                          smooth_v, return_lse, strict))
+                          smooth_v, return_lse, strict, causal_alignment))
     if return_lse:
         out, lse = result
         return out.contiguous(), lse.contiguous()
@@ -71,13 +73,13 @@ def _sageattn_op_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                       dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
                       tensor_layout: str, qk_quant: str, pv_quant: str, smooth_k: bool,
                       smooth_q: str, smooth_v: bool, return_lse: bool,
-                      strict: bool) -> tuple[Tensor, Tensor]:
+                      strict: bool, causal_alignment: str) -> tuple[Tensor, Tensor]:
     """The graph op's shapes, after the eager call's own validation (bad arguments raise while
     tracing, with eager mode's messages): out has q's shape but v's head_dim, lse is
     ``[B, Hq, Nq]`` (``[Hq, Nq]`` for 3-D inputs) float32 or empty."""
     call = validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout,
                     qk_quant, pv_quant, smooth_k, _smooth_q_from_op(smooth_q), smooth_v,
-                    return_lse, strict)
+                    return_lse, strict, causal_alignment)
     out = q.new_empty((*q.shape[:-1], call.head_dim_v))
     b, h_q, n_q, _ = call.q.shape
     lse_shape = (b, h_q, n_q)[4 - call.input_ndim:] if return_lse else (0,)

@@ -150,22 +150,41 @@ def empty(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     return call.result(out, lse)
 
 
+def _bottom_right_mask(call: AttentionCall) -> Tensor:
+    """FlashAttention's causal rule as SDPA's lazy mask (torch.nn.attention.bias)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    with warnings.catch_warnings():  # "NaNs when seq_len_q > seq_len_kv": those rows are zeroed
+        warnings.simplefilter("ignore")
+        return causal_lower_right(call.q.shape[2], call.k.shape[2])
+
+
 def exact(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     """The fallback: exact SDPA with the call's arguments (lse from the float64 reference)."""
+    mask, causal = call.attn_mask, call.is_causal
+    if call.bottom_right:
+        mask, causal = _bottom_right_mask(call), False
     # SDPA sees the inputs' own rank (it takes another CPU path for 3-D inputs than for 4-D).
     out = _exact_sdpa(
         call.input_rank(call.q), call.input_rank(call.k), call.input_rank(call.v),
-        attn_mask=call.attn_mask, dropout_p=call.dropout_p, is_causal=call.is_causal,
+        attn_mask=mask, dropout_p=call.dropout_p, is_causal=causal,
         scale=call.scale, enable_gqa=call.enable_gqa,
     )
     if call.input_ndim == 3:
         out = out.unsqueeze(0)
+    blind = max(call.q.shape[2] - call.k.shape[2], 0) if call.bottom_right else 0
+    if blind:  # queries before the first key's diagonal see no key: 0, as a kernel gives
+        out = out.clone()
+        out[:, :, :blind] = 0
     lse = None
     if call.return_lse:
         from .reference import exact_attention
 
+        if call.bottom_right:
+            n_q, n_k = call.q.shape[2], call.k.shape[2]
+            mask = torch.ones(n_q, n_k, dtype=torch.bool, device=call.q.device).tril(n_k - n_q)
         _, lse = exact_attention(
-            call.q, call.k, call.v, attn_mask=call.attn_mask, is_causal=call.is_causal,
+            call.q, call.k, call.v, attn_mask=mask, is_causal=causal,
             scale=call.scale, enable_gqa=call.enable_gqa, return_lse=True,
         )
         lse = lse.to(torch.float32)
@@ -260,7 +279,9 @@ def quantized(call: AttentionCall, choice: KernelChoice,
               ranges: KeyRanges | None = None) -> Tensor | tuple[Tensor, Tensor]:
     """Serve ``call`` with ``choice``, the quantized kernel :func:`._plan.route` picks (only
     when it says the kernel can); with ``ranges``, on each batch item's range of keys."""
-    if ranges is None:
+    if call.bottom_right:
+        out, lse = _bottom_right(call, choice)
+    elif ranges is None:
         out, lse = KernelCall.of(call, choice)(call.q, call.k, call.v)
     else:
         out, lse = _run_ranges(call.q, call.k, call.v, _range_kernels(call, choice, ranges))
@@ -295,6 +316,36 @@ def _run_ranges(q: Tensor, k: Tensor, v: Tensor, kernels: RangeKernels) -> tuple
         if first.return_lse:
             lse[b0:b1].copy_(part_lse)
     return out, lse
+
+
+def _bottom_right(call: AttentionCall, choice: KernelChoice) -> tuple[Tensor, Tensor]:
+    """FlashAttention's causal rule on the kernels, which run SDPA's: with N_q > N_kv the last
+    N_kv queries under SDPA's rule over all keys (the others see none: 0, LSE -inf); with
+    N_q < N_kv the keys every query sees (the first N_kv - N_q) without a mask and the last N_q
+    under SDPA's rule, the two merged by their LSE."""
+    q, k, v = call.q, call.k, call.v
+    n_q, n_k = q.shape[2], k.shape[2]
+    part = dataclasses.replace(call, bottom_right=False, return_lse=True)
+    if n_q > n_k:
+        rows = dataclasses.replace(part, q=q[:, :, n_q - n_k:])
+        out_rows, lse_rows = KernelCall.of(rows, choice)(rows.q, k, v)
+        b, h, _ = q.shape[:3]
+        out = (out_rows.new_zeros((b, n_q, h, v.shape[-1])).transpose(1, 2)
+               if call.tensor_layout == "NHD" else out_rows.new_zeros((b, h, n_q, v.shape[-1])))
+        lse = lse_rows.new_full(q.shape[:3], -math.inf)
+        out[:, :, n_q - n_k:] = out_rows
+        lse[:, :, n_q - n_k:] = lse_rows
+        return out, lse
+    seen = n_k - n_q
+    first = dataclasses.replace(part, k=k[:, :, :seen], v=v[:, :, :seen], is_causal=False)
+    last = dataclasses.replace(part, k=k[:, :, seen:], v=v[:, :, seen:])
+    out_a, lse_a = KernelCall.of(first, choice)(q, first.k, first.v)
+    out_b, lse_b = KernelCall.of(last, choice)(q, last.k, last.v)
+    top = torch.maximum(lse_a, lse_b)
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)  # the last part always has a key
+    total = w_a + w_b
+    out = (out_a.float() * (w_a / total)[..., None] + out_b.float() * (w_b / total)[..., None])
+    return out.to(q.dtype), top + torch.log(total)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -353,6 +404,8 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
     what :func:`run` does for it. None for the calls run takes another way each time (empty
     ones, strict fallbacks, and exact calls asked for an lse)."""
     nhd = call.tensor_layout == "NHD"
+    if call.bottom_right:
+        return None  # validated and run each time (it runs as parts: _bottom_right)
     if call.attn_mask is not None and decision.fallback in (None, _plan.MASK_RULE.reason):
         return _mask_runner(call)
     if not decision.quantized:

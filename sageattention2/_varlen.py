@@ -94,6 +94,7 @@ def sageattn_varlen(
     smooth_v: bool = False,
     return_lse: bool = False,
     strict: bool = False,
+    causal_alignment: str = "top_left",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Attention over packed sequences of different lengths (``flash_attn_varlen_func``'s
     arguments): sequence i's queries ``q[cu_seqlens_q[i]:cu_seqlens_q[i + 1]]`` attend to its keys
@@ -106,7 +107,8 @@ def sageattn_varlen(
             sequences' lengths (on any device).
         max_seqlen_q, max_seqlen_k: the longest sequence's lengths (as flash-attn takes them);
             checked against the boundaries.
-        is_causal: per sequence, aligned to the top-left as SDPA (query j sees keys up to j).
+        is_causal: per sequence, aligned to the top-left as SDPA (query j sees keys up to j),
+            or with ``causal_alignment="bottom_right"`` as flash-attn (:func:`sageattn`).
         scale, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, strict: as :func:`sageattn`.
         return_lse: also return the float32 natural-log LSE, ``[H_q, total_q]``.
 
@@ -122,7 +124,8 @@ def sageattn_varlen(
     if torch.compiler.is_compiling():  # the boundaries are data: the op's eager call checks them
         out, lse = torch.ops.sageattention2.sageattn_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
-            qk_quant, pv_quant, smooth_k, str(smooth_q), smooth_v, return_lse, strict)
+            qk_quant, pv_quant, smooth_k, str(smooth_q), smooth_v, return_lse, strict,
+            causal_alignment)
         return (out, lse) if return_lse else out
     bounds_q = _bounds("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     bounds_k = _bounds("cu_seqlens_k", cu_seqlens_k, k.shape[0])
@@ -138,7 +141,8 @@ def sageattn_varlen(
     return _run(q, k, v, bounds_q, bounds_k, dict(
         is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         tensor_layout="NHD", qk_quant=qk_quant, pv_quant=pv_quant, smooth_k=smooth_k,
-        smooth_q=smooth_q, smooth_v=smooth_v, return_lse=return_lse, strict=strict))
+        smooth_q=smooth_q, smooth_v=smooth_v, return_lse=return_lse, strict=strict,
+        causal_alignment=causal_alignment))
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...],
@@ -170,18 +174,19 @@ def _smooth_q_from_op(value: str) -> bool | str:
     schema="(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
            "int max_seqlen_q, int max_seqlen_k, bool is_causal, float? scale, str qk_quant, "
            "str pv_quant, bool smooth_k, str smooth_q, bool smooth_v, bool return_lse, "
-           "bool strict) -> (Tensor, Tensor)")
+           "bool strict, str causal_alignment) -> (Tensor, Tensor)")
 def _sageattn_varlen_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                         cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                         is_causal: bool, scale: float | None, qk_quant: str, pv_quant: str,
                         smooth_k: bool, smooth_q: str, smooth_v: bool, return_lse: bool,
-                        strict: bool) -> tuple[Tensor, Tensor]:
+                        strict: bool, causal_alignment: str) -> tuple[Tensor, Tensor]:
     """sageattn_varlen as one opaque op of a torch.compile graph: the eager call."""
     result = sageattn_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                              is_causal=is_causal, scale=scale, qk_quant=qk_quant,
                              pv_quant=pv_quant, smooth_k=smooth_k,
                              smooth_q=_smooth_q_from_op(smooth_q), smooth_v=smooth_v,
-                             return_lse=return_lse, strict=strict)
+                             return_lse=return_lse, strict=strict,
+                             causal_alignment=causal_alignment)
     if return_lse:
         return result[0], result[1]
     assert isinstance(result, Tensor)
@@ -193,7 +198,7 @@ def _sageattn_varlen_fake(q: Tensor, k: Tensor, v: Tensor, cu_seqlens_q: Tensor,
                           cu_seqlens_k: Tensor, max_seqlen_q: int, max_seqlen_k: int,
                           is_causal: bool, scale: float | None, qk_quant: str, pv_quant: str,
                           smooth_k: bool, smooth_q: str, smooth_v: bool, return_lse: bool,
-                          strict: bool) -> tuple[Tensor, Tensor]:
+                          strict: bool, causal_alignment: str) -> tuple[Tensor, Tensor]:
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse_shape = (q.shape[1], q.shape[0]) if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from . import _compile, _execute
-from ._call import AttentionCall, PVQuant, QKQuant, SmoothQ, TensorLayout, validate
+from ._call import AttentionCall, CausalAlignment, PVQuant, QKQuant, SmoothQ, TensorLayout, validate
 from ._execute import SageAttentionFallbackWarning, exact
 # Re-exported (not in __all__): scripts and benchmarks take the sample stride from here.
 from ._execute import smoothing_sample_stride as smoothing_sample_stride
@@ -43,6 +43,7 @@ def sageattn(
     smooth_v: bool = False,
     return_lse: bool = False,
     strict: bool = False,
+    causal_alignment: CausalAlignment = "top_left",
 ) -> Tensor | tuple[Tensor, Tensor]:
     """Quantized attention (SageAttention2), a drop-in for ``F.scaled_dot_product_attention``.
 
@@ -67,7 +68,7 @@ def sageattn(
             mask is served by the fallback.
         dropout_p: in ``[0, 1)``; > 0 is served by the fallback only (applied as SDPA does).
         is_causal: causal mask aligned to the top-left, as SDPA: query i sees keys j <= i (also
-            when N_q != N_kv). Exclusive with ``attn_mask``.
+            when N_q != N_kv; see ``causal_alignment``). Exclusive with ``attn_mask``.
         scale: softmax scale; ``None`` means ``1 / sqrt(D)``.
         enable_gqa: allow fewer key/value heads than query heads (H_q a multiple of H_kv); as in SDPA,
             unequal head counts without it are an error.
@@ -95,6 +96,11 @@ def sageattn(
         return_lse: also return the float32 log-sum-exp of the scaled scores (natural log),
             ``[B, H_q, N_q]`` (``[H_q, N_q]`` for 3-D inputs) in either layout; ``-inf`` for a
             query that sees no key.
+        causal_alignment: ``"top_left"`` (SDPA's rule, the default) or ``"bottom_right"``
+            (FlashAttention's: query i sees keys j <= i + N_kv - N_q, what chunked prefill over
+            a KV cache needs; queries that see no key, when N_q > N_kv, give 0 and LSE -inf).
+            Where N_q < N_kv the kernel runs it as two calls, the keys every query sees and the
+            last N_q keys under SDPA's rule, merged by their LSE.
         strict: raise ``NotImplementedError`` instead of falling back to exact attention
             (where the quantized kernels cannot serve a call; not where ``qk_quant="auto"``
             chooses exact SDPA for speed).
@@ -148,24 +154,26 @@ def sageattn(
         # choice asks the build and the GPU, and the view check reads pointers).
         return _compile.graph_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q,
-                                   smooth_v, return_lse, strict)
+                                   smooth_v, return_lse, strict, causal_alignment)
     if compiling:  # inputs that require grad: eager mode's exact fallback, traced (differentiable)
         return exact(validate(
             q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
             tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
+            causal_alignment,
         ))
     # A call of a kind seen before (same shapes, dtypes, devices and options) runs as the first
     # one was decided, without validating and routing it again: most of a short call's host time
     # (models make dozens of calls of a few kinds per forward).
     call_key = _execute.call_key(q, k, v, attn_mask, (
         dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant, pv_quant, smooth_k,
-        smooth_q, smooth_v, return_lse, strict))
+        smooth_q, smooth_v, return_lse, strict, causal_alignment))
     runner = None if call_key is None else _execute.cached_runner(call_key)
     if runner is not None:
         return runner(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
     call = validate(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
+        causal_alignment,
     )
     return _execute.run_and_remember(call, call_key)
 

@@ -98,14 +98,14 @@ def test_public_api() -> None:
         "'float' = 0.0, is_causal: 'bool' = False, scale: 'float | None' = None, enable_gqa: "
         "'bool' = False, *, tensor_layout: 'TensorLayout' = 'HND', qk_quant: 'QKQuant' = "
         "'auto', pv_quant: 'PVQuant' = 'auto', smooth_k: 'bool' = True, smooth_q: 'SmoothQ' = "
-        "'auto', smooth_v: 'bool' = False, return_lse: 'bool' = False, strict: 'bool' = False) "
-        "-> 'Tensor | tuple[Tensor, Tensor]'")
+        "'auto', smooth_v: 'bool' = False, return_lse: 'bool' = False, strict: 'bool' = False, "
+        "causal_alignment: 'CausalAlignment' = 'top_left') -> 'Tensor | tuple[Tensor, Tensor]'")
     # The graph op that torch.compile traces (graphs saved by torch.export name it).
     assert str(torch.ops.sageattention2.sageattn.default._schema) == (
         "sageattention2::sageattn(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, float "
         "dropout_p, bool is_causal, float? scale, bool enable_gqa, str tensor_layout, str "
         "qk_quant, str pv_quant, bool smooth_k, str smooth_q, bool smooth_v, bool return_lse, "
-        "bool strict) -> (Tensor, Tensor)")
+        "bool strict, str causal_alignment) -> (Tensor, Tensor)")
 
 
 def run_cli(*args: str, cwd: Path) -> str:

@@ -434,9 +434,9 @@ def test_sageattn_under_torch_compile_validates_and_differentiates() -> None:
         assert torch.allclose(out, want, atol=1e-6, rtol=0)
         assert q_grad.grad is not None and q_grad.grad.abs().sum() > 0
         for args in ((q, k, v, None, 0.0, True, None, False, "HND", "auto", "auto", True, "auto",
-                      False, True, False),
+                      False, True, False, "top_left"),
                      (q[0], k[0], v[0], None, 0.0, False, 0.3, False, "HND", "int8", "none", False,
-                      ":false", True, False, False)):
+                      ":false", True, False, False, "bottom_right")):
             torch.library.opcheck(torch.ops.sageattention2.sageattn.default, args)
 
 
