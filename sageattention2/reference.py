@@ -980,7 +980,9 @@ def sage_attention_reference(
 
     # Alg. 1: O = diag(l)^-1 O / 448 * delta_V; paper A.3: + V_m.
     out = o.double() / l * out_scale + v_mean_q
-    out = torch.where(l > 0, out, torch.zeros_like(out)).float()
+    # Both kernels multiply O by (l > 0 ? 1 / l : 0): a row that saw no key (O = 0) gives 0, a row
+    # that a NaN reached (O and l NaN) stays NaN.
+    out = torch.where(l > 0, out, o.double() * 0).float()
     if not return_lse:
         return out
     row_bias = torch.matmul(

@@ -586,3 +586,29 @@ def test_lazy_rescale_and_softmax_steps():
                 dict(integer_max=True)):
         with pytest.raises(ValueError):
             ref.sage_attention_reference(q, k, v, block_k=128, **bad)
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+@pytest.mark.parametrize("value", [math.nan, math.inf], ids=["nan", "inf"])
+@pytest.mark.parametrize("algorithm", ["hopper", "mma int8+input", "mma int4+fp8"])
+def test_emulations_keep_nan_and_inf(where: str, value: float, algorithm: str) -> None:
+    """The kernels' algorithms (as emulated) make every element that SDPA makes NaN or Inf
+    non-finite, and leave what the poison cannot reach finite (issue 34 item 5; the kernels:
+    tests/test_nan_gpu.py)."""
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(2, 4, 40, 64, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(2, 2, 40, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    {"q": q[0, 1, 5], "k": k[0, 1, 7], "v": v[0, 1, 7]}[where][3] = value
+    want = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(),
+                                                            enable_gqa=True)
+    if algorithm == "hopper":
+        out = ref.hopper_kernel_reference(q, k, v, block_k=128, mean_stride=1)
+    else:
+        qk, pv = ("int8", "bf16") if algorithm == "mma int8+input" else ("int4", "e4m3")
+        out = ref.sage_attention_reference(
+            q, k, v, qk_dtype=qk, granularity="thread", block_q=128, warps=8, block_k=64,
+            smooth_k=True, smooth_q="head" if qk == "int4" else None, pv_dtype=pv,
+            two_level=pv == "e4m3", fp22=False)
+    assert int(torch.isfinite(out)[~torch.isfinite(want)].sum()) == 0
+    unreached = [0, 2, 3] if where == "q" else [0, 1]
+    assert torch.isfinite(out[1]).all() and torch.isfinite(out[0, unreached]).all()

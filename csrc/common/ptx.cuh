@@ -98,6 +98,16 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], const void* 
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
 }
 
+// PTX ISA, "Floating Point Instructions: max", max.NaN.f32 (sm_80+): NaN when either operand is
+// NaN, where max.f32 (fmaxf) returns the other one. The Q and K quantizers' group maxima use it,
+// so that a NaN in a group makes its scale NaN and every score it touches NaN, as SDPA's would
+// be (fmaxf would give a finite scale and finite, meaningless codes).
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
 // PTX ISA, "Warp-level matrix multiply-accumulate: mma", mma.m16n8k32.row.col.s32.s8.s8.s32:
 // native IMMA on sm_80/89/90 (1231 TOPS on the H100 through mma.sync:
 // docs/PROTOCOL.md#tensor-core-rates).

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #if defined(__CUDACC__)
+#include "common/ptx.cuh"  // max_nan (quad_max)
 #define SAGE_HOST_DEVICE __host__ __device__ __forceinline__
 #else
 #define SAGE_HOST_DEVICE inline
@@ -67,8 +68,9 @@ SAGE_HOST_DEVICE float inverse_of_power_of_two(float s) {
 // conversion instruction, issues at 16 per clock and SM against the adder's 128: the same codes
 // for 4 full-rate instructions instead of F2I and two integer clamps (its effect on
 // quantize_kv's time, whose tiles are latency-bound, was not separated: docs/DECISIONS.md#d17).
-// A NaN becomes -qmax here, 0 through F2I: neither is the code of anything, and no NaN reaches a
-// group scale, whose max ignores it.
+// A NaN becomes -qmax here, 0 through F2I: neither is the code of anything; the Q and K
+// quantizers' group maxima (ptx::max_nan) make the group's scale NaN instead, so the scores it
+// touches are NaN, as SDPA's.
 SAGE_HOST_DEVICE int quantize_to_int(float x, float inv, int qmax) {
 #if defined(__CUDA_ARCH__)
   const float bound = static_cast<float>(qmax);
@@ -93,8 +95,8 @@ SAGE_HOST_DEVICE int unpack_int4_high(uint8_t byte) { return static_cast<int8_t>
 // 4g .. 4g+3, each with a quarter of its channels: the group's max |x| (and a row's q . k_mean
 // for the LSE) is the quad's reduction. Both attention kernels quantize Q this way.
 __device__ __forceinline__ float quad_max(float x) {
-  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
-  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+  x = ptx::max_nan(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return ptx::max_nan(x, __shfl_xor_sync(0xffffffffu, x, 2));
 }
 __device__ __forceinline__ float quad_sum(float x) {
   x += __shfl_xor_sync(0xffffffffu, x, 1);

@@ -88,7 +88,7 @@ struct WgmmaQQuantizer {
 #pragma unroll
         for (int half = 0; half < 2; ++half)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) amax = fmaxf(amax, fabsf(x[r][s][half][i]));
+          for (int i = 0; i < 4; ++i) amax = ptx::max_nan(amax, fabsf(x[r][s][half][i]));
       const float scale = quant_scale(quad_max(amax), kInt8Max);
       const float inv = quant_inverse(scale);
 #pragma unroll

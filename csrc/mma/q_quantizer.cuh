@@ -82,7 +82,7 @@ struct MmaQQuantizer {
 #pragma unroll
         for (int j = 0; j < kVecs; ++j)
 #pragma unroll
-          for (int e = 0; e < 8; ++e) amax = fmaxf(amax, fabsf(x[r][j][e]));
+          for (int e = 0; e < 8; ++e) amax = ptx::max_nan(amax, fabsf(x[r][j][e]));
       const float scale = quant_scale(quad_max(amax), static_cast<float>(Codes::kQmax));
       const float inv = quant_inverse(scale);
       // A runtime slab index must not index the register array (it would go to local memory).

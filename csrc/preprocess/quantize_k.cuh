@@ -40,14 +40,14 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   // shared atomic per group (an atomic per 16-byte vector put 16-32 lanes on one address).
   float amax[kKGroupsPerBlock] = {};
   for (int i = threadIdx.x; i < valid * vecs; i += kPreprocessThreads) {
-    const float a = vector_absmax(tile, pitch, i / vecs, i % vecs, mean);
+    const float a = vector_absmax<T, true>(tile, pitch, i / vecs, i % vecs, mean);
     const int group = k_group_of_key(i / vecs);
 #pragma unroll
-    for (int g = 0; g < kKGroupsPerBlock; ++g) amax[g] = g == group ? fmaxf(amax[g], a) : amax[g];
+    for (int g = 0; g < kKGroupsPerBlock; ++g) amax[g] = g == group ? ptx::max_nan(amax[g], a) : amax[g];
   }
 #pragma unroll
   for (int g = 0; g < kKGroupsPerBlock; ++g) {
-    const float group_max = warp_max(amax[g]);
+    const float group_max = warp_max<true>(amax[g]);
     if (threadIdx.x % 32 == 0) atomic_max_abs(&group_amax[g], group_max);
   }
   __syncthreads();
@@ -131,22 +131,22 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
     widen8<T>(raw[j], x);
     float a = 0.0f;
 #pragma unroll
-    for (int e = 0; e < kElemsPerVector; ++e) a = fmaxf(a, fabsf(x[e] - mean[e]));
+    for (int e = 0; e < kElemsPerVector; ++e) a = ptx::max_nan(a, fabsf(x[e] - mean[e]));
     const int group = group_of_pass(j);
 #pragma unroll
-    for (int g = 0; g < kKGroupsPerBlock; ++g) amax[g] = g == group ? fmaxf(amax[g], a) : amax[g];
+    for (int g = 0; g < kKGroupsPerBlock; ++g) amax[g] = g == group ? ptx::max_nan(amax[g], a) : amax[g];
   }
   float* warp_amax = sm.aux;  // [kWarps][kKGroupsPerBlock]
 #pragma unroll
   for (int g = 0; g < kKGroupsPerBlock; ++g) {
-    const float group_max = warp_max(amax[g]);
+    const float group_max = warp_max<true>(amax[g]);
     if (lane == 0) warp_amax[warp * kKGroupsPerBlock + g] = group_max;
   }
   __syncthreads();
   float* group_inv = sm.aux + kWarps * kKGroupsPerBlock;
   if (tid < kKGroupsPerBlock) {
     float group_max = 0.0f;
-    for (int w = 0; w < kWarps; ++w) group_max = fmaxf(group_max, warp_amax[w * kKGroupsPerBlock + tid]);
+    for (int w = 0; w < kWarps; ++w) group_max = ptx::max_nan(group_max, warp_amax[w * kKGroupsPerBlock + tid]);
     const float scale = quant_scale(group_max, static_cast<float>(Codes::kQmax));
     group_inv[tid] = quant_inverse(scale);
     p.k_scales[(bh * (p.padded_tokens / kBlockK) + kb) * kKGroupsPerBlock + tid] = scale;

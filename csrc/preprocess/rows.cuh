@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/convert.cuh"
+#include "common/ptx.cuh"
 #include "preprocess/params.h"
 
 namespace sageattention2 {
@@ -23,14 +24,19 @@ __device__ __forceinline__ void atomic_max_abs(unsigned* slot, float abs_value) 
 }
 
 // max |x - mean| over the 16-byte vector c of row r of a tile staged in shared memory (`pitch`
-// elements per row): the range every tile quantizer takes, with its mean subtracted.
-template <typename T>
+// elements per row): the range every tile quantizer takes, with its mean subtracted. kNaN: a NaN
+// makes it NaN (ptx::max_nan: the K quantizer, whose scales must carry a NaN to the scores);
+// else a NaN is passed over (V's tile scale, where E4M3's own NaN code carries it).
+template <typename T, bool kNaN = false>
 __device__ __forceinline__ float vector_absmax(const T* tile, int pitch, int r, int c, const float* mean) {
   float x[8];
   widen8<T>(*reinterpret_cast<const uint4*>(tile + r * pitch + c * kElemsPerVector), x);
   float a = 0.0f;
 #pragma unroll
-  for (int e = 0; e < 8; ++e) a = fmaxf(a, fabsf(x[e] - mean[c * kElemsPerVector + e]));
+  for (int e = 0; e < 8; ++e) {
+    const float d = fabsf(x[e] - mean[c * kElemsPerVector + e]);
+    a = kNaN ? ptx::max_nan(a, d) : fmaxf(a, d);
+  }
   return a;
 }
 
@@ -44,9 +50,13 @@ __device__ __forceinline__ float vector_absmax_f16(const __half* tile, int pitch
   return fmaxf(__low2float(m), __high2float(m));
 }
 
+template <bool kNaN = false>  // as vector_absmax's
 __device__ __forceinline__ float warp_max(float a) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, offset));
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, a, offset);
+    a = kNaN ? ptx::max_nan(a, other) : fmaxf(a, other);
+  }
   return a;
 }
 
