@@ -29,6 +29,8 @@ steps
   --grid            benchmarks/bench_grid.py: one call on 44 shapes vs SDPA's backends ($OUT/grid.md)
   --models          python -m sageattention2 bench --models: whole models, default SDPA vs sageattn ($OUT/models.md,
                     models.png); diffusers comes from the wheels in .whl/ (carried) where the image lacks it
+  --profile MODEL   scripts/profile_model.py MODEL: a suite model's kernels per forward, default SDPA
+                    vs sageattn ($OUT/profile_MODEL.md; repeatable)
   --host            benchmarks/host_overhead.py --tiny: CPU time of short calls vs SDPA ($OUT/host.md)
   --ab TAR          A/B of two builds: A the tree in TAR (make it before the device call, in the
                     repo root: git archive REV -o base.tar), B the working tree; each is built
@@ -42,14 +44,14 @@ R=$(pwd); QUICK=; STEP_TIMEOUT=
 export OUT R QUICK PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a
 steps=()
 while [ $# -gt 0 ]; do
-  case $1 in --arch|--timeout|--ncu|--ab) [ $# -gt 1 ] || { echo "$1 needs a value" >&2; exit 2; } ;; esac
+  case $1 in --arch|--timeout|--ncu|--ab|--profile) [ $# -gt 1 ] || { echo "$1 needs a value" >&2; exit 2; } ;; esac
   case $1 in
     --arch) TORCH_CUDA_ARCH_LIST=$2; shift ;;
     --timeout) STEP_TIMEOUT=$2; shift ;;
     --quick) QUICK=--quick ;;
     --info|--check|--bench|--sanitize|--sass|--tune|--grid|--models|--host) steps+=("${1#--}") ;;
     --tests) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("tests $2"); shift; else steps+=(tests); fi ;;
-    --ncu|--ab) steps+=("${1#--} $2"); shift ;;
+    --ncu|--ab|--profile) steps+=("${1#--} $2"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -145,6 +147,10 @@ step_models() {
   cd /tmp && python3 -m sageattention2 bench --models --reps 6 --out "$OUT" > "$OUT/models.txt" 2>&1
   local rc=$?; grep -E "^\|" "$OUT/models.txt" | tail -12; tail -2 "$OUT/models.txt"; return $rc
 }
+step_profile() {
+  cd /tmp && python3 "$R/scripts/profile_model.py" "$1" > "$OUT/profile_$1.md" 2>&1
+  local rc=$?; cat "$OUT/profile_$1.md"; return $rc
+}
 step_host() {
   cd /tmp && python3 "$R/benchmarks/host_overhead.py" --tiny > "$OUT/host.md" 2>&1
   local rc=$?; cat "$OUT/host.md"; return $rc
@@ -172,10 +178,10 @@ step_ab() {
   python3 "$R/benchmarks/timing.py" merge "${runs[@]}" | tee "$OUT/ab.md"
 }
 export -f step_install step_info step_tests step_check step_bench step_sanitize step_sass step_ncu step_ab \
-  step_tune step_grid step_models step_host
+  step_tune step_grid step_models step_profile step_host
 
 declare -A LIMIT=([install]=480 [info]=60 [tests]=420 [check]=300 [bench]=420 [sanitize]=540 [sass]=120
-                  [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [host]=120)
+                  [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [profile]=240 [host]=120)
 summary=(); first_rc=0; installed=0
 run() {  # run NAME [ARG]: one step under its time limit, its exit code and time in the summary
   local name=$1 t0=$SECONDS rc
