@@ -259,19 +259,23 @@ class KernelCall:
             call.return_lse)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        """(out ``[B, H, Nq, D]``, NHD memory with ``out_nhd``; lse, empty unless return_lse)."""
+        """(out ``[B, H, Nq, D]``; lse, empty unless return_lse). The output's memory is NHD
+        with ``out_nhd`` or where q's is (a ``[B, H, N, D]`` view of ``[B, N, H, D]`` memory, as
+        diffusers' dispatcher passes), as SDPA's flash and cuDNN backends do: the caller's
+        transpose back to ``[B, N, H * D]`` is then free, not a copy of the output."""
+        out_nhd = self.out_nhd or q.stride(1) < q.stride(2)
         q, k, v = (_kernel_input(t, self.padded_head_dim) for t in (q, k, v))
         if self.choice.kernel == "wgmma":
             out, lse = ops.sageattn_wgmma(
                 q, k, v, self.smooth_k, self.smooth_v, self.sample_stride, self.sm_scale,
-                self.is_causal, self.out_nhd, self.return_lse)
+                self.is_causal, out_nhd, self.return_lse)
         else:
             out, lse = ops.sageattn_mma(
                 q, k, v, self.choice.qk, self.choice.pv, self.smooth_q, self.smooth_k,
-                self.smooth_v, self.sample_stride, self.sm_scale, self.is_causal, self.out_nhd,
+                self.smooth_v, self.sample_stride, self.sm_scale, self.is_causal, out_nhd,
                 self.return_lse)
         if self.padded_head_dim != self.head_dim:
-            out = _unpad_head_dim(out, self.head_dim, self.out_nhd)
+            out = _unpad_head_dim(out, self.head_dim, out_nhd)
         return out, lse
 
 
@@ -307,7 +311,8 @@ def _run_ranges(q: Tensor, k: Tensor, v: Tensor, kernels: RangeKernels) -> tuple
         return kernel(q, k[:, :, start:end], v[:, :, start:end])
     first = kernels[0][4]
     b, h, n_q = q.shape[:3]
-    out = q.new_empty((b, n_q, h, v.shape[-1])).transpose(1, 2) if first.out_nhd else \
+    out = q.new_empty((b, n_q, h, v.shape[-1])).transpose(1, 2) \
+        if first.out_nhd or q.stride(1) < q.stride(2) else \
         q.new_empty((b, h, n_q, v.shape[-1]))
     lse = q.new_empty((batch, h, n_q) if first.return_lse else (0,), dtype=torch.float32)
     for b0, b1, start, end, kernel in kernels:
@@ -366,19 +371,15 @@ def call_key(query: object, key: object, value: object, attn_mask: object,
     with their types (``1`` is not ``True`` to the validation). Not the values, strides or
     addresses: each call still checks that the kernels can read its tensors in place. None for
     calls that are not remembered (non-tensors: the validation names them)."""
-    if not (isinstance(query, Tensor) and isinstance(key, Tensor) and isinstance(value, Tensor)):
+    try:  # (cheaper than isinstance checks: a non-tensor lacks these, or is never remembered)
+        mask = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device)
+        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad  # type: ignore[attr-defined]
+                                            or value.requires_grad)  # type: ignore[attr-defined]
+        return (query.shape, query.dtype, query.device, key.shape, key.dtype,  # type: ignore[attr-defined]
+                key.device, value.shape, value.dtype, value.device, mask, grad,  # type: ignore[attr-defined]
+                options, tuple(map(type, options)))
+    except AttributeError:
         return None
-    if attn_mask is None:
-        mask: Any = None
-    elif isinstance(attn_mask, Tensor):
-        mask = (attn_mask.shape, attn_mask.dtype, attn_mask.device)
-    else:
-        return None
-    grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad
-                                        or value.requires_grad)
-    return (query.shape, query.dtype, query.device, key.shape, key.dtype, key.device,
-            value.shape, value.dtype, value.device, mask, grad, options,
-            tuple(map(type, options)))
 
 
 def cached_runner(key: tuple[Any, ...]) -> Runner | None:
@@ -412,6 +413,8 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
         reason = decision.fallback
         if (reason is not None and call.strict) or call.return_lse:
             return None
+        if reason is None and not nhd:
+            return _exact_as_called  # the crossover's exact calls: one frame before SDPA
 
         def exact_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
                          dropout_p: float, is_causal: bool, scale: float | None,
@@ -437,6 +440,11 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
             out, lse = out.squeeze(0), lse.squeeze(0)
         return (out, lse) if kernel.return_lse else out
     return kernel_runner
+
+
+def _exact_as_called(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+                     is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor:
+    return _exact_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 
 def _exact_in_layout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,

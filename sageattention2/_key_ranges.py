@@ -11,7 +11,8 @@ groups and smoothing mean over the item's own keys only, never the padding.
 Only masks of shape ``[..., 1, 1, N_kv]`` (after broadcasting from the left: no head or query
 dimension) are examined, so that a mask that is not of this kind costs nothing; examining one
 reads it once on the GPU and waits for the result (one synchronisation), and the answer is kept
-for that mask tensor while it is alive and unmodified (models pass the same mask to every layer).
+for that mask tensor while it is alive and unmodified (models pass the same mask to every layer;
+``_tensor_memo``: an inference tensor is examined on every call).
 During a CUDA graph capture a mask not examined before is not examined (the call is captured as
 exact SDPA).
 Bool masks (True: attend) and additive masks whose values are 0 (attend) or -inf / the dtype's
@@ -20,18 +21,17 @@ lowest value (masked) qualify; an item left with no key does not (SDPA gives it 
 from __future__ import annotations
 
 import math
-import weakref
-from typing import Optional
 
 import torch
 from torch import Tensor
+
+from ._tensor_memo import MISSING, TensorMemo
 
 __all__ = ["KeyRanges", "clear_cache", "key_ranges", "runs"]
 
 KeyRanges = tuple[tuple[int, int], ...]  # (first key, end) per batch item
 
-_MAX_CACHED = 64
-_cache: dict[int, tuple[weakref.ref[Tensor], int, int, int, Optional[KeyRanges]]] = {}
+_examined = TensorMemo()
 
 
 def _examine(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
@@ -65,17 +65,13 @@ def _examine(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
 def key_ranges(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
     """Each batch item's range of keys if ``mask`` (broadcasting to ``[batch, H, N_q, n_k]``) is
     a key-padding mask of the kind the kernels run (see the module), else None."""
-    entry = _cache.get(id(mask))
-    if entry is not None:
-        ref, version, entry_batch, entry_n_k, ranges = entry
-        if ref() is mask and mask._version == version and (entry_batch, entry_n_k) == (batch, n_k):
-            return ranges
+    ranges = _examined.get(mask, (batch, n_k))
+    if ranges is not MISSING:
+        return ranges
     if mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # reading the mask would end a CUDA graph capture: exact SDPA, not remembered
     ranges = _examine(mask, batch, n_k)
-    if len(_cache) >= _MAX_CACHED:
-        _cache.clear()
-    _cache[id(mask)] = (weakref.ref(mask), mask._version, batch, n_k, ranges)
+    _examined.put(mask, ranges, (batch, n_k))
     return ranges
 
 
@@ -91,4 +87,4 @@ def runs(ranges: KeyRanges) -> list[tuple[int, int, int, int]]:
 
 
 def clear_cache() -> None:
-    _cache.clear()
+    _examined.clear()

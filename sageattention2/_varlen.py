@@ -12,35 +12,33 @@ is future work; until then a batch of many short sequences pays one call's host 
 sequence.
 
 The boundaries are read on the host once per ``cu_seqlens`` tensor (one synchronisation when
-they live on the GPU; models pass the same tensors to every layer), so a CUDA graph captures a
+they live on the GPU; models pass the same tensors to every layer; ``_tensor_memo``: inference
+tensors are read on every call), so a CUDA graph captures a
 call only with tensors read before the capture. Under ``torch.compile`` the
 call is one graph op, ``sageattention2::sageattn_varlen``.
 """
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from ._call import QK_QUANTS, PV_QUANTS
+from ._tensor_memo import MISSING, TensorMemo
 from .api import sageattn
 
 __all__ = ["sageattn_varlen"]
 
-_MAX_CACHED = 64
-_bounds_cache: dict[int, tuple[weakref.ref[Tensor], int, tuple[int, ...]]] = {}
+_bounds_cache = TensorMemo()
 
 
 def _bounds(name: str, cu_seqlens: object, total: int) -> tuple[int, ...]:
     """The checked boundaries of ``cu_seqlens`` (cached per tensor while it is unmodified)."""
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    entry = _bounds_cache.get(id(cu_seqlens))
-    if entry is not None and entry[0]() is cu_seqlens and entry[1] == cu_seqlens._version:
-        bounds = entry[2]
-    else:
+    bounds = _bounds_cache.get(cu_seqlens)
+    if bounds is MISSING:
         if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"{name} must be 1-D with at least 2 entries (B + 1 boundaries), got "
                              f"shape {tuple(cu_seqlens.shape)}")
@@ -51,9 +49,7 @@ def _bounds(name: str, cu_seqlens: object, total: int) -> tuple[int, ...]:
                                "capture forbids: call it once with the same cu_seqlens tensors "
                                "before capturing (they are read once per tensor)")
         bounds = tuple(int(x) for x in cu_seqlens.tolist())
-        if len(_bounds_cache) >= _MAX_CACHED:
-            _bounds_cache.clear()
-        _bounds_cache[id(cu_seqlens)] = (weakref.ref(cu_seqlens), cu_seqlens._version, bounds)
+        _bounds_cache.put(cu_seqlens, bounds)
     if bounds[0] != 0 or bounds[-1] != total or any(a > b for a, b in zip(bounds, bounds[1:])):
         raise ValueError(f"{name} must rise from 0 to the number of tokens ({total}) without "
                          f"falling, got {list(bounds) if len(bounds) <= 16 else 'a tensor that does not'}")

@@ -56,18 +56,24 @@ class Agreement(NamedTuple):
     cosines: torch.Tensor   # per sentence, ours against SDPA's embedding
     same_neighbour: int     # sentences whose nearest other sentence is the same under both
     sentences: int
+    # where the nearest differs: by how much the reference prefers its own nearest over ours'
+    # (a near tie, below what the quantization moves a similarity, can go either way)
+    flip_margins: list[float]
 
 
 def agreement(ours: torch.Tensor, reference: torch.Tensor) -> Agreement:
     cosines = (ours * reference).sum(-1)
 
-    def nearest(e: torch.Tensor) -> torch.Tensor:
+    def similarities(e: torch.Tensor) -> torch.Tensor:
         similarity = e @ e.T
         similarity.fill_diagonal_(-2.0)
-        return similarity.argmax(-1)
+        return similarity
 
-    same = int((nearest(ours) == nearest(reference)).sum())
-    return Agreement(cosines, same, len(ours))
+    ref_similarity = similarities(reference)
+    want, got = ref_similarity.argmax(-1), similarities(ours).argmax(-1)
+    rows = torch.nonzero(want != got).flatten()
+    margins = (ref_similarity[rows, want[rows]] - ref_similarity[rows, got[rows]]).tolist()
+    return Agreement(cosines, int((want == got).sum()), len(ours), margins)
 
 
 def export_float16(extracted: Path, target: Path) -> None:

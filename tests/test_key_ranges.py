@@ -69,6 +69,24 @@ def test_examined_once_per_mask_until_modified(monkeypatch: pytest.MonkeyPatch) 
     assert _key_ranges.key_ranges(mask.clone(), 1, 9) == ((0, 6),) and len(examined) == 3
 
 
+def test_an_inference_mask_is_examined_on_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.inference_mode a tensor has no version counter, so an in-place change
+    could not be seen: such masks are examined each time (the model suite runs this way)."""
+    examined: list[int] = []
+    real = _key_ranges._examine
+    monkeypatch.setattr(_key_ranges, "_examine",
+                        lambda m, b, n: examined.append(1) or real(m, b, n))
+    with torch.inference_mode():
+        mask = key_mask([(0, 5)], 9)
+        assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)
+        mask[..., 5] = True
+        assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 6),) and len(examined) == 2
+        q = torch.randn(1, 2, 4, 8)
+        k, v = torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9, 8)
+        out = sageattn(q, k, v, attn_mask=mask)  # the call path too (it crashed on _version)
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask))
+
+
 def test_not_examined_during_a_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     mask = key_mask([(0, 5)], 9)
     assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)  # before the "capture"

@@ -550,3 +550,21 @@ def test_kernel_plan_names_the_kernel() -> None:
         assert "INT8 QK + FP8 PV" in plan and "INT4 QK + FP8 PV" in plan, plan
     else:
         assert "INT8 QK + FP16/BF16 PV" in plan and "INT4 QK + FP8 PV" not in plan, plan
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("d", [64, 40])
+def test_output_memory_follows_the_query(path: str, d: int) -> None:
+    """[B, H, N, D] views of [B, N, H, D] memory (diffusers' dispatcher): the output comes back
+    in NHD memory, as SDPA's flash and cuDNN backends give it (the caller's transpose back is
+    then free), with the values of the same call on contiguous inputs, bit for bit."""
+    q4, k4, v4 = make_qkv(2, 6, 6, 333, 333, d, torch.bfloat16, seed=11)
+    views = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q4, k4, v4)]
+    assert views[0].stride(1) < views[0].stride(2)
+    kwargs = PATHS[path]
+    sageattn_kernel(*views, **kwargs)  # skips a path this GPU cannot run
+    poison_cuda_allocator()
+    out = sageattn_no_fallback(*views, **kwargs)
+    assert out.transpose(1, 2).is_contiguous()
+    assert_finite(out)
+    assert torch.equal(out, sageattn_no_fallback(q4, k4, v4, **kwargs))

@@ -69,17 +69,20 @@ def test_varlen_is_attention_per_sequence(is_causal: bool) -> None:
     assert torch.equal(out[6:19], alone[0])  # sequence 3: its own call, bit for bit
 
 
-def test_boundaries_are_read_once_per_tensor() -> None:
+def test_boundaries_are_read_once_per_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    real_tolist = torch.Tensor.tolist
     q, k, v, cu_q, cu_k = packed([3, 4], [3, 4], 2, 2, 8)
     _varlen._bounds_cache.clear()
     sageattn_varlen(q, k, v, cu_q, cu_k, 4, 4)
     assert len(_varlen._bounds_cache) == 2
-    cached = dict(_varlen._bounds_cache)
+    reads = []
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(1) or real_tolist(self))
     sageattn_varlen(q, k, v, cu_q, cu_k, 4, 4)
-    assert _varlen._bounds_cache == cached
+    assert not reads
+    monkeypatch.undo()
     cu_q[1] = 2  # in place: read again (and now it describes other sequences)
     out = sageattn_varlen(q, k, v, cu_q, cu_k, 5, 4)
-    torch.testing.assert_close(out.double(), per_sequence(q, k, v, cu_q, cu_k, False)[0])
+    torch.testing.assert_close(out.double(), per_sequence(q, k, v, cu_q, cu_k, False)[0], atol=1e-6, rtol=0)
 
 
 @pytest.mark.parametrize("change, error, match", [
@@ -158,3 +161,14 @@ def test_capture_needs_boundaries_read_before(monkeypatch: pytest.MonkeyPatch) -
     sageattn_varlen(q, k, v, cu_q, cu_k, 4, 4)
     with pytest.raises(RuntimeError, match="before capturing"):
         sageattn_varlen(q, k, v, cu_q.clone(), cu_k, 4, 4)
+
+
+def test_inference_boundaries_are_read_on_every_call() -> None:
+    """Inference tensors have no version counter: their boundaries are read each call, so an
+    in-place change is seen (and nothing crashes on the missing counter)."""
+    with torch.inference_mode():
+        q, k, v, cu_q, cu_k = packed([3, 4], [3, 4], 2, 2, 8)
+        sageattn_varlen(q, k, v, cu_q, cu_k, 4, 4)
+        cu_q[1] = 2
+        out = sageattn_varlen(q, k, v, cu_q, cu_k, 5, 4)
+    torch.testing.assert_close(out.double(), per_sequence(q, k, v, cu_q, cu_k, False)[0], atol=1e-6, rtol=0)
