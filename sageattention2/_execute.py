@@ -407,8 +407,9 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
     nhd = call.tensor_layout == "NHD"
     if call.bottom_right:
         return None  # validated and run each time (it runs as parts: _bottom_right)
-    if call.attn_mask is not None and decision.fallback in (None, _plan.MASK_RULE.reason):
-        return _mask_runner(call)
+    if (call.attn_mask is not None and decision.fallback in (None, _plan.MASK_RULE.reason)
+            and _key_ranges.could_be_key_mask(call.attn_mask.shape, call.q.shape[0], call.k.shape[2])):
+        return _mask_runner(call)  # the mask's values decide, call by call
     if not decision.quantized:
         reason = decision.fallback
         if (reason is not None and call.strict) or call.return_lse:

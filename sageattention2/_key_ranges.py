@@ -27,22 +27,26 @@ from torch import Tensor
 
 from ._tensor_memo import MISSING, TensorMemo
 
-__all__ = ["KeyRanges", "clear_cache", "key_ranges", "runs"]
+__all__ = ["KeyRanges", "clear_cache", "could_be_key_mask", "key_ranges", "runs"]
 
 KeyRanges = tuple[tuple[int, int], ...]  # (first key, end) per batch item
 
 _examined = TensorMemo()
 
 
+def could_be_key_mask(shape: tuple[int, ...], batch: int, n_k: int) -> bool:
+    """Whether a mask of this shape is examined: ``[..., 1, 1, N_kv]`` after broadcasting from
+    the left to 4-D, with one row or one per batch item (decided once per kind of call)."""
+    if len(shape) > 4 or n_k == 0:
+        return False
+    b, h, n_q, keys = (1,) * (4 - len(shape)) + tuple(shape)
+    return h == 1 and n_q == 1 and keys == n_k and b in (1, batch)
+
+
 def _examine(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
-    m = mask
-    while m.dim() < 4:
-        m = m.unsqueeze(0)
-    if m.dim() != 4 or m.shape[1] != 1 or m.shape[2] != 1 or m.shape[3] != n_k:
+    if not could_be_key_mask(mask.shape, batch, n_k) or mask.device.type == "meta":
         return None
-    if m.shape[0] not in (1, batch) or n_k == 0 or m.device.type == "meta":
-        return None
-    rows = m.reshape(m.shape[0], n_k)
+    rows = mask.reshape(-1, n_k)
     if rows.dtype == torch.bool:
         keep, values_ok = rows, torch.ones((), dtype=torch.bool, device=rows.device)
     else:
@@ -65,6 +69,8 @@ def _examine(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
 def key_ranges(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
     """Each batch item's range of keys if ``mask`` (broadcasting to ``[batch, H, N_q, n_k]``) is
     a key-padding mask of the kind the kernels run (see the module), else None."""
+    if not could_be_key_mask(mask.shape, batch, n_k):
+        return None  # (costs a shape check: no synchronisation, nothing remembered)
     ranges = _examined.get(mask, (batch, n_k))
     if ranges is not MISSING:
         return ranges

@@ -63,7 +63,7 @@ struct AttentionWgmmaKernel {
     const int g = lane / 4, t = lane % 4;
     const int slab_row = warp_in_group * 16 + g;  // the thread's rows in the item: q0 + consumer * 64 + slab_row (+8)
     uint2(&slots)[kQChunks][32] = s.q_stage[consumer * 4 + warp_in_group];
-    const typename Scheduler::Schedule sc = Scheduler::schedule(p.q_len, p.batch, p.q_heads);
+    const typename Scheduler::Schedule sc = Scheduler::schedule(p.q_len, p.batch, p.q_heads, p.unit_items);
     int64_t unit = blockIdx.x;
     int half = 0;
     WgmmaWorkItem w;

@@ -25,15 +25,23 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   // at 1K). Beyond, a CTA per unit: the hardware's dynamic block scheduling evens out per-item
   // time variation that a static round-robin accumulates (persistent 0.94-1.05x at 4K-16K; A/B
   // in one process, docs/DECISIONS.md#d9).
-  const int64_t units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads).units;
+  // The decision counts units of two Q blocks; a persistent non-causal grid then takes units of
+  // one (hopper/tile_scheduler.cuh: the busiest CTA at most one item above the average).
+  AttentionWgmmaParams launched = p;
+  launched.unit_items = 2;
+  int64_t units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, 2).units;
   bool persistent = units <= 8 * static_cast<int64_t>(sms);
   if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
+  if (persistent && !kCausal) {
+    launched.unit_items = 1;
+    units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, 1).units;
+  }
   const int64_t ctas = persistent && units > sms ? sms : units;
   // After quantize_kv (after_quantize_kv): a programmatic dependent launch, which starts once that
   // grid's last CTAs have started, and waits for its end at griddepcontrol.wait
   // (hopper/kernel.cuh).
   return launch_kernel(kernel, dim3(static_cast<unsigned>(ctas)), dim3(Kernel::kThreads), Kernel::kSmemBytes, stream,
-                       p.after_quantize_kv, p, k_map, v_map);
+                       p.after_quantize_kv, launched, k_map, v_map);
 }
 
 template <typename T, int kHeadDim>

@@ -35,6 +35,7 @@ struct AttentionWgmmaParams {
   int64_t q_len = 0, kv_len = 0, k_padded = 0;
   float sm_scale = 1.0f;             // softmax scale (natural units)
   bool causal = false;
+  int unit_items = 2;                // Q blocks per work unit (hopper/tile_scheduler.cuh; set by the launch)
   // Launched as a programmatic dependent of quantize_kv, launched just before it by the same
   // call: the CTAs start, load their first Q and set up while that launch ends, and wait for it
   // before anything it writes is read (AttentionWgmmaKernel).

@@ -31,7 +31,7 @@ struct WgmmaProducer {
     // K, its scales and V: complete once quantize_kv, the launch before, is (after_quantize_kv;
     // otherwise it returns at once).
     ptx::griddepcontrol_wait();
-    const typename Scheduler::Schedule sc = Scheduler::schedule(p.q_len, p.batch, p.q_heads);
+    const typename Scheduler::Schedule sc = Scheduler::schedule(p.q_len, p.batch, p.q_heads, p.unit_items);
     uint32_t seq = 0;  // tiles streamed so far: the ring position
     int64_t unit = blockIdx.x;
     int half = 0;
