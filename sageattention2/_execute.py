@@ -422,6 +422,9 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
                          enable_gqa: bool) -> Tensor:
             if reason is not None:
                 _warn_fallback_once(reason, stacklevel=3)  # sageattn's caller: sageattn, this
+            if not nhd:
+                return _exact_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                                   enable_gqa=enable_gqa)
             return _exact_in_layout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                     nhd)
         return exact_runner
