@@ -82,7 +82,7 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         else:
             from . import _bench_models
 
-            _bench_models.run(args.models, device, args.tiny, args.reps, args.out)
+            _bench_models.run(args.models, device, args.tiny, args.reps, args.out, args.seconds)
     return 0
 
 
@@ -121,7 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--tiny", action="store_true",
                        help="tiny widths and resolutions: every call site, in seconds")
     bench.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    bench.add_argument("--reps", type=int, default=10, help="timed forwards per mode (median)")
+    bench.add_argument("--reps", type=int, default=10, help="timed forwards per mode (median), at least")
+    bench.add_argument("--seconds", type=float, default=2.0,
+                       help="--models: time each mode this long at least (more forwards for short "
+                            "models, up to 400; 0: exactly --reps)")
     bench.add_argument("--out", type=Path, default=None,
                        help="folder for the tables and charts (shapes.md/png, models.md/png)")
     args = parser.parse_args(argv)

@@ -123,7 +123,14 @@ def attention_ms(calls: list[tuple[tuple[Any, ...], dict[str, Any]]], clock: Clo
     return total
 
 
-def measure(case: _model_suite.ModelCase, device: torch.device, tiny: bool, reps: int) -> dict[str, Any]:
+MAX_REPS = 400
+
+
+def measure(case: _model_suite.ModelCase, device: torch.device, tiny: bool, reps: int,
+            seconds: float = 0.0) -> dict[str, Any]:
+    """One row. ``reps`` timed forwards per mode at least, more where a forward is short, up to
+    ``seconds`` of timing per mode (a host-bound 5-25 ms forward moves by several percent
+    between medians of 6)."""
     dtype = case.dtype if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model, inputs = case.build(device, dtype, tiny)
@@ -140,14 +147,17 @@ def measure(case: _model_suite.ModelCase, device: torch.device, tiny: bool, reps
             got = first_tensor(forward())  # also the warm-up of sageattn's path
         forward()
         default_ms, sage_ms = [], []
-        for _ in range(reps):  # alternate, so that drift hits both alike
+        runs = reps
+        while len(default_ms) < runs:  # alternate, so that drift hits both alike
             default_ms.append(clock.ms(forward))
             with patch_sdpa():
                 sage_ms.append(clock.ms(forward))
+            if len(default_ms) == 1 and seconds > 0 and not tiny:
+                runs = min(MAX_REPS, max(reps, math.ceil(seconds * 1e3 / max(default_ms[0], 1e-3))))
         attention = attention_ms(calls, clock, reps)
         quantized = routed_quantized(calls)
     row = dict(model=case.name, default_ms=statistics.median(default_ms), sage_ms=statistics.median(sage_ms),
-               calls=len(calls), quantized=quantized, cosine=cosine(got, want))
+               calls=len(calls), quantized=quantized, cosine=cosine(got, want), reps=len(default_ms))
     row["speedup"] = row["default_ms"] / row["sage_ms"]
     row["attention_share"] = attention / row["default_ms"]
     return row
@@ -194,7 +204,7 @@ def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]], tit
 
 
 def run(keys: Sequence[str] | None, device: torch.device, tiny: bool, reps: int,
-        out: Path | None) -> list[dict[str, Any]]:
+        out: Path | None, seconds: float = 0.0) -> list[dict[str, Any]]:
     """Measure the cases named by ``keys`` (all when None or empty), print the table (and the
     geometric-mean speedup), write models.md and models.png to ``out``; return the rows."""
     cases = [c for c in _model_suite.CASES if not keys or c.key in keys]
@@ -203,7 +213,7 @@ def run(keys: Sequence[str] | None, device: torch.device, tiny: bool, reps: int,
     rows, bar = [], progress(len(cases), "models")
     for case in cases:
         bar.set_postfix_str(case.key)
-        rows.append(measure(case, device, tiny, reps))
+        rows.append(measure(case, device, tiny, reps, seconds))
         if device.type == "cuda":
             torch.cuda.empty_cache()  # the last model's weights and activations are garbage now
         bar.update()
@@ -211,9 +221,10 @@ def run(keys: Sequence[str] | None, device: torch.device, tiny: bool, reps: int,
     geomean = math.exp(sum(math.log(r["speedup"]) for r in rows) / len(rows))
     table = markdown_table(
         ["model", "default SDPA ms", "sageattn ms", "speedup", "attention share",
-         "attention calls", "quantized", "output cosine"],
+         "attention calls", "quantized", "output cosine", "forwards timed"],
         [(r["model"], f"{r['default_ms']:.2f}", f"{r['sage_ms']:.2f}", f"{r['speedup']:.3f}x",
-          f"{100 * r['attention_share']:.0f} %", r["calls"], r["quantized"], f"{r['cosine']:.5f}")
+          f"{100 * r['attention_share']:.0f} %", r["calls"], r["quantized"], f"{r['cosine']:.5f}",
+          r["reps"])
          for r in rows], title)
     table += f"\n\ngeomean speedup {geomean:.3f}x over {len(rows)} models"
     print(table)
