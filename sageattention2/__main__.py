@@ -2,7 +2,8 @@
 there), ``routing-table`` (README.md's "Which GPU runs what", from the routing rules) and
 ``tune`` (measure where exact SDPA is faster than the quantized kernel on this GPU: the
 crossover that ``qk_quant="auto"`` follows), ``check`` (every kernel variant's accuracy on this
-GPU, PASS/FAIL) and ``bench`` (sageattn against SDPA: the ANCHORS shapes, whole models)."""
+GPU, PASS/FAIL), ``bench`` (sageattn against SDPA: the ANCHORS shapes, whole models) and
+``calibrate`` (the adaptive plan of a suite model, and its forward under each choice)."""
 from __future__ import annotations
 
 import argparse
@@ -111,6 +112,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     check.add_argument("--quick", action="store_true", help="without the shapes of 2K keys and more")
     check.add_argument("--path", choices=("all", "wgmma", "mma"), default="all",
                        help="the Hopper kernel, the warp-level one, or both (default)")
+    calibrate = commands.add_parser(
+        "calibrate", help="the adaptive plan of a model of the suite (each attention call site's "
+                          "fastest variant within an error budget) and the forward under it")
+    calibrate.add_argument("--model", required=True, choices=[c.key for c in _model_suite.CASES])
+    calibrate.add_argument("--budget", type=float, nargs="+", default=[0.002, 0.01],
+                           help="errors allowed per call, 1 - CosSim * (1 - rel. L1) (default: "
+                                "0.002 0.01)")
+    calibrate.add_argument("--steps", type=int, default=1, help="forwards per run (default 1)")
+    calibrate.add_argument("--reps", type=int, default=5, help="timed runs per configuration")
+    calibrate.add_argument("--tiny", action="store_true", help="tiny widths and resolutions")
+    calibrate.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    calibrate.add_argument("--out", type=Path, default=None,
+                           help="folder for the plans (JSON) and the table")
     bench = commands.add_parser(
         "bench", help="sageattn against SDPA on this GPU: the ANCHORS shapes (TOPS) and whole "
                       "models (the model suite needs the [models] extra); both by default")
@@ -148,6 +162,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check.run(args.quick, args.path)
     elif args.command == "bench":
         return _bench(parser, args)
+    elif args.command == "calibrate":
+        from . import _calibrate
+
+        if any(not b >= 0 for b in args.budget):
+            parser.error(f"calibrate --budget: non-negative errors, got {args.budget}")
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        _calibrate.run(args.model, args.budget, args.steps, args.reps, device, args.tiny, args.out)
     return 0
 
 

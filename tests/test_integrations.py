@@ -84,8 +84,8 @@ def test_patch_sdpa_rejects_incompatible_options(kwargs: dict[str, Any]) -> None
 
 def test_public_api() -> None:
     assert set(sageattention2.__all__) == {
-        "Explanation", "SageAttentionFallbackWarning", "__version__", "explain", "kernel_plan",
-        "sageattn", "sageattn_varlen"}
+        "Explanation", "Plan", "SageAttentionFallbackWarning", "__version__", "apply_plan",
+        "calibrate", "explain", "kernel_plan", "sageattn", "sageattn_varlen"}
     assert issubclass(SageAttentionFallbackWarning, UserWarning)
     assert isinstance(sageattention2.__version__, str)
     # sageattention2.api: what scripts and benchmarks import from it, and the warning's name.
