@@ -55,17 +55,25 @@ def _sageattn_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, drop
                  is_causal: bool, scale: float | None, enable_gqa: bool, tensor_layout: str,
                  qk_quant: str, pv_quant: str, smooth_k: bool, smooth_q: str, smooth_v: bool,
                  return_lse: bool, strict: bool, causal_alignment: str) -> tuple[Tensor, Tensor]:
-    """sageattn as one opaque op of a torch.compile graph: the eager call, returning out
-    contiguous in the caller's layout (as the fake implementation says) and lse, empty unless
-    ``return_lse``."""
+    """sageattn as one opaque op of a torch.compile graph: the eager call, returning out in
+    the memory order :func:`_heads_inner` gives (as the fake implementation says) and lse,
+    empty unless ``return_lse``."""
     result = run(validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                           tensor_layout, qk_quant, pv_quant, smooth_k, _smooth_q_from_op(smooth_q),
                           smooth_v, return_lse, strict, causal_alignment))
-    if return_lse:
-        out, lse = result
-        return out.contiguous(), lse.contiguous()
-    assert isinstance(result, Tensor)
-    return result.contiguous(), q.new_empty(0, dtype=torch.float32)
+    out, lse = result if return_lse else (result, q.new_empty(0, dtype=torch.float32))
+    assert isinstance(out, Tensor)
+    if _heads_inner(q, tensor_layout):  # (a no-op where the kernel wrote it so)
+        return out.transpose(-3, -2).contiguous().transpose(-3, -2), lse.contiguous()
+    return out.contiguous(), lse.contiguous()
+
+
+def _heads_inner(q: Tensor, tensor_layout: str) -> bool:
+    """Whether the op's out has its heads inside its tokens in memory (``[.., N, H, D]``
+    memory) although the caller's layout is HND: where q's memory is so, as the eager kernel
+    call writes it (docs/DECISIONS.md#d32) and SDPA's flash and cuDNN backends do. Otherwise
+    out is contiguous in the caller's layout."""
+    return tensor_layout == "HND" and q.dim() >= 3 and q.stride(-3) < q.stride(-2)
 
 
 @_sageattn_op.register_fake
@@ -80,7 +88,11 @@ def _sageattn_op_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     call = validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout,
                     qk_quant, pv_quant, smooth_k, _smooth_q_from_op(smooth_q), smooth_v,
                     return_lse, strict, causal_alignment)
-    out = q.new_empty((*q.shape[:-1], call.head_dim_v))
+    if _heads_inner(q, tensor_layout):
+        *lead, h, n, _ = q.shape
+        out = q.new_empty((*lead, n, h, call.head_dim_v)).transpose(-3, -2)
+    else:
+        out = q.new_empty((*q.shape[:-1], call.head_dim_v))
     b, h_q, n_q, _ = call.q.shape
     lse_shape = (b, h_q, n_q)[4 - call.input_ndim:] if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)

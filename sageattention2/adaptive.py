@@ -253,11 +253,12 @@ def _device_of(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def gpu_timer(reps: int = 5) -> Timer:
-    """Median of ``reps`` single-call times: CUDA events on a GPU, the host clock elsewhere."""
+def gpu_timer(device: torch.device, reps: int = 5) -> Timer:
+    """Median of ``reps`` single-call times on ``device``: CUDA events on a GPU, the host clock
+    elsewhere."""
     def timer(name: str, fn: Callable[[], Any]) -> float:
         fn()  # warm: the first call of a kind validates and routes it
-        if not torch.cuda.is_available():
+        if device.type != "cuda":
             times = []
             for _ in range(reps):
                 t0 = time.perf_counter()
@@ -283,7 +284,7 @@ def calibrate(model: torch.nn.Module, run: Callable[[torch.nn.Module], Any], bud
     if variants is None:
         variants = {name: functools.partial(sageattn, **VARIANTS[name])
                     for name in native_variants(_plan.target_of(device))}
-    timer = timer or gpu_timer()
+    timer = timer or gpu_timer(device)
     real = F.scaled_dot_product_attention
     measured: Measurements = {}
     tracker = _SiteTracker(model)

@@ -412,6 +412,27 @@ def test_sageattn_under_torch_compile(kwargs: dict[str, Any]) -> None:
         assert torch.equal(g, w)
 
 
+def test_graph_op_output_memory_follows_the_query() -> None:
+    """[B, H, N, D] views of [B, N, H, D] memory (diffusers' dispatcher): the graph op's out is
+    in that memory too, in the fake and the real implementation alike (opcheck), as the eager
+    kernel call writes it (docs/DECISIONS.md#d32), so the caller's transpose back is free."""
+    q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+               for t in qkv(b=2, hq=4, hkv=4, nq=37, nk=29, d=16))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", SageAttentionFallbackWarning)
+        want = sageattn(q, k, v)
+        got = torch.compile(lambda q, k, v: sageattn(q, k, v), fullgraph=True,
+                            backend="aot_eager")(q, k, v)
+        assert got.transpose(1, 2).is_contiguous() and torch.equal(got, want)
+        for args in ((q, k, v, None, 0.0, False, None, False, "HND", "auto", "auto", True, "auto",
+                      False, True, False, "top_left"),
+                     (q[0], k[0], v[0], None, 0.0, True, None, False, "HND", "auto", "auto", True,
+                      "auto", False, False, False, "top_left")):
+            torch.library.opcheck(torch.ops.sageattention2.sageattn.default, args)
+            out = torch.ops.sageattention2.sageattn(*args)[0]
+            assert out.transpose(-3, -2).is_contiguous()
+
+
 def test_sageattn_under_torch_compile_validates_and_differentiates() -> None:
     """Under torch.compile bad arguments raise while tracing with eager mode's message, and inputs
     that require grad take the exact fallback traced in the graph (a gradient flows); the graph
