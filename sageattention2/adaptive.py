@@ -212,7 +212,8 @@ class Plan:
         return Plan.from_json(json.loads(Path(path).read_text()))
 
 
-Measurements = dict[tuple[str, int], dict[str, list[tuple[float, float]]]]  # (site, step) -> variant -> [(error, ms)]
+# (site, step) -> variant -> [(error, ms)] per measured call
+Measurements = dict[tuple[str, int], dict[str, list[tuple[float, float]]]]
 
 
 def choose(measured: Measurements, budget: float, gpu: str,

@@ -207,7 +207,8 @@ def test_cli_calibrate(tmp_path: Any) -> None:
 def test_native_variants() -> None:
     """No emulated variant is offered for speed: INT4 (and FP8 mma.sync) only where native."""
     assert adaptive.native_variants(_plan.default_build_target((9, 0))) == ["int8+fp16", "int8+fp8"]
-    assert adaptive.native_variants(_plan.default_build_target((8, 9))) == ["int8+fp16", "int8+fp8", "int4+fp8"]
+    assert adaptive.native_variants(_plan.default_build_target((8, 9))) == [
+        "int8+fp16", "int8+fp8", "int4+fp8"]
     assert adaptive.native_variants(_plan.default_build_target((8, 0))) == ["int8+fp16"]
     assert adaptive.native_variants(_plan.target_of(torch.device("cpu"))) == []
 
