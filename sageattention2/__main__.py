@@ -104,6 +104,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("--head-dims", type=_ints, default=None,
                       help="comma-separated head_dims (default: 40,64,80,128)")
     tune.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
+    tune.add_argument("--causal", choices=("both", "yes", "no"), default="both",
+                      help="the causal classes, the others, or both (default)")
+    tune.add_argument("--base", type=Path, default=None,
+                      help="a table of this GPU on the same grid: the classes not measured now "
+                           "are kept from it")
     tune.add_argument("--out", default=None,
                       help="where to write the table (default: the one sageattn reads for this "
                            "GPU model, under ~/.cache/sageattention2/crossover/)")
@@ -152,9 +157,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         dtypes = tuple(args.dtypes.split(","))
         if not set(dtypes) <= set(_tune.DTYPES) or not dtypes:
             parser.error(f"--dtypes must name float16 and/or bfloat16, got {args.dtypes!r}")
+        causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
         path = _tune.tune(axes=_tune.QUICK_AXES if args.quick else None,
                           head_dims=args.head_dims or _tune.HEAD_DIMS, dtypes=dtypes,
-                          out=args.out)
+                          causal=causal, out=args.out, base=args.base)
         print(f"wrote {path}")
     elif args.command == "check":
         from . import _check

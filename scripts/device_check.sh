@@ -24,8 +24,9 @@ steps
   --sass            scripts/check_sass.py on the installed build
   --ncu "RE ARGS"   Nsight Compute on one launch matching RE of
                     `scripts/profile_attention.py launch ARGS` (repeatable)
-  --tune            python -m sageattention2 tune: the crossover table of this GPU, written where
-                    sageattn reads it (later steps use it) and copied to $OUT/crossover.json
+  --tune            python -m sageattention2 tune $TUNE_ARGS: the crossover table of this GPU,
+                    written where sageattn reads it (later steps use it), copied to
+                    $OUT/crossover.json
   --grid            benchmarks/bench_grid.py: one call on 44 shapes vs SDPA's backends ($OUT/grid.md)
   --models          python -m sageattention2 bench --models: whole models, default SDPA vs sageattn ($OUT/models.md,
                     models.png); diffusers comes from the wheels in .whl/ (carried) where the image lacks it
@@ -133,7 +134,9 @@ step_ncu() {
   return $rc
 }
 step_tune() {  # the table is written class by class: a timeout keeps the classes measured
-  cd /tmp && timeout "${TUNE_SECONDS:-270}" python3 -m sageattention2 tune > "$OUT/tune.txt" 2>&1
+  # TUNE_ARGS, e.g. "--causal no --base $R/sageattention2/crossover/<gpu>.json": re-measure only
+  # the classes a kernel change touched, keeping the others.
+  cd /tmp && timeout "${TUNE_SECONDS:-270}" python3 -m sageattention2 tune ${TUNE_ARGS:-} > "$OUT/tune.txt" 2>&1
   local rc=$?; cat "$OUT/tune.txt"
   cp "$(python3 -c 'import torch; from sageattention2 import _crossover as c
 print(c.user_dir() / (c.gpu_slug(torch.cuda.get_device_name()) + ".json"))')" "$OUT/crossover.json"

@@ -203,6 +203,36 @@ def test_tune_needs_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
         _tune.tune()
 
 
+def test_tune_keeps_the_base_tables_other_classes(monkeypatch: pytest.MonkeyPatch,
+                                                  tmp_path: Path) -> None:
+    """tune --causal no --base SHIPPED: the non-causal classes re-measured (here a pretended
+    GPU whose every point reads 1.5), the causal ones kept as they were; a base of another GPU
+    or grid is refused. (The CLI passes --causal and --base through.)"""
+    shipped = _crossover.SHIPPED / "nvidia-h100-80gb-hbm3.json"
+    base = json.loads(shipped.read_text())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: base["gpu"])
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    monkeypatch.setattr(_tune, "_kernel_choice", lambda dtype: _plan.WGMMA)
+    monkeypatch.setattr(_tune, "_warm_gpu", lambda: None)
+    monkeypatch.setattr(_tune, "_point", lambda *a: 1.5)
+    from sageattention2.__main__ import main
+
+    out = tmp_path / "merged.json"
+    assert main(["tune", "--head-dims", "64", "--dtypes", "float16", "--causal", "no",
+                 "--base", str(shipped), "--out", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    key = lambda c: (c["head_dim"], c["causal"], c["dtype"])  # noqa: E731
+    new = {key(c): c for c in merged["classes"]}
+    assert set(new) == {key(c) for c in base["classes"]}
+    assert {x for row in new[(64, False, "float16")]["speedup"] for cell in row for x in cell} == {1.5}
+    assert all(new[key(c)] == c for c in base["classes"] if key(c) != (64, False, "float16"))
+    assert "14 classes kept" in merged["measured"]
+    with pytest.raises(ValueError, match="nothing to keep"):
+        _tune.tune(axes=_tune.QUICK_AXES, head_dims=(64,), dtypes=("float16",), causal=(False,),
+                   out=tmp_path / "other.json", base=shipped)
+
+
 # ------------------------------------------------------------------------------------------------
 # The shipped tables
 # ------------------------------------------------------------------------------------------------
