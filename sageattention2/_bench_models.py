@@ -29,6 +29,7 @@ from . import __version__, _model_suite
 from ._timing import queued_ms
 from .api import explain
 from .integrations import patch_sdpa
+from .testing import cosine_similarity
 
 
 def progress(total: int, desc: str) -> Any:
@@ -54,11 +55,6 @@ def first_tensor(output: Any) -> torch.Tensor:
     """The model's main output: ``sample`` of diffusers, ``last_hidden_state`` of transformers
     (both are item 0 of their output classes)."""
     return output if isinstance(output, torch.Tensor) else output[0]
-
-
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float((a @ b) / (a.norm() * b.norm()).clamp_min(1e-300))
 
 
 @contextlib.contextmanager
@@ -157,7 +153,7 @@ def measure(case: _model_suite.ModelCase, device: torch.device, tiny: bool, reps
         attention = attention_ms(calls, clock, reps)
         quantized = routed_quantized(calls)
     row = dict(model=case.name, default_ms=statistics.median(default_ms), sage_ms=statistics.median(sage_ms),
-               calls=len(calls), quantized=quantized, cosine=cosine(got, want), reps=len(default_ms))
+               calls=len(calls), quantized=quantized, cosine=cosine_similarity(got, want), reps=len(default_ms))
     row["speedup"] = row["default_ms"] / row["sage_ms"]
     row["attention_share"] = attention / row["default_ms"]
     return row

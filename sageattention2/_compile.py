@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 from ._call import SmoothQ, validate
-from ._execute import run
+from ._execute import heads_inner, run
 
 __all__ = ["graph_call", "tracks_grad"]
 
@@ -69,11 +69,10 @@ def _sageattn_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, drop
 
 
 def _heads_inner(q: Tensor, tensor_layout: str) -> bool:
-    """Whether the op's out has its heads inside its tokens in memory (``[.., N, H, D]``
-    memory) although the caller's layout is HND: where q's memory is so, as the eager kernel
-    call writes it (docs/DECISIONS.md#d32) and SDPA's flash and cuDNN backends do. Otherwise
-    out is contiguous in the caller's layout."""
-    return tensor_layout == "HND" and q.dim() >= 3 and q.stride(-3) < q.stride(-2)
+    """Whether the op's out is in ``[.., N, H, D]`` memory although the caller's layout is HND:
+    where q's is (``_execute.heads_inner``), as the eager kernel call writes it. Otherwise out
+    is contiguous in the caller's layout."""
+    return tensor_layout == "HND" and heads_inner(q)
 
 
 @_sageattn_op.register_fake

@@ -191,6 +191,13 @@ def exact(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
     return call.result(out, lse)
 
 
+def heads_inner(t: Tensor) -> bool:
+    """Whether a ``[.., H, N, D]`` view has each token's heads side by side in memory (a view of
+    ``[.., N, H, D]`` memory, as diffusers' dispatcher passes): a kernel output then goes into
+    the same memory order, as SDPA's flash and cuDNN backends do (docs/DECISIONS.md#d32)."""
+    return t.dim() >= 3 and t.stride(-3) < t.stride(-2)
+
+
 def _kernel_view(t: Tensor) -> Tensor:
     """``t`` if the preprocessing and attention ops can read it in place (last dimension
     contiguous, the other strides multiples of 8 elements, 16-byte aligned), else a contiguous
@@ -263,7 +270,7 @@ class KernelCall:
         with ``out_nhd`` or where q's is (a ``[B, H, N, D]`` view of ``[B, N, H, D]`` memory, as
         diffusers' dispatcher passes), as SDPA's flash and cuDNN backends do: the caller's
         transpose back to ``[B, N, H * D]`` is then free, not a copy of the output."""
-        out_nhd = self.out_nhd or q.stride(1) < q.stride(2)
+        out_nhd = self.out_nhd or heads_inner(q)
         q, k, v = (_kernel_input(t, self.padded_head_dim) for t in (q, k, v))
         if self.choice.kernel == "wgmma":
             out, lse = ops.sageattn_wgmma(
@@ -312,7 +319,7 @@ def _run_ranges(q: Tensor, k: Tensor, v: Tensor, kernels: RangeKernels) -> tuple
     first = kernels[0][4]
     b, h, n_q = q.shape[:3]
     out = q.new_empty((b, n_q, h, v.shape[-1])).transpose(1, 2) \
-        if first.out_nhd or q.stride(1) < q.stride(2) else \
+        if first.out_nhd or heads_inner(q) else \
         q.new_empty((b, h, n_q, v.shape[-1]))
     lse = q.new_empty((batch, h, n_q) if first.return_lse else (0,), dtype=torch.float32)
     for b0, b1, start, end, kernel in kernels:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import statistics
 import time
 from pathlib import Path
@@ -45,6 +46,7 @@ from torch import Tensor
 
 from . import _plan
 from .api import sageattn
+from .testing import cosine_similarity, relative_l1
 
 __all__ = ["EXACT", "VARIANTS", "Plan", "PlanEntry", "apply_plan", "calibrate", "call_error",
            "native_variants"]
@@ -79,14 +81,11 @@ def native_variants(target: _plan.Target) -> list[str]:
 
 
 def call_error(out: Tensor, exact: Tensor) -> float:
-    """``1 - CosSim * (1 - rel. L1)`` of ``out`` against ``exact`` (flattened, float64): 0 when
-    equal, inf when ``out`` is not finite."""
-    o, e = out.detach().double().flatten(), exact.detach().double().flatten()
-    if not torch.isfinite(o).all():
-        return float("inf")
-    cos = float((o @ e) / (o.norm() * e.norm()).clamp_min(1e-300))
-    rel_l1 = float((o - e).abs().sum() / e.abs().sum().clamp_min(1e-300))
-    return max(0.0, 1.0 - cos * (1.0 - rel_l1))  # (rounding can put an exact output at -1e-16)
+    """``1 - CosSim * (1 - rel. L1)`` of ``out`` against ``exact`` (the metrics of
+    ``sageattention2.testing``): 0 when equal, inf when not finite (a NaN output, or an all-zero
+    reference: such a call keeps exact SDPA)."""
+    error = 1.0 - cosine_similarity(out.detach(), exact) * (1.0 - relative_l1(out.detach(), exact))
+    return max(0.0, error) if math.isfinite(error) else math.inf  # (rounding: -1e-16 when exact)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -101,6 +101,30 @@ def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
         "sageattn_wgmma", "sageattn_mma"))
     monkeypatch.setattr(_plan, "target_of", lambda device: _plan.probe_target("cuda", capability))
     _execute.clear_call_cache()  # decisions taken for the machine before
+
+
+def stand_in_kernel(monkeypatch: pytest.MonkeyPatch,
+                    record: Callable[[_execute.KernelCall, torch.Tensor, torch.Tensor], tuple[Any, ...]],
+                    ) -> list[tuple[Any, ...]]:
+    """CPU calls routed as on an H100, each kernel call replaced by exact attention (float64,
+    in the kernel's output layout and dtype, its LSE when asked) on the views it is given;
+    ``record(kernel_call, q, k)`` of each call is appended to the returned list. Tests of what
+    runs around the kernels (splits into parts, merges) on the CPU."""
+    pretend_gpu(monkeypatch, (9, 0), DEFAULT_BUILD)
+    seen: list[tuple[Any, ...]] = []
+
+    def kernel(self: _execute.KernelCall, q: torch.Tensor, k: torch.Tensor,
+               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(record(self, q, k))
+        out, lse = ref.exact_attention(q, k, v, is_causal=self.is_causal, scale=self.sm_scale,
+                                       enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+        out = out.to(q.dtype)
+        if self.out_nhd:
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        return out, lse.float() if self.return_lse else q.new_empty(0, dtype=torch.float32)
+
+    monkeypatch.setattr(_execute.KernelCall, "__call__", kernel)
+    return seen
 
 
 def skip_device_rules(monkeypatch: pytest.MonkeyPatch) -> None:

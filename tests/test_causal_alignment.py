@@ -10,8 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from helpers import DEFAULT_BUILD, pretend_gpu, qkv
-from sageattention2 import _execute, sageattn
+from helpers import qkv, stand_in_kernel
+from sageattention2 import sageattn
 from sageattention2 import reference as ref
 from sageattention2.api import explain
 
@@ -56,21 +56,8 @@ def test_square_is_top_left() -> None:
 
 @pytest.fixture
 def kernel_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
-    pretend_gpu(monkeypatch, (9, 0), DEFAULT_BUILD)
-    seen: list[tuple[int, ...]] = []
-
-    def kernel(self: _execute.KernelCall, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seen.append((q.shape[2], k.shape[2], self.is_causal))
-        out, lse = ref.exact_attention(q, k, v, is_causal=self.is_causal, scale=self.sm_scale,
-                                       enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
-        out = out.to(q.dtype)
-        if self.out_nhd:
-            out = out.transpose(1, 2).contiguous().transpose(1, 2)
-        return out, lse.float() if self.return_lse else q.new_empty(0, dtype=torch.float32)
-
-    monkeypatch.setattr(_execute.KernelCall, "__call__", kernel)
-    return seen
+    """Each kernel call's query length, key length and causality."""
+    return stand_in_kernel(monkeypatch, lambda call, q, k: (q.shape[2], k.shape[2], call.is_causal))
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])

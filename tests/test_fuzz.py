@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from sageattention2 import explain, reference, sageattn, sageattn_varlen
-from sageattention2.testing import poison_cuda_allocator
+from sageattention2.testing import poison_cuda_allocator, relative_l1
 
 CONFIGS = 500
 LENGTHS = (1, 2, 3, 7, 31, 61, 127, 128, 129, 255, 257, 509, 1021, 2053)
@@ -136,10 +136,6 @@ def _run(c: Config, inputs: dict[str, Any], **options: Any) -> tuple[torch.Tenso
     return bhnd(out), want, plan
 
 
-def rel_l1(got: torch.Tensor, want: torch.Tensor) -> float:
-    return float((got.double() - want).abs().sum() / want.abs().sum().clamp_min(1e-30))
-
-
 CPU_CONFIGS = [c for c in configs() if c.work <= CPU_MAX_WORK]
 
 
@@ -164,7 +160,7 @@ def test_fuzz_on_cpu(chunk: int) -> None:
         for c in CPU_CONFIGS[chunk::5]:
             got, want, _ = _run(c, _inputs(c, "cpu", torch.float32))
             assert got.shape == want.shape, c
-            err = rel_l1(got, want)
+            err = relative_l1(got, want)
             assert err < 1e-5, (c, err)
 
 
@@ -182,7 +178,7 @@ def test_fuzz_on_the_gpu(attention_kernel: None, chunk: int) -> None:
             got, want, plan = _run(c, inputs, qk_quant="int8", pv_quant=c.pv)
             quantized = plan is None or plan.quantized  # varlen: each sequence its own call
             bound = (0.05 if c.pv == "fp8" else 0.03) if quantized else 1e-2
-            err = rel_l1(got, want) if torch.isfinite(got).all() else math.inf
+            err = relative_l1(got, want) if torch.isfinite(got).all() else math.inf
             if not err <= bound:
                 failures.append((c, plan, err, bound))
     assert not failures, "\n".join(map(str, failures))
@@ -201,4 +197,4 @@ def test_256k_tokens(attention_kernel: None, causal: bool) -> None:
     got = sageattn(q, k, v, is_causal=causal, qk_quant="int8")
     assert torch.isfinite(got).all()
     want = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    assert rel_l1(got, want.double()) < 0.05
+    assert relative_l1(got, want.double()) < 0.05

@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
 
-from helpers import DEFAULT_BUILD, ORIGINAL_SDPA, fallback_warnings, pretend_gpu, qkv
-from sageattention2 import _execute, _key_ranges, sageattn
+from helpers import ORIGINAL_SDPA, fallback_warnings, qkv, stand_in_kernel
+from sageattention2 import _key_ranges, sageattn
 from sageattention2 import reference as ref
 from sageattention2.api import explain
 
@@ -105,24 +103,9 @@ def test_runs() -> None:
 
 
 @pytest.fixture
-def kernel_stand_in(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[int, ...]]]:
-    """CPU calls routed as on an H100; each kernel call is exact attention on the views it gets
-    (float64, in the kernel's output layout), its K shape recorded."""
-    pretend_gpu(monkeypatch, (9, 0), DEFAULT_BUILD)
-    seen: list[tuple[int, ...]] = []
-
-    def kernel(self: _execute.KernelCall, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seen.append(tuple(k.shape))
-        out, lse = ref.exact_attention(q, k, v, scale=self.sm_scale, enable_gqa=q.shape[1] != k.shape[1],
-                                       return_lse=True)
-        out = out.to(q.dtype)
-        if self.out_nhd:
-            out = out.transpose(1, 2).contiguous().transpose(1, 2)
-        return out, lse.float() if self.return_lse else q.new_empty(0, dtype=torch.float32)
-
-    monkeypatch.setattr(_execute.KernelCall, "__call__", kernel)
-    yield seen
+def kernel_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
+    """Each kernel call's K shape (the calls are exact attention on their views: helpers)."""
+    return stand_in_kernel(monkeypatch, lambda call, q, k: tuple(k.shape))
 
 
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
