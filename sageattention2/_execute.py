@@ -107,7 +107,8 @@ def decide(call: AttentionCall) -> Decision:
     capability = _plan.cuda_capability(call.q.device)
     if call.attn_mask is None:
         return Decision(choice, None, _crossover.exact_is_faster(call, choice, capability))
-    ranges = _key_ranges.key_ranges(call.attn_mask, call.q.shape[0], call.k.shape[2])
+    ranges = _key_ranges.key_ranges(call.attn_mask, call.q.shape[0], call.k.shape[2],
+                                    call.q.shape[2])
     assert ranges is not None  # else the mask's fallback rule applied
     for *_, sub in _range_calls(call, ranges):
         faster = _crossover.exact_is_faster(sub, choice, capability)
@@ -415,7 +416,9 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
     if call.bottom_right:
         return None  # validated and run each time (it runs as parts: _bottom_right)
     if (call.attn_mask is not None and decision.fallback in (None, _plan.MASK_RULE.reason)
-            and _key_ranges.could_be_key_mask(call.attn_mask.shape, call.q.shape[0], call.k.shape[2])):
+            and _key_ranges.could_be_key_mask(call.attn_mask.shape, call.q.shape[0],
+                                              call.k.shape[2], call.q.shape[2])
+            and (decision.quantized or not _exact_at_full_length(call, decision))):
         return _mask_runner(call)  # the mask's values decide, call by call
     if not decision.quantized:
         reason = decision.fallback
@@ -453,6 +456,18 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
     return kernel_runner
 
 
+def _exact_at_full_length(call: AttentionCall, decision: Decision) -> bool:
+    """With ``qk_quant="auto"``, whether exact SDPA is faster than the kernel on the call without
+    its mask (all keys): then no range of keys would run the kernel either (the crossover's
+    speed-up grows with the key length), and no mask of this kind of call is examined (no
+    synchronisation per call); exact SDPA runs with the mask, without a warning."""
+    if not call.qk_quant_auto:
+        return False
+    unmasked = dataclasses.replace(call, attn_mask=None)
+    return _crossover.exact_is_faster(unmasked, decision.choice,
+                                      _plan.cuda_capability(call.q.device)) is not None
+
+
 def _exact_as_called(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                      is_causal: bool, scale: float | None, enable_gqa: bool) -> Tensor:
     return _exact_sdpa(q, k, v, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
@@ -479,7 +494,7 @@ def _mask_runner(call: AttentionCall) -> Runner:
     nhd, rank3 = call.tensor_layout == "NHD", call.input_ndim == 3
     options = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)
                if f.name not in ("q", "k", "v", "attn_mask")}  # not the tensors: kept alive
-    batch, n_k = call.q.shape[0], call.k.shape[2]
+    batch, n_q, n_k = call.q.shape[0], call.q.shape[2], call.k.shape[2]
     plans: dict[KeyRanges, RangeKernels | Decision] = {}
 
     def views(q: Tensor, k: Tensor, v: Tensor) -> list[Tensor]:
@@ -489,7 +504,7 @@ def _mask_runner(call: AttentionCall) -> Runner:
     def mask_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                     is_causal: bool, scale: float | None, enable_gqa: bool) -> Any:
         assert attn_mask is not None
-        ranges = _key_ranges.key_ranges(attn_mask, batch, n_k)
+        ranges = _key_ranges.key_ranges(attn_mask, batch, n_k, n_q)
         plan = None if ranges is None else plans.get(ranges)
         if ranges is not None and plan is None:
             this = AttentionCall(*views(q, k, v), attn_mask, **options)  # type: ignore[misc]

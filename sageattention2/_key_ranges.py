@@ -8,11 +8,14 @@ the call then runs the kernel on K and V narrowed to them (views, no copies; one
 run of batch items that share a range): exactly the masked attention, with K's quantization
 groups and smoothing mean over the item's own keys only, never the padding.
 
-Only masks of shape ``[..., 1, 1, N_kv]`` (after broadcasting from the left: no head or query
-dimension) are examined, so that a mask that is not of this kind costs nothing; examining one
-reads it once on the GPU and waits for the result (one synchronisation), and the answer is kept
-for that mask tensor while it is alive and unmodified (models pass the same mask to every layer;
-``_tensor_memo``: an inference tensor is examined on every call).
+Masks of shape ``[..., 1, 1, N_kv]`` (after broadcasting from the left: no head or query
+dimension) are examined, and ``[..., 1, N_q, N_kv]`` ones (what transformers materializes for a
+padded encoder), which qualify when every query's row is the same; a mask of any other shape
+costs nothing. Examining one reads it once on the GPU and waits for the result (one
+synchronisation), and the answer is kept for that mask tensor while it is alive and unmodified
+(models pass the same mask to every layer; ``_tensor_memo``: an inference tensor is examined on
+every call). ``_execute`` does not examine masks where exact SDPA is faster at the call's full
+key length anyway (``qk_quant="auto"``).
 During a CUDA graph capture a mask not examined before is not examined (the call is captured as
 exact SDPA).
 Bool masks (True: attend) and additive masks whose values are 0 (attend) or -inf / the dtype's
@@ -34,25 +37,37 @@ KeyRanges = tuple[tuple[int, int], ...]  # (first key, end) per batch item
 _examined = TensorMemo()
 
 
-def could_be_key_mask(shape: tuple[int, ...], batch: int, n_k: int) -> bool:
-    """Whether a mask of this shape is examined: ``[..., 1, 1, N_kv]`` after broadcasting from
-    the left to 4-D, with one row or one per batch item (decided once per kind of call)."""
+# Per-query masks above this many elements are not examined (the comparison of their rows
+# would allocate as much again): exact SDPA.
+MAX_QUERY_MASK_ELEMENTS = 1 << 28
+
+
+def could_be_key_mask(shape: tuple[int, ...], batch: int, n_k: int, n_q: int = 1) -> bool:
+    """Whether a mask of this shape is examined: ``[..., 1, 1, N_kv]`` or ``[..., 1, N_q,
+    N_kv]`` after broadcasting from the left to 4-D, with one row or one per batch item (decided
+    once per kind of call)."""
     if len(shape) > 4 or n_k == 0:
         return False
-    b, h, n_q, keys = (1,) * (4 - len(shape)) + tuple(shape)
-    return h == 1 and n_q == 1 and keys == n_k and b in (1, batch)
+    b, h, rows, keys = (1,) * (4 - len(shape)) + tuple(shape)
+    return (h == 1 and rows in (1, n_q) and keys == n_k and b in (1, batch)
+            and b * rows * keys <= max(MAX_QUERY_MASK_ELEMENTS, b * keys))
 
 
-def _examine(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
-    if not could_be_key_mask(mask.shape, batch, n_k) or mask.device.type == "meta":
+def _examine(mask: Tensor, batch: int, n_k: int, n_q: int) -> KeyRanges | None:
+    if not could_be_key_mask(mask.shape, batch, n_k, n_q) or mask.device.type == "meta":
         return None
-    rows = mask.reshape(-1, n_k)
+    b, _, n_rows, _ = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    per_query = mask.reshape(b, n_rows, n_k)
+    same_rows = (per_query == per_query[:, :1]).all() if n_rows > 1 else \
+        torch.ones((), dtype=torch.bool, device=mask.device)
+    rows = per_query[:, 0]
     if rows.dtype == torch.bool:
         keep, values_ok = rows, torch.ones((), dtype=torch.bool, device=rows.device)
     else:
         keep = rows == 0
         masked = (rows == -math.inf) | (rows == torch.finfo(rows.dtype).min)
         values_ok = (keep | masked).all()
+    values_ok = values_ok & same_rows
     counts = keep.sum(-1)
     starts = keep.to(torch.int32).argmax(-1)  # the first kept key (0 when none)
     index = torch.arange(n_k, device=rows.device)
@@ -66,18 +81,18 @@ def _examine(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
     return ranges * batch if len(ranges) == 1 else ranges
 
 
-def key_ranges(mask: Tensor, batch: int, n_k: int) -> KeyRanges | None:
-    """Each batch item's range of keys if ``mask`` (broadcasting to ``[batch, H, N_q, n_k]``) is
+def key_ranges(mask: Tensor, batch: int, n_k: int, n_q: int = 1) -> KeyRanges | None:
+    """Each batch item's range of keys if ``mask`` (broadcasting to ``[batch, H, n_q, n_k]``) is
     a key-padding mask of the kind the kernels run (see the module), else None."""
-    if not could_be_key_mask(mask.shape, batch, n_k):
+    if not could_be_key_mask(mask.shape, batch, n_k, n_q):
         return None  # (costs a shape check: no synchronisation, nothing remembered)
-    ranges = _examined.get(mask, (batch, n_k))
+    ranges = _examined.get(mask, (batch, n_k, n_q))
     if ranges is not MISSING:
         return ranges
     if mask.is_cuda and torch.cuda.is_current_stream_capturing():
         return None  # reading the mask would end a CUDA graph capture: exact SDPA, not remembered
-    ranges = _examine(mask, batch, n_k)
-    _examined.put(mask, ranges, (batch, n_k))
+    ranges = _examine(mask, batch, n_k, n_q)
+    _examined.put(mask, ranges, (batch, n_k, n_q))
     return ranges
 
 

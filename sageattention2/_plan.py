@@ -276,11 +276,13 @@ DEVICE_RULES: tuple[Fallback, ...] = (
 # examines each new mask (_execute).
 MASK_RULE = Fallback(
     "an `attn_mask` other than a key-padding mask (one that leaves each batch item a contiguous "
-    "range of keys, the same for all its heads and queries: `[B, 1, 1, N_kv]`)",
+    "range of keys, the same for all its heads and queries: `[B, 1, 1, N_kv]`, or `[B, 1, N_q, "
+    "N_kv]` with equal rows)",
     lambda call: call.attn_mask is not None and _key_ranges.key_ranges(
-        call.attn_mask, call.q.shape[0], call.k.shape[2]) is None,
+        call.attn_mask, call.q.shape[0], call.k.shape[2], call.q.shape[2]) is None,
     "the quantized kernels take no attn_mask other than a key-padding mask (one that leaves each "
-    "batch item a contiguous range of keys, the same for all heads and queries: [B, 1, 1, N_kv])")
+    "batch item a contiguous range of keys, the same for all heads and queries: [B, 1, 1, N_kv], "
+    "or [B, 1, N_q, N_kv] with equal rows)")
 CALL_RULES: tuple[Fallback, ...] = (
     Fallback("float32 or float64 inputs", lambda call: call.q.dtype not in KERNEL_DTYPES,
              "the quantized kernels need float16 or bfloat16 inputs, got {dtype}",

@@ -44,7 +44,11 @@ def test_other_masks_do_not_qualify() -> None:
     holes[0, 0, 0, 2] = False
     assert _key_ranges.key_ranges(holes, 2, 9) is None  # not contiguous
     assert _key_ranges.key_ranges(key_mask([(0, 5), (4, 4)], 9), 2, 9) is None  # no key left
-    assert _key_ranges.key_ranges(keep.expand(2, 1, 7, 9), 2, 9) is None  # per query: not looked at
+    assert _key_ranges.key_ranges(keep.expand(2, 1, 7, 9), 2, 9) is None  # rows for 1 query
+    per_query = keep.expand(2, 1, 7, 9).clone()
+    assert _key_ranges.key_ranges(per_query, 2, 9, 7) == ((0, 5), (2, 9))  # equal rows
+    per_query[1, 0, 6, 2] = False
+    assert _key_ranges.key_ranges(per_query, 2, 9, 7) is None  # rows that differ
     assert _key_ranges.key_ranges(keep.expand(2, 3, 1, 9), 2, 9) is None  # per head
     assert _key_ranges.key_ranges(keep, 2, 10) is None  # other keys
     additive = key_mask([(0, 5), (2, 9)], 9, "-inf")
@@ -58,7 +62,7 @@ def test_examined_once_per_mask_until_modified(monkeypatch: pytest.MonkeyPatch) 
     examined: list[int] = []
     real = _key_ranges._examine
     monkeypatch.setattr(_key_ranges, "_examine",
-                        lambda m, b, n: examined.append(1) or real(m, b, n))
+                        lambda *a: examined.append(1) or real(*a))
     mask = key_mask([(0, 5)], 9)
     assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)
     assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),) and len(examined) == 1
@@ -73,7 +77,7 @@ def test_an_inference_mask_is_examined_on_every_call(monkeypatch: pytest.MonkeyP
     examined: list[int] = []
     real = _key_ranges._examine
     monkeypatch.setattr(_key_ranges, "_examine",
-                        lambda m, b, n: examined.append(1) or real(m, b, n))
+                        lambda *a: examined.append(1) or real(*a))
     with torch.inference_mode():
         mask = key_mask([(0, 5)], 9)
         assert _key_ranges.key_ranges(mask, 1, 9) == ((0, 5),)
@@ -158,19 +162,58 @@ def test_a_new_mask_of_the_same_shape_is_examined(kernel_stand_in: list[tuple[in
         sageattn(q, k, v, holes, strict=True)
 
 
-def test_per_query_masks_still_fall_back(kernel_stand_in: list[tuple[int, ...]]) -> None:
+def test_per_query_masks(kernel_stand_in: list[tuple[int, ...]]) -> None:
+    """A [B, 1, N_q, N_kv] mask whose rows are equal (transformers' padded encoders) runs the
+    kernel on each item's keys; one whose rows differ falls back."""
     q, k, v = qkv(b=2, hq=2, nq=8, nk=16, d=64, dtype=torch.float16)
     mask = key_mask([(0, 10), (0, 16)], 16).expand(2, 1, 8, 16).contiguous()
+    assert explain(q, k, v, mask).quantized
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        out = sageattn(q, k, v, mask)
+    torch.testing.assert_close(out.float(), ORIGINAL_SDPA(q.float(), k.float(), v.float(), attn_mask=mask),
+                               atol=2e-3, rtol=0)
+    assert kernel_stand_in == [(1, 2, 10, 64), (1, 2, 16, 64)]
+    mask[0, 0, 3, 12] = True
     reason = explain(q, k, v, mask).reason
     assert reason is not None and "key-padding mask" in reason
+
+
+def test_masks_are_not_examined_where_exact_wins_at_full_length(
+        kernel_stand_in: list[tuple[int, ...]], monkeypatch: pytest.MonkeyPatch) -> None:
+    """qk_quant="auto" where the crossover sends the unmasked call to exact SDPA: the calls of
+    that kind run exact SDPA with their masks, none examined after the first (no
+    synchronisation per call), no warning; qk_quant="int8" still examines each."""
+    from sageattention2 import _crossover
+
+    monkeypatch.setattr(_crossover, "exact_is_faster",
+                        lambda call, choice, capability: "slower" if call.qk_quant_auto else None)
+    examined: list[int] = []
+    real = _key_ranges._examine
+    monkeypatch.setattr(_key_ranges, "_examine", lambda *a: examined.append(1) or real(*a))
+    q, k, v = qkv(b=2, hq=2, nq=8, nk=16, d=64, dtype=torch.float16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for _ in range(3):
+            mask = key_mask([(0, 10), (0, 16)], 16)  # a new mask tensor per call, as under inference_mode
+            out = sageattn(q, k, v, mask)
+            assert torch.equal(out, ORIGINAL_SDPA(q, k, v, attn_mask=mask))
+    assert len(examined) == 1 and kernel_stand_in == []  # the first call's decision only
+    examined.clear()
+    for _ in range(2):
+        sageattn(q, k, v, key_mask([(0, 10), (0, 16)], 16), qk_quant="int8")
+    assert len(examined) == 2 and len(kernel_stand_in) == 4
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("d", [64, 128])
-def test_key_padding_mask_on_the_gpu(attention_kernel: None, layout: str, d: int) -> None:
-    """On the GPU a key-padding mask runs the kernel: each item's output is bit for bit the
-    unmasked call on its range of keys, and within the 8-bit bound of float64 masked attention."""
+@pytest.mark.parametrize("per_query", [False, True], ids=["[B,1,1,Nk]", "[B,1,Nq,Nk]"])
+def test_key_padding_mask_on_the_gpu(attention_kernel: None, layout: str, d: int,
+                                     per_query: bool) -> None:
+    """On the GPU a key-padding mask (also as equal rows per query) runs the kernel: each item's
+    output is bit for bit the unmasked call on its range of keys, and within the 8-bit bound of
+    float64 masked attention."""
     g = torch.Generator(device="cuda").manual_seed(d)
     ranges = [(0, 1000), (0, 1000), (37, 1537), (0, 1537)]
     shape = (4, 300, 8, d) if layout == "NHD" else (4, 8, 300, d)
@@ -178,6 +221,8 @@ def test_key_padding_mask_on_the_gpu(attention_kernel: None, layout: str, d: int
     q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     mask = key_mask(ranges, 1537).cuda()
+    if per_query:
+        mask = mask.expand(4, 1, 300, 1537).contiguous()
     kw = dict(enable_gqa=True, tensor_layout=layout, qk_quant="int8")
     assert explain(q, k, v, mask, **kw).quantized
     out = sageattn(q, k, v, mask, **kw)

@@ -1,8 +1,8 @@
 """Real weights: all-MiniLM-L6-v2's sentence embeddings through attn_implementation="sageattn2"
 against "sdpa" (tests/minilm.py says where the weights come from; without them these tests
 skip). Each sentence alone (no padding, no mask: on the GPU the quantized kernel serves every
-call, head_dim 32 zero-padded to 64) and in padded batches of 16 (the key-padding mask: exact
-SDPA: transformers passes a [B, 1, N, N] mask). Issue 35's bound: cosine >= 0.999 per sentence and
+call, head_dim 32 zero-padded to 64) and in padded batches of 16 (transformers' [B, 1, N, N]
+key-padding mask, equal rows: the kernel on each sentence's keys). Issue 35's bound: cosine >= 0.999 per sentence and
 the same nearest neighbour (on the FP8-PV tier, except near ties: test_minilm_on_the_gpu)."""
 from __future__ import annotations
 
@@ -51,7 +51,7 @@ def test_minilm_on_the_gpu(attention_kernel: None, batch: int, pv_quant: str) ->
     are reported, not asserted: P's 3 mantissa bits over 10-30 keys move a similarity by up to
     ~3e-3, which flips the sentences whose two nearest are closer than that in the reference
     (on the H100, 2 of 68 alone, at margins 2.9e-3 and 1.2e-3; none in batches of 16, where
-    transformers' [B, 1, N, N] mask runs exact SDPA)."""
+    transformers' [B, 1, N, N] mask ran exact SDPA before masks of that form ran the kernel)."""
     result = compare("cuda", torch.float16, batch, pv_quant=pv_quant)
     cos = result.cosines
     print(f"\nMiniLM float16, batch {batch}, PV {pv_quant}: cosine min {float(cos.min()):.6f} mean "

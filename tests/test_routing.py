@@ -21,7 +21,7 @@ from sageattention2._call import AttentionCall
         (torch.float32, {}, {}, "float16 or bfloat16 inputs, got torch.float32"),
         (torch.float64, {}, {}, "got torch.float64"),
         (torch.float16, {}, {"dropout_p": 0.1}, "no dropout (dropout_p > 0)"),
-        (torch.bfloat16, {}, {"attn_mask": torch.ones(9, 9, dtype=torch.bool)}, "no attn_mask"),
+        (torch.bfloat16, {}, {"attn_mask": torch.ones(9, 9, dtype=torch.bool).tril()}, "no attn_mask"),
         (torch.float16, {"d": 12}, {},
          "the attention kernels are built for head_dim 64 and 128 (other multiples of 8 below "
          "128 are zero-padded to the next), got 12"),
