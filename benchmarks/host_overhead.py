@@ -48,7 +48,8 @@ def cpu_us(fn: Callable[[], object], calls: int = 50, repeats: int = 15) -> floa
 def table(path: str) -> None:
     """``path`` "wgmma" or "mma": the call as one op (sageattn_<path>) and as its chain of ops
     called from Python (sageattn_<path>_chain, what sageattn ran before the op existed)."""
-    kwargs = {"qk_quant": "int8"} if path == "wgmma" else {"pv_quant": "none", "strict": True}
+    kwargs = ({"qk_quant": "int8"} if path == "wgmma"
+              else {"pv_quant": "none", "smooth_q": "head", "strict": True})
     op = f"sageattn_{path}"
     out = timing.Table(["D", "N", "causal", "sageattn CPU us/call", "GPU us/call (do_bench)",
                         "sageattn, ops from Python: CPU", "GPU", "ops only CPU us/call"], f"{path} path")
@@ -119,10 +120,10 @@ def profile() -> None:
         "attention_wgmma (ops wrapper)": lambda: ops.attention_wgmma(
             q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, st.k_mean, n, d ** -0.5, False, False,
             False),
-        "sageattn_wgmma (ops wrapper)": lambda: ops.sageattn_wgmma(q, k, v, True, False, 5, d ** -0.5, False,
+        "sageattn_wgmma (ops wrapper)": lambda: ops.sageattn_wgmma(q, k, v, "fp8", True, False, 5, d ** -0.5, False,
                                                                   False, False),
         "sageattn_wgmma_chain (3 ops from Python)": lambda: ops.sageattn_wgmma_chain(
-            q, k, v, True, False, 5, d ** -0.5, False, False, False),
+            q, k, v, "fp8", True, False, 5, d ** -0.5, False, False, False),
         "sageattn": lambda: sageattn(q, k, v, qk_quant="int8"),
     }
     for name, fn in parts.items():

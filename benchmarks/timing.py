@@ -142,15 +142,18 @@ def default_kernel() -> tuple[str, str, bool]:
     return "mma", "int8", native_fp8 and ops.family_runs_on(ops.MMA_FP8_FAMILY, capability)
 
 
-def wgmma_kernel_call(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Callable[[], object]:
+def wgmma_kernel_call(q: Tensor, k: Tensor, v: Tensor, causal: bool, pv: str = "fp8") -> Callable[[], object]:
     """attention_wgmma alone (it quantizes Q itself) on K and V quantized once as sageattn's
-    Hopper path does (K smoothed, V with one FP8 scale per tile), as a callable to time."""
+    Hopper path does (K smoothed, V with one FP8 scale per tile; ``pv`` "input": the accurate
+    tier, V as it is), as a callable to time."""
     from sageattention2 import ops
 
     stats = ops.smoothing_stats(None, k, None, False)
-    kv = ops.quantize_kv(k, v, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    fp8 = pv == "fp8"
+    kv = ops.quantize_kv(k, v if fp8 else None, stats.k_mean, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
     scale = q.shape[-1] ** -0.5
-    return lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, None, None,
+    v_in, v_scale = (kv.v_fp8, kv.v_tile_scale) if fp8 else (v, None)
+    return lambda: ops.attention_wgmma(q, kv.k_quant, kv.k_scale, v_in, v_scale, None, None,
                                        k.shape[2], scale, causal, False, False)
 
 
@@ -173,12 +176,13 @@ def mma_kernel_call(q: Tensor, k: Tensor, v: Tensor, causal: bool, qk: str = "in
                                      k.shape[2], scale, causal, False, False)
 
 
-def kernel_call(q: Tensor, k: Tensor, v: Tensor, causal: bool) -> Callable[[], object]:
-    """The kernel of default_kernel() alone, as a callable to time."""
+def kernel_call(q: Tensor, k: Tensor, v: Tensor, causal: bool, pv_quant: str = "auto") -> Callable[[], object]:
+    """The kernel of default_kernel() alone, as a callable to time (``pv_quant`` "none": its PV
+    in the input dtype, the Hopper kernel's accurate tier)."""
     kernel, qk, fp8_v = default_kernel()
     if kernel == "wgmma":
-        return wgmma_kernel_call(q, k, v, causal)
-    return mma_kernel_call(q, k, v, causal, qk, fp8_v)
+        return wgmma_kernel_call(q, k, v, causal, "input" if pv_quant == "none" else "fp8")
+    return mma_kernel_call(q, k, v, causal, qk, fp8_v and pv_quant != "none")
 
 
 # ---------------------------------------------------------------------------------------------

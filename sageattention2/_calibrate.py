@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import torch
+from torch import Tensor
 
 from . import _model_suite, adaptive
 from ._bench_models import Clock, first_tensor, markdown_table
@@ -31,7 +32,6 @@ def run(key: str, budgets: Sequence[float], steps: int, reps: int, device: torch
     dtype = case.dtype if device.type == "cuda" else torch.float32
     torch.manual_seed(0)
     model, inputs = case.build(device, dtype, tiny)
-    clock = Clock(device)
 
     def forwards(m: torch.nn.Module) -> torch.Tensor:
         with torch.no_grad():
@@ -39,6 +39,16 @@ def run(key: str, budgets: Sequence[float], steps: int, reps: int, device: torch
                 result = first_tensor(m(**inputs))
         return result
 
+    return compare(key, f"{case.name}, {steps} forward(s) per run", model, forwards, budgets, reps,
+                   device, out)
+
+
+def compare(key: str, title: str, model: torch.nn.Module, forwards: Callable[[torch.nn.Module], Tensor],
+            budgets: Sequence[float], reps: int, device: torch.device,
+            out: Path | None) -> list[dict[str, Any]]:
+    """The table of ``run`` for any model whose attention calls reach
+    F.scaled_dot_product_attention: ``forwards(model)`` runs it and returns the output compared."""
+    clock = Clock(device)
     plans = {budget: adaptive.calibrate(model, forwards, budget) for budget in budgets}
     configurations: list[tuple[str, Callable[[], Any]]] = [
         ("all exact SDPA", contextlib.nullcontext),
@@ -67,7 +77,7 @@ def run(key: str, budgets: Sequence[float], steps: int, reps: int, device: torch
         [(r["configuration"], f"{r['ms']:.2f}", f"{r['speedup']:.3f}x", f"{r['error']:.2e}",
           ", ".join(f"{k} {v}" for k, v in sorted(r["served"].items())) or "")
          for r in rows],
-        f"{case.name}, {steps} forward(s) per run; error: {adaptive.ERROR}")
+        f"{title}; error: {adaptive.ERROR}")
     print(table)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ Two checks per variant:
    docs/DECISIONS.md#d25).
 
 Variants: the Hopper kernel (attention_wgmma, sm_90a builds on sm_90) through sageattn's default
-path; the warp-level attention_mma through the ops (INT8 QK + FP16/BF16 PV everywhere, INT8 and
+path and its accurate tier (pv_quant="none": P and V in 16 bits); the warp-level attention_mma through the ops (INT8 QK + FP16/BF16 PV everywhere, INT8 and
 INT4 QK + FP8 PV where the build has FP8 mma.sync code for this GPU: sm_89+, emulated on sm_90).
 """
 from __future__ import annotations
@@ -36,6 +36,8 @@ FAMILIES = ("bias0", "bias4", "outliers")
 # Per variant and family: (lowest CosSim, highest rel. L1) against float64, causal or not.
 BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
     "wgmma int8+fp8": {"bias0": (0.9990, 0.042), "bias4": (0.9998, 0.014), "outliers": (0.9980, 0.044)},
+    # issue 36's bound for the accurate tier: rel. L1 <= 0.015 on bias0
+    "wgmma int8+fp16": {"bias0": (0.9998, 0.015), "bias4": (0.99998, 0.005), "outliers": (0.9982, 0.028)},
     "mma int8+fp16": {"bias0": (0.9998, 0.014), "bias4": (0.99998, 0.005), "outliers": (0.9982, 0.028)},
     "mma int8+fp8": {"bias0": (0.9990, 0.042), "bias4": (0.9998, 0.014), "outliers": (0.9980, 0.045)},
     "mma int4+fp8": {"bias0": (0.975, 0.23), "bias4": (0.9996, 0.022), "outliers": (0.78, 0.42)},
@@ -50,17 +52,20 @@ class Variant(NamedTuple):
     emulate: Callable[..., Tensor]
 
 
-def wgmma_variant() -> Variant:
+def wgmma_variant(fp8_v: bool) -> Variant:
     """sageattn's Hopper path (its defaults, the kernel forced: K smoothed over a token sample, V
-    not smoothed)."""
+    not smoothed), with FP8 PV or (pv_quant="none") the accurate tier."""
+    pv_quant = "fp8" if fp8_v else "none"
+
     def run(q: Tensor, k: Tensor, v: Tensor, causal: bool, smooth_v: bool) -> Tensor:
         return sageattn(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1], smooth_v=smooth_v,
-                        qk_quant="int8", strict=True)  # int8: "auto" runs short calls on SDPA
+                        qk_quant="int8", pv_quant=pv_quant, strict=True)  # int8: "auto" runs short calls on SDPA
 
     def emulate(q: Tensor, k: Tensor, v: Tensor, causal: bool, smooth_v: bool) -> Tensor:
         return ref.hopper_kernel_reference(q, k, v, block_k=ops.WGMMA_BLOCK_K, is_causal=causal,
-                                           mean_stride=api.smoothing_sample_stride(k.shape[2]), smooth_v=smooth_v)
-    return Variant("wgmma int8+fp8", run, emulate)
+                                           mean_stride=api.smoothing_sample_stride(k.shape[2]), smooth_v=smooth_v,
+                                           pv="fp8" if fp8_v else "input")
+    return Variant(f"wgmma int8+{'fp8' if fp8_v else 'fp16'}", run, emulate)
 
 
 def mma_variant(qk: str, fp8_v: bool) -> Variant:
@@ -92,7 +97,7 @@ def variants(path: str) -> list[Variant]:
     found = []
     if path in ("all", "wgmma") and ops.has_op("attention_wgmma") and ops.family_runs_on(ops.WGMMA_FAMILY,
                                                                                             capability):
-        found.append(wgmma_variant())
+        found += [wgmma_variant(True), wgmma_variant(False)]
     if path in ("all", "mma") and ops.has_op("attention_mma"):
         found.append(mma_variant("int8", False))
         if ops.family_runs_on(ops.MMA_FP8_FAMILY, capability):

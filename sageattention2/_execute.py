@@ -275,7 +275,7 @@ class KernelCall:
         q, k, v = (_kernel_input(t, self.padded_head_dim) for t in (q, k, v))
         if self.choice.kernel == "wgmma":
             out, lse = ops.sageattn_wgmma(
-                q, k, v, self.smooth_k, self.smooth_v, self.sample_stride, self.sm_scale,
+                q, k, v, self.choice.pv, self.smooth_k, self.smooth_v, self.sample_stride, self.sm_scale,
                 self.is_causal, out_nhd, self.return_lse)
         else:
             out, lse = ops.sageattn_mma(

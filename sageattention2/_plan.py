@@ -69,7 +69,8 @@ HEAD_DIM_MULTIPLE = 8
 MIN_CAPABILITY: Capability = (8, 0)  # mma.sync INT8 m16n8k32 and fp16/bf16 m16n8k16, FP32 acc.
 # What each attention kernel runs (kernel_plan).
 MMA_PLAN = "per-thread quantized QK warp-level kernel (mma.sync)"
-WGMMA_PLAN = "INT8 QK (per-thread, Q quantized in the kernel) + FP8 PV Hopper kernel (wgmma)"
+WGMMA_PLAN = ("INT8 QK (per-thread, Q quantized in the kernel) + FP8 PV Hopper kernel (wgmma; "
+              "pv_quant='none': the same kernel with P and V in the input dtype)")
 
 
 class KernelChoice(NamedTuple):
@@ -215,6 +216,7 @@ class Route(NamedTuple):
 
 
 WGMMA = KernelChoice("wgmma", "int8", "fp8")
+WGMMA_INPUT = KernelChoice("wgmma", "int8", "input")
 MMA_INT4_FP8 = KernelChoice("mma", "int4", "fp8")
 MMA_INT8_FP8 = KernelChoice("mma", "int8", "fp8")
 MMA_INT8_INPUT = KernelChoice("mma", "int8", "input")
@@ -228,6 +230,14 @@ ROUTES: tuple[Route, ...] = (
               and kernel_head_dim(call.head_dim) in ops.WGMMA_HEAD_DIMS and target.wgmma),
           WGMMA, "what the Hopper kernel computes: INT8 QK with Q quantized per row in the "
                  "kernel, no Q smoothing, FP8 PV"),
+    Route("an sm_90 GPU with the build's Hopper kernel, `qk_quant` \"auto\"/\"int8\", `pv_quant` "
+          "\"none\", `smooth_q` \"auto\"/False",
+          lambda call, target: (
+              call.qk_quant == "int8" and call.pv_quant == "none"
+              and call.smooth_q in ("auto", "none")
+              and kernel_head_dim(call.head_dim) in ops.WGMMA_HEAD_DIMS and target.wgmma),
+          WGMMA_INPUT, "the accurate tier: the Hopper kernel with P and V in the input dtype, "
+                       "FP32 accumulation (3-4x less error than FP8 PV)"),
     Route("`qk_quant=\"int4\"`", lambda call, target: call.qk_quant == "int4", MMA_INT4_FP8,
           "the INT4 variant exists with FP8 PV only (sm_89+: native INT4 and FP8 mma.sync on "
           "Ada; emulated on the H100, slow)"),
@@ -443,7 +453,7 @@ def kernel_plan(device: torch.device | str | int | None = None) -> str:
         plan = f"exact SDPA fallback ({reason or 'the quantized kernels need a CUDA GPU'})"
     elif target.wgmma:
         plan = (f"quantized SageAttention2: {WGMMA_PLAN}, {dims}, INT8 without Q smoothing; the "
-                f"{MMA_PLAN} for smooth_q='head'/True, pv_quant='none' or qk_quant='int4': "
+                f"{MMA_PLAN} for smooth_q='head'/True or qk_quant='int4': "
                 f"{_mma_variants(target)} (other calls: exact SDPA)")
     else:
         plan = (f"quantized SageAttention2: {MMA_PLAN}: {_mma_variants(target)}, {dims} "

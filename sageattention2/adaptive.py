@@ -94,16 +94,20 @@ def call_error(out: Tensor, exact: Tensor) -> float:
 
 
 class _SiteTracker:
-    """Which module's forward is running (module hooks on every submodule of ``model``): the
-    call site of an SDPA call made now, and the step (top-level forwards of ``model``)."""
+    """Which module's forward is running (module hooks on the submodules of ``model``): the
+    call site of an SDPA call made now, and the step (top-level forwards of ``model``).
+    ``only``: hook just these modules (and ``model``): a plan's sites. Hooks on every module of
+    MiniLM (6 layers, ~100 modules) cost 0.1 ms per attention call, 20 % of its forward."""
 
-    def __init__(self, model: torch.nn.Module, steps: bool = True) -> None:
+    def __init__(self, model: torch.nn.Module, steps: bool = True, only: set[str] | None = None) -> None:
         self.names: list[str] = []
         self.calls: list[int] = []  # per open forward: SDPA calls it made so far
         self.step = -1
         self.steps = steps  # count them (a compiled graph then specializes on each step)
         self._handles = []
         for name, module in model.named_modules():
+            if only is not None and name and name not in only:
+                continue
             self._handles.append(module.register_forward_pre_hook(self._enter(name)))
             self._handles.append(module.register_forward_hook(self._leave, always_call=True))
 
@@ -318,7 +322,12 @@ class AppliedPlan:
 
     def __init__(self, model: torch.nn.Module, plan: Plan) -> None:
         self.plan = plan
-        self._tracker = _SiteTracker(model, steps=any(e.steps is not None for e in plan.entries))
+        # Only the plan's site modules are tracked: a call made in the same modules as during
+        # calibration finds its site (a module the plan does not name counts as its nearest
+        # tracked ancestor).
+        sites = {entry.site.rsplit("#", 1)[0] for entry in plan.entries}
+        self._tracker = _SiteTracker(model, steps=any(e.steps is not None for e in plan.entries),
+                                     only=sites)
         self._previous = F.scaled_dot_product_attention
         self.calls: dict[str, int] = {}  # variant (or "default") -> eager calls served
 

@@ -251,8 +251,8 @@ def attention_wgmma(
     q: Tensor,
     k_codes: Tensor,
     k_scale: Tensor,
-    v_fp8: Tensor,
-    v_tile_scale: Tensor,
+    v: Tensor,
+    v_tile_scale: Tensor | None,
     v_mean: Tensor | None,
     k_mean: Tensor | None,
     kv_len: int,
@@ -262,13 +262,17 @@ def attention_wgmma(
     return_lse: bool,
 ) -> tuple[Tensor, Tensor]:
     """Hopper attention (sm_90a, docs/DESIGN.md#attention-wgmma): ``q`` the caller's fp16/bf16
-    ``[B, Hq, Nq, D]`` view (quantized inside the kernel), K and V from
-    quantize_kv(block_k=WGMMA_BLOCK_K, "int8", v without ``v_scale``: its per-tile
-    ``v_tile_scale``, and for smooth V ``v_mean``). Returns ``(out [B, Hq, Nq, D]`` in q's dtype,
+    ``[B, Hq, Nq, D]`` view (quantized inside the kernel), K from
+    quantize_kv(block_k=WGMMA_BLOCK_K, "int8"). The FP8 PV tier: ``v`` its float8_e4m3fn codes
+    (quantize_kv with v and without ``v_scale``) with their per-tile ``v_tile_scale`` and, for
+    smooth V, ``v_mean``. The accurate tier: ``v`` the caller's ``[B, Hkv, Nk, D]`` in q's dtype
+    (last dimension contiguous, other strides multiples of 8 elements, 16-byte aligned), with
+    ``v_tile_scale`` and ``v_mean`` None (or empty). Returns ``(out [B, Hq, Nq, D]`` in q's dtype,
     NHD memory when ``out_nhd``; ``lse [B, Hq, Nq]`` float32 natural log of the true scaled scores,
     including the row constant of K smoothing when ``k_mean`` is given, or ``[0]``)."""
+    v_tile_scale, v_mean = (None if t is not None and t.numel() == 0 else t for t in (v_tile_scale, v_mean))
     out, lse = _op("attention_wgmma")(
-        q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
+        q, k_codes, k_scale, v, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
         return_lse,
     )
     return out, lse
@@ -278,6 +282,7 @@ def sageattn_wgmma(
     q: Tensor,
     k: Tensor,
     v: Tensor,
+    pv_dtype: str,
     smooth_k: bool,
     smooth_v: bool,
     sample_stride: int,
@@ -289,24 +294,29 @@ def sageattn_wgmma(
     """The Hopper path of sageattn in one op (docs/DESIGN.md#composite-ops):
     :func:`sageattn_wgmma_chain`, run by the extension in C++, so that its intermediates are never
     returned to Python. ``q``, ``k``, ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last
-    dimension contiguous, other strides multiples of 8). Returns attention_wgmma's
-    ``(out, lse)``."""
+    dimension contiguous, other strides multiples of 8). ``pv_dtype``: "fp8" (P~ and V in E4M3)
+    or "input" (the accurate tier: P and V in q's dtype; ``smooth_v`` then does nothing).
+    Returns attention_wgmma's ``(out, lse)``."""
     out, lse = _op("sageattn_wgmma")(
-        q, k, v, smooth_k, smooth_v, sample_stride, sm_scale, is_causal, out_nhd, return_lse
+        q, k, v, pv_dtype, smooth_k, smooth_v, sample_stride, sm_scale, is_causal, out_nhd, return_lse
     )
     return out, lse
 
 
-def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, smooth_k: bool, smooth_v: bool,
-                         sample_stride: int, *attention: Any) -> tuple[Tensor, Tensor]:
+def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, pv_dtype: str, smooth_k: bool,
+                         smooth_v: bool, sample_stride: int, *attention: Any) -> tuple[Tensor, Tensor]:
     """What sageattn_wgmma computes, op by op (its CPU implementation, and what the GPU tests
     compare its C++ chain with bit for bit): one smoothing_stats pass over every
     ``sample_stride``-th token (K's mean with ``smooth_k``, V's with ``smooth_v``), one
     quantize_kv pass (per-thread INT8 K, FP8 V with one scale per tile, transposed in the
-    PV-MMA order), then attention_wgmma, which quantizes Q itself and returns the complete LSE
-    (it adds the row constant of K smoothing). ``attention`` is the rest of sageattn_wgmma's
-    arguments, ``(sm_scale, is_causal, out_nhd, return_lse)``, which attention_wgmma takes as
-    they are."""
+    PV-MMA order; with ``pv_dtype`` "input", K only, V as it is), then attention_wgmma, which
+    quantizes Q itself and returns the complete LSE (it adds the row constant of K smoothing).
+    ``attention`` is the rest of sageattn_wgmma's arguments, ``(sm_scale, is_causal, out_nhd,
+    return_lse)``, which attention_wgmma takes as they are."""
+    if pv_dtype not in ("fp8", "input"):
+        raise RuntimeError(f"pv_dtype must be 'fp8' or 'input', got '{pv_dtype}'")
+    fp8 = pv_dtype == "fp8"
+    smooth_v = smooth_v and fp8
     k_mean = v_mean = None
     if smooth_k or smooth_v:
         sample = slice(None, None, sample_stride)
@@ -314,9 +324,9 @@ def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, smooth_k: bool, smooth
                                 v[:, :, sample] if smooth_v else None, smooth_v)
         k_mean = stats.k_mean if smooth_k else None
         v_mean = stats.v_mean if smooth_v else None
-    kv = quantize_kv(k, v, k_mean, v_mean, None, None, WGMMA_BLOCK_K, "int8", 1.0)
-    return attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, v_mean, k_mean,
-                           k.shape[2], *attention)
+    kv = quantize_kv(k, v if fp8 else None, k_mean, v_mean, None, None, WGMMA_BLOCK_K, "int8", 1.0)
+    return attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8 if fp8 else v,
+                           kv.v_tile_scale if fp8 else None, v_mean, k_mean, k.shape[2], *attention)
 
 
 def sageattn_mma(

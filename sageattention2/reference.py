@@ -1008,16 +1008,26 @@ def hopper_kernel_reference(
     scale: Optional[float] = None,
     smooth_k: bool = True,
     smooth_v: bool = False,
+    pv: str = "fp8",
     return_lse: bool = False,
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The algorithm of the Hopper kernel (attention_wgmma, docs/DESIGN.md#attention-wgmma): INT8 Q
     with one scale per query row and no Q smoothing, INT8 K per thread in ``block_k``-key blocks
-    (K's mean over every ``mean_stride``-th token with ``smooth_k``), P~ x448 and V with one
-    power-of-two FP8 scale per tile (V's mean with ``smooth_v``), FP32 two-level accumulation, l
-    summed by the PV product. The tests and ``python -m sageattention2 check`` emulate the
+    (K's mean over every ``mean_stride``-th token with ``smooth_k``); ``pv`` "fp8": P~ x448 and V
+    with one power-of-two FP8 scale per tile (V's mean with ``smooth_v``), FP32 two-level
+    accumulation, l summed by the PV product; "input" (the accurate tier): P and V rounded to
+    v's dtype, the FP32 output the accumulator, l the sum of the unrounded P (``smooth_v``
+    ignored: V is not quantized). The tests and ``python -m sageattention2 check`` emulate the
     kernel with this one definition."""
+    if pv not in ("fp8", "input"):
+        raise ValueError(f"pv must be 'fp8' or 'input', got {pv!r}")
+    common = dict(is_causal=is_causal, scale=scale, qk_dtype="int8", granularity="thread",
+                  q_granularity="token", block_k=block_k, smooth_k=smooth_k, smooth_q=None,
+                  fp22=False, mean_stride=mean_stride, return_lse=return_lse)
+    if pv == "input":
+        return sage_attention_reference(
+            q, k, v, smooth_v=False, pv_dtype="bf16" if v.dtype == torch.bfloat16 else "fp16",
+            two_level=False, row_sum="p", **common)
     return sage_attention_reference(
-        q, k, v, is_causal=is_causal, scale=scale, qk_dtype="int8", granularity="thread",
-        q_granularity="token", block_k=block_k, smooth_k=smooth_k, smooth_q=None, smooth_v=smooth_v,
-        pv_dtype="e4m3", two_level=True, fp22=False, row_sum="pv", v_granularity="tile",
-        mean_stride=mean_stride, return_lse=return_lse)
+        q, k, v, smooth_v=smooth_v, pv_dtype="e4m3", two_level=True, row_sum="pv",
+        v_granularity="tile", **common)

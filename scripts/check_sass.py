@@ -54,8 +54,11 @@ EXPECTED: dict[str, dict[str, tuple[str, ...]]] = {
     "attention_mma_kernel<int4, fp8>": {
         "sm_89": ("IMMA.16864.S4.S4", "QMMA.16832.F32.E4M3.E4M3"),
     },
-    "attention_wgmma_kernel": {
+    "attention_wgmma_kernel<fp8>": {
         "sm_90": ("IGMMA.64x128x32.S8.S8", "QGMMA.64x"),
+    },
+    "attention_wgmma_kernel<input>": {  # the accurate tier: PV on fp16/bf16 HGMMA
+        "sm_90": ("IGMMA.64x128x32.S8.S8", "HGMMA.64x"),
     },
 }
 KERNEL_NAMES = ("attention_mma_kernel", "attention_wgmma_kernel")
@@ -68,6 +71,9 @@ MUFU_RUN_LIMIT = 8
 def variant(name: str) -> str:
     """The EXPECTED key of a (mangled) kernel name, e.g. attention_mma_kernel<int4, fp8>."""
     kernel = next(k for k in KERNEL_NAMES if k in name)
+    if kernel == "attention_wgmma_kernel":  # <T, head_dim, causal, fp8 PV>
+        m = re.search(r"attention_wgmma_kernelI.*?Li\d+ELb[01]ELb([01])E", name)
+        return f"{kernel}<{'fp8' if m is None or m.group(1) == '1' else 'input'}>"
     # The enums' mangled namespaces are left open (a namespace move changes their substitutions).
     m = re.search(r"QkCodesE(\d)E.*?PvOperandsE(\d)E", name)
     return f"{kernel}<{_QK_CODES[m.group(1)]}, {_PV_OPERANDS[m.group(2)]}>" if m else kernel
@@ -208,7 +214,7 @@ def demangled_short(name: str) -> str:
         return name
     dtype = "bf16" if "bfloat16" in m.group(2) else "fp16"
     short = f"{m.group(1)}<{dtype}, {m.group(3)}, {'causal' if m.group(4) == '1' else 'full'}"
-    if m.group(5):
+    if m.group(5) and m.group(1) == "attention_mma_kernel":  # (attention_wgmma's is its PV tier: variant())
         short += ", smooth-q" if m.group(6) == "1" else ", no-smooth-q"
     codes = variant(name)
     return short + (codes[codes.index("<") + 1:-1].join([", ", ">"]) if "<" in codes else ">")

@@ -61,7 +61,9 @@ def attention_mma(fp8: bool) -> None:
 
 
 def attention_wgmma() -> None:
-    """The Hopper kernel: both head dims, causal on/off, GQA, a tail tile, NHD output, smooth V."""
+    """The Hopper kernel: both head dims, causal on/off, GQA, a tail tile, NHD output, smooth V;
+    both PV tiers (the accurate one reads the caller's V, here an NHD view, through a 4-D
+    tensor map)."""
     for dtype in (torch.float16, torch.bfloat16):
         for n, d in ((130, 128), (33, 64)):
             q = torch.randn(1, 4, n, d, device="cuda", dtype=dtype)
@@ -72,6 +74,9 @@ def attention_wgmma() -> None:
             for causal in (False, True):
                 ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, stats.v_mean, stats.k_mean,
                                     n + 7, d ** -0.5, causal, causal, True)
+                v_nhd = v.transpose(1, 2).contiguous().transpose(1, 2)
+                ops.attention_wgmma(q, kv.k_quant, kv.k_scale, v_nhd, None, None, stats.k_mean, n + 7, d ** -0.5,
+                                    causal, causal, True)
     torch.cuda.synchronize()
     print("sanitize: attention_wgmma variants ran")
 
@@ -84,7 +89,8 @@ def sageattn_wgmma() -> None:
         q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, 2, 3 * n + 7, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for causal in (False, True):
-            ops.sageattn_wgmma(q, k, v, True, causal, 3, d ** -0.5, causal, causal, True)
+            for pv in ("fp8", "input"):
+                ops.sageattn_wgmma(q, k, v, pv, True, causal, 3, d ** -0.5, causal, causal, True)
     q, k, v = (torch.randn(1, 2, 1100, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     assert api.smoothing_sample_stride(1100) == 5
     sageattn(q, k, v, smooth_v=True, return_lse=True, qk_quant="int8", strict=True)  # the kernel

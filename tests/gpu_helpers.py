@@ -5,8 +5,8 @@ fp16/bf16 PV on every arch; INT8 QK + FP8 PV and INT4 QK + FP8 PV on sm_89+ buil
 test_attention_wgmma_gpu.py (the Hopper ``attention_wgmma``, sm_90a builds on sm_90 GPUs) and
 test_sageattn_gpu.py (``sageattn``'s quantized path on all of them). ``sageattn`` picks the kernel
 and precisions with ``_plan.route`` (a :class:`_plan.KernelChoice`); the sageattn tests run the
-PATHS below (on an H100: "default" attention_wgmma, "mma" INT8 + FP8 PV, "mma-fp16" INT8 +
-FP16/BF16 PV, "int4" INT4 + FP8 PV) and compare each with the emulation of the variant it ran.
+PATHS below (on an H100: "default" attention_wgmma, "accurate" its INT8 + FP16/BF16 PV tier,
+"mma" INT8 + FP8 PV, "mma-fp16" INT8 + FP16/BF16 PV, "int4" INT4 + FP8 PV) and compare each with the emulation of the variant it ran.
 
 Three references:
 - the emulation of the same algorithm (``reference.sage_attention_reference`` with the kernel's
@@ -23,7 +23,9 @@ Three references:
   no FP22 (the H100 has no native FP8 mma.sync; on Ada's native one the FP22 rounding of a
   128-key tile, ~1e-4 relative, stays far below the 1e-3 criterion).
   attention_wgmma: Q unsmoothed, quantized in the kernel in groups of rows {g, g+8} of 16-row warp
-  slabs (block_q=128, warps=8), K of quantize_kv(block_k=ops.WGMMA_BLOCK_K), FP8 PV as above;
+  slabs (block_q=128, warps=8), K of quantize_kv(block_k=ops.WGMMA_BLOCK_K), FP8 PV as above
+  with one V scale per tile, or (the accurate tier) P and V in the input dtype, O the FP32
+  accumulator, l the sum of the unrounded P;
 - exact float64 attention (``reference.exact_attention``): the 8-bit error level (randn inputs
   give rel. L1 ~0.01 with FP16 PV, bound 0.03; ~0.038 with FP8 PV, bound 0.05), INT4's level
   derived from its emulation (it depends on the input far more than 8-bit's), and the accuracy
@@ -57,6 +59,7 @@ from sageattention2.testing import poison_cuda_allocator, relative_l1
 DEVICE = "cuda"
 LOG2E = math.log2(math.e)
 WGMMA = KernelChoice("wgmma", "int8", "fp8")
+WGMMA_INPUT = KernelChoice("wgmma", "int8", "input")  # the accurate tier
 MMA_INT8_INPUT = KernelChoice("mma", "int8", "input")
 MMA_INT8_FP8 = KernelChoice("mma", "int8", "fp8")
 MMA_INT4_FP8 = KernelChoice("mma", "int4", "fp8")
@@ -68,7 +71,8 @@ EXACT_L1 = 0.03  # FP16/BF16 PV vs float64 attention on randn inputs (~0.01)
 EXACT_L1_FP8 = 0.05
 # 8-bit variants vs float64 attention on randn inputs. INT4 has no fixed entry: see
 # exact_l1_bound.
-EXACT_L1_OF = {MMA_INT8_INPUT: EXACT_L1, MMA_INT8_FP8: EXACT_L1_FP8, WGMMA: EXACT_L1_FP8}
+EXACT_L1_OF = {MMA_INT8_INPUT: EXACT_L1, MMA_INT8_FP8: EXACT_L1_FP8, WGMMA: EXACT_L1_FP8,
+               WGMMA_INPUT: EXACT_L1}
 # LSE, kernel vs emulation (atol), by QK format. The emulation takes its own float64 means, the
 # kernel's preprocessing float32 ones, so a few codes at a rounding boundary sit one step apart;
 # a row that few keys dominate moves its LSE by about one code step's score change. An INT4 step
@@ -83,15 +87,17 @@ WGMMA_LSE_EMULATION_ATOL = 3e-3
 OP_LSE_ATOL = {"int8": 5e-3, "int4": 0.1}
 # The sageattn paths of the sageattn tests, one per variant on an H100 with the default build:
 # "default" passes no option (attention_wgmma on sm_90 with the wgmma build, else attention_mma
-# with FP8 PV on sm_89, FP16/BF16 PV elsewhere); "mma" smooths Q per head, which the Hopper kernel
+# with FP8 PV on sm_89, FP16/BF16 PV elsewhere); "accurate" asks for PV in the input dtype
+# (attention_wgmma's accurate tier on sm_90, else attention_mma INT8 + FP16/BF16 PV, Q not
+# smoothed: the default of an sm_80 GPU); "mma" smooths Q per head, which the Hopper kernel
 # does not, and asks for FP8 PV (attention_mma INT8 + FP8, emulated FP8 mma.sync on sm_90);
-# "mma-fp16" asks for PV in the input dtype (attention_mma INT8 + FP16/BF16 PV everywhere, Q not
-# smoothed: the default of an sm_80 GPU); "int4" INT4 QK with FP8 PV (sm_89+, Q smoothed by
-# default).
+# "mma-fp16" smooths Q and asks for PV in the input dtype (attention_mma INT8 + FP16/BF16 PV
+# everywhere); "int4" INT4 QK with FP8 PV (sm_89+, Q smoothed by default).
 PATHS: dict[str, dict[str, Any]] = {
     "default": {},
+    "accurate": {"pv_quant": "none"},
     "mma": {"smooth_q": "head", "pv_quant": "fp8"},
-    "mma-fp16": {"pv_quant": "none"},
+    "mma-fp16": {"smooth_q": "head", "pv_quant": "none"},
     "int4": {"qk_quant": "int4"},
 }
 # INT4 mma.sync has no native instruction on Hopper (emulated at ~50 TOPS,
@@ -194,7 +200,8 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
     all tokens; P~ x448 and V per channel, minus its mean with ``smooth_v``, two-level
     accumulation).
     attention_wgmma: no Q smoothing (``smooth_q`` None, "auto" or False), one Q scale per row, K
-    groups of ops.WGMMA_BLOCK_K, FP8 PV with one V scale per tile (and V's mean when ``smooth_v``).
+    groups of ops.WGMMA_BLOCK_K, FP8 PV with one V scale per tile (and V's mean when ``smooth_v``),
+    or (``kernel.pv`` "input", the accurate tier) P and V in the input dtype.
     """
     common = dict(is_causal=causal, scale=scale, qk_dtype=kernel.qk, granularity="thread",
                   smooth_k=smooth_k, fp22=False, return_lse=True)
@@ -203,7 +210,8 @@ def emulate(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool,
             raise ValueError("attention_wgmma does not smooth Q")
         return ref.hopper_kernel_reference(
             q4, k4, v4, block_k=ops.WGMMA_BLOCK_K, mean_stride=api.smoothing_sample_stride(k4.shape[2]),
-            is_causal=causal, scale=scale, smooth_k=smooth_k, smooth_v=smooth_v, return_lse=True)
+            is_causal=causal, scale=scale, smooth_k=smooth_k, smooth_v=smooth_v, pv=kernel.pv,
+            return_lse=True)
     smoothed = smooth_q in (True, "head") or (smooth_q in (None, "auto") and kernel.qk == "int4")
     mma = dict(block_q=ops.MMA_BLOCK_Q, warps=ops.MMA_WARPS, block_k=ops.MMA_BLOCK_K,
                smooth_q="head" if smoothed else None)
@@ -299,20 +307,27 @@ def run_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, *
 
 def run_wgmma_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, *,
                  smooth_k: bool = True, smooth_v: bool = False, out_nhd: bool = False,
-                 return_lse: bool = True, scale: float | None = None,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 return_lse: bool = True, scale: float | None = None, pv: str = "fp8",
+                 v_view: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """sageattn's preprocessing for the Hopper kernel (_execute._wgmma) written out: one
     smoothing_stats pass (K's mean and, with smooth_v, V's mean), one quantize_kv pass (INT8 K,
     FP8 V with one scale per tile); then attention_wgmma on poisoned memory, with ``q4`` as given
-    (it reads any view with a contiguous last dimension in place). The means are over the
+    (it reads any view with a contiguous last dimension in place). ``pv`` "input": the accurate
+    tier, K only quantized, V (``v_view`` if given: the same values in another layout) as it is. The means are over the
     token sample sageattn takes (api.smoothing_sample_stride). Returns (out, lse)."""
     sm_scale = q4.shape[-1] ** -0.5 if scale is None else scale
     sample = slice(None, None, api.smoothing_sample_stride(k4.shape[2]))
     stats = ops.smoothing_stats(None, k4[:, :, sample], v4[:, :, sample], smooth_v)
     k_mean = stats.k_mean if smooth_k else None
     v_mean = stats.v_mean if smooth_v else None
-    kv = ops.quantize_kv(k4, v4, k_mean, v_mean, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    fp8 = pv == "fp8"
+    kv = ops.quantize_kv(k4, v4 if fp8 else None, k_mean, v_mean if fp8 else None, None, None,
+                         ops.WGMMA_BLOCK_K, "int8", 1.0)
     poison_cuda_allocator()
+    if not fp8:
+        return ops.attention_wgmma(q4, kv.k_quant, kv.k_scale, v4 if v_view is None else v_view,
+                                   None, None, k_mean, k4.shape[2], sm_scale, causal, out_nhd,
+                                   return_lse)
     return ops.attention_wgmma(q4, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, v_mean,
                                k_mean, k4.shape[2], sm_scale, causal, out_nhd, return_lse)
 

@@ -61,14 +61,22 @@ class Agreement(NamedTuple):
     flip_margins: list[float]
 
 
+def similarities(e: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of every pair of (normalized) embeddings; -2 on the diagonal."""
+    similarity = e @ e.T
+    similarity.fill_diagonal_(-2.0)
+    return similarity
+
+
+def similarity_noise(reference: torch.Tensor, truth: torch.Tensor) -> float:
+    """How far the reference's own similarities are from the truth's (the same model in float32):
+    where two neighbours are closer than twice this, the reference itself does not decide which
+    is nearer."""
+    return float((similarities(reference) - similarities(truth)).abs().max())
+
+
 def agreement(ours: torch.Tensor, reference: torch.Tensor) -> Agreement:
     cosines = (ours * reference).sum(-1)
-
-    def similarities(e: torch.Tensor) -> torch.Tensor:
-        similarity = e @ e.T
-        similarity.fill_diagonal_(-2.0)
-        return similarity
-
     ref_similarity = similarities(reference)
     want, got = ref_similarity.argmax(-1), similarities(ours).argmax(-1)
     rows = torch.nonzero(want != got).flatten()

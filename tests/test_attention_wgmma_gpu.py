@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gpu_helpers import (EMULATION_L1, EXACT_L1_FP8, WGMMA, assert_finite, emulate, exact,
-                         make_qkv, q_view, rel_l1, run_wgmma_op)
+from gpu_helpers import (EMULATION_L1, EXACT_L1, EXACT_L1_FP8, WGMMA, WGMMA_INPUT, assert_finite,
+                         emulate, exact, make_qkv, q_view, rel_l1, run_wgmma_op)
 from sageattention2 import api, ops
 from sageattention2.testing import poison_cuda_allocator
 
@@ -141,7 +141,7 @@ def test_sageattn_wgmma_is_its_chain(shape: tuple[int, ...], smoothing: tuple[bo
             want, want_lse = run_wgmma_op(q, k, v, causal, smooth_k=smooth_k, smooth_v=smooth_v,
                                           out_nhd=out_nhd, return_lse=return_lse, scale=0.07)
             poison_cuda_allocator()
-            out, lse = ops.sageattn_wgmma(q, k, v, smooth_k, smooth_v,
+            out, lse = ops.sageattn_wgmma(q, k, v, "fp8", smooth_k, smooth_v,
                                           api.smoothing_sample_stride(nk), 0.07, causal, out_nhd,
                                           return_lse)
             assert out.shape == (b, hq, nq, d) and out.dtype == dtype
@@ -207,6 +207,62 @@ def test_wgmma_grid_modes_agree(causal: bool) -> None:
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
+@pytest.mark.parametrize("shape", WGMMA_OP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("smooth_k", [True, False], ids=["smooth-k", "no-smooth"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+def test_accurate_tier_matches_emulation(shape: tuple[int, ...], smooth_k: bool, causal: bool,
+                                         dtype: torch.dtype) -> None:
+    """The accurate tier (issue 36: P and the caller's V in 16 bits on the same kernel, O the
+    FP32 accumulator, l summed from P): against its emulation and float64 attention, on poisoned
+    memory, V read in place (HND, or an NHD view for half the cases); and closer to float64
+    than the FP8 tier on the same inputs."""
+    b, hq, hkv, nq, nk, d = shape
+    q4, k4, v4 = make_qkv(b, hq, hkv, nq, nk, d, dtype, seed=nq + nk + d + 1, bias=(1.0, 4.0, 4.0))
+    out_nhd = (nq + causal) % 2 == 1
+    # (an NHD view of one KV head or one key is the contiguous tensor itself)
+    v_view = q_view(v4, "NHD") if (nk + causal) % 2 == 0 and hkv > 1 and nk > 1 else None
+    out, lse = run_wgmma_op(q4, k4, v4, causal, smooth_k=smooth_k, out_nhd=out_nhd, pv="input",
+                            v_view=v_view)
+    assert out.shape == (b, hq, nq, d) and out.dtype == dtype
+    assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
+    assert_finite(out, lse)
+    want, want_lse = emulate(q4, k4, v4, causal, smooth_k=smooth_k, kernel=WGMMA_INPUT)
+    l1 = rel_l1(out, want.to(dtype))
+    assert l1 <= EMULATION_L1, f"rel. L1 vs emulation {l1:.2e}"
+    torch.testing.assert_close(lse, want_lse, rtol=0, atol=WGMMA_OP_LSE_ATOL)
+    truth = exact(q4, k4, v4, causal)[0]
+    accurate = rel_l1(out, truth)
+    assert accurate <= (EXACT_L1 if smooth_k else 0.2)
+    if smooth_k and nk > 1:
+        fp8_out, _ = run_wgmma_op(q4, k4, v4, causal, smooth_k=smooth_k)
+        assert accurate < rel_l1(fp8_out, truth)
+
+
+@pytest.mark.usefixtures("wgmma_kernel")
+def test_accurate_tier_reads_v_views() -> None:
+    """The accurate tier reads the caller's V through a 4-D tensor map of its strides: a packed
+    [B, N, 3, H, D] slice, a broadcast view (stride 0 over batch and heads: read from a copy)
+    and a size-1 batch with another tensor's strides give the contiguous V's output bit for
+    bit."""
+    q4, k4, v4 = make_qkv(2, 4, 2, 300, 517, 128, torch.bfloat16, seed=9, bias=(1.0, 2.0, 2.0))
+    want, want_lse = run_wgmma_op(q4, k4, v4, False, pv="input")
+    for view in (q_view(v4, "packed"), q_view(v4, "NHD")):
+        assert torch.equal(view, v4)
+        out, lse = run_wgmma_op(q4, k4, v4, False, pv="input", v_view=view)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    broadcast = v4[:1, :1].expand(2, 2, 517, 128)
+    assert broadcast.stride(0) == 0 and broadcast.stride(1) == 0
+    out, lse = run_wgmma_op(q4, k4, broadcast, False, pv="input")
+    out_c, lse_c = run_wgmma_op(q4, k4, broadcast.contiguous(), False, pv="input")
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+    one = q_view(v4, "NHD")[1:]  # [1, 2, 517, 128] with the strides of the [2, ...] view
+    out, lse = run_wgmma_op(q4[1:], k4[1:], v4[1:], True, pv="input", v_view=one)
+    out_c, lse_c = run_wgmma_op(q4[1:], k4[1:], v4[1:], True, pv="input")
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+
+
+@pytest.mark.usefixtures("wgmma_kernel")
 def test_opcheck_attention_wgmma() -> None:
     q4, k4, v4 = make_qkv(1, 4, 2, 200, 130, 64, torch.float16, seed=1, bias=(1.0, 2.0, 2.0))
     smooth = ops.smoothing_stats(None, k4, v4, True)
@@ -224,7 +280,8 @@ def test_opcheck_attention_wgmma() -> None:
                                           "test_aot_dispatch_dynamic"))
     # The composite takes only fp16/bf16 inputs: every opcheck test applies.
     k_nhd = q_view(k4, "NHD")
-    for args in ((q4, k4, v4, True, True, 3, 0.125, True, False, True),
-                 (q_view(q4, "NHD"), k_nhd, q_view(v4, "NHD"), True, False, 1, 0.125, False, True,
-                  False)):
+    for args in ((q4, k4, v4, "fp8", True, True, 3, 0.125, True, False, True),
+                 (q_view(q4, "NHD"), k_nhd, q_view(v4, "NHD"), "fp8", True, False, 1, 0.125, False,
+                  True, False),
+                 (q4, k_nhd, q_view(v4, "NHD"), "input", True, False, 3, 0.125, True, False, True)):
         torch.library.opcheck(torch.ops.sageattention2.sageattn_wgmma.default, args)

@@ -175,11 +175,14 @@ def test_explicit_qk_quant_always_runs_the_kernel(pretend_h100_with_table: Cross
 
 
 def test_a_table_of_another_kernel_does_not_decide(pretend_h100_with_table: CrossoverTable) -> None:
-    """The table measured the Hopper kernel: a call that options route to the warp-level kernel
-    (here PV in the input dtype) is not decided by it."""
+    """The table measured the Hopper kernel's FP8 tier: a call that options route to the
+    warp-level kernel (here Q smoothed per head) or to the accurate tier (PV in the input dtype)
+    is not decided by it."""
     q, k, v = qkv(b=1, hq=4, nq=64, nk=77, d=64, dtype=torch.float16)
-    explanation = sageattention2.explain(q, k, v, pv_quant="none")
+    explanation = sageattention2.explain(q, k, v, pv_quant="none", smooth_q="head")
     assert explanation.quantized and explanation.kernel == "attention_mma"
+    explanation = sageattention2.explain(q, k, v, pv_quant="none")
+    assert explanation.quantized and explanation.kernel == "attention_wgmma"
 
 
 def test_a_fallback_is_still_a_fallback(pretend_h100_with_table: CrossoverTable) -> None:

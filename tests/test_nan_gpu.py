@@ -20,7 +20,8 @@ pytestmark = pytest.mark.gpu
 # otherwise be exact SDPA's under a crossover table; the tests run without one anyway).
 FAMILIES: dict[str, dict[str, Any]] = {
     "wgmma int8+fp8": {"qk_quant": "int8"},
-    "mma int8+input": {"qk_quant": "int8", "pv_quant": "none"},
+    "wgmma int8+input": {"qk_quant": "int8", "pv_quant": "none"},
+    "mma int8+input": {"qk_quant": "int8", "pv_quant": "none", "smooth_q": "head"},
     "mma int8+fp8": {"qk_quant": "int8", "pv_quant": "fp8"},
     "mma int4+fp8": {"qk_quant": "int4"},
 }

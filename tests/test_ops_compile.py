@@ -183,7 +183,7 @@ def test_attention_wgmma_meta_shapes() -> None:
     assert out.dtype == torch.bfloat16 and lse.shape == (0,)
 
     def call(**changes: Any) -> None:
-        args = dict(q=q, k_codes=k_codes, k_scale=k_scale, v_fp8=v_fp8, v_tile_scale=v_tile_scale,
+        args = dict(q=q, k_codes=k_codes, k_scale=k_scale, v=v_fp8, v_tile_scale=v_tile_scale,
                     v_mean=None, k_mean=None, kv_len=kv_len, sm_scale=0.1, is_causal=False,
                     out_nhd=False, return_lse=True)
         args.update(changes)
@@ -192,17 +192,29 @@ def test_attention_wgmma_meta_shapes() -> None:
     for kv_bad in (k_pad - ops.WGMMA_BLOCK_K, k_pad + 1, 0):  # k_codes is not kv_len padded
         with pytest.raises(RuntimeError, match="kv_len"):
             call(kv_len=kv_bad)
-    with pytest.raises(RuntimeError, match="v_fp8 must have shape"):
-        call(v_fp8=torch.empty(b, hkv, d, k_pad - ops.WGMMA_BLOCK_K, dtype=torch.float8_e4m3fn,
-                               **meta))
-    with pytest.raises(RuntimeError, match="v_fp8 must have shape"):
-        call(v_fp8=torch.empty(b, hkv, k_pad, d, dtype=torch.float8_e4m3fn, **meta))
+    with pytest.raises(RuntimeError, match=r"v \(float8_e4m3fn\) must have shape"):
+        call(v=torch.empty(b, hkv, d, k_pad - ops.WGMMA_BLOCK_K, dtype=torch.float8_e4m3fn, **meta))
+    with pytest.raises(RuntimeError, match=r"v \(float8_e4m3fn\) must have shape"):
+        call(v=torch.empty(b, hkv, k_pad, d, dtype=torch.float8_e4m3fn, **meta))
+    with pytest.raises(RuntimeError, match="v_scale .* is required with float8_e4m3fn v"):
+        call(v_tile_scale=None)
+    # The accurate tier: the caller's V in q's dtype, without scales.
+    v_input = torch.empty(b, hkv, kv_len, d, dtype=q.dtype, device="meta")
+    out, _ = ops.attention_wgmma(q, k_codes, k_scale, v_input, None, None, None, kv_len, 0.1, False,
+                                 True, False)
+    assert out.shape == q.shape and out.dtype == q.dtype and out.transpose(1, 2).is_contiguous()
+    with pytest.raises(RuntimeError, match="v_scale and v_mean go with float8_e4m3fn v only"):
+        call(v=v_input)
+    with pytest.raises(RuntimeError, match=r"v must have shape \[batch, kv_heads, kv_len, head_dim\]"):
+        call(v=v_input[:, :, 1:], v_tile_scale=None)
+    with pytest.raises(RuntimeError, match="or have q's dtype"):
+        call(v=v_input.to(torch.bfloat16 if q.dtype == torch.float16 else torch.float16), v_tile_scale=None)
     with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
         call(q=torch.empty(b, hq, nq, 96, dtype=torch.float16, **meta),
              k_codes=torch.empty(b, hkv, k_pad, 96, dtype=torch.int8, **meta))
     with pytest.raises(RuntimeError, match="q must be contiguous in its last dimension"):
         call(q=torch.empty(b, hq, d, nq, dtype=torch.float16, **meta).transpose(2, 3))
-    with pytest.raises(RuntimeError, match="v_tile_scale"):  # a per-channel scale: the wrong kind
+    with pytest.raises(RuntimeError, match="v_scale must have shape"):  # a per-channel scale
         call(v_tile_scale=torch.empty(b, hkv, d, **meta))
 
 
@@ -217,20 +229,23 @@ def test_sageattn_wgmma_meta_shapes() -> None:
     q, k, v = (torch.empty(b, h, n, d, **meta) for h, n in ((hq, nq), (hkv, nk), (hkv, nk)))
     for smooth_k, smooth_v, out_nhd, lse in ((True, False, False, True), (False, True, True, False),
                                              (False, False, False, True), (True, True, True, True)):
-        out, lse_out = ops.sageattn_wgmma(q, k.transpose(1, 2).contiguous().transpose(1, 2), v,
-                                          smooth_k, smooth_v, 3, 0.1, True, out_nhd, lse)
-        assert out.shape == (b, hq, nq, d) and out.dtype == torch.bfloat16
-        assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
-        assert lse_out.shape == ((b, hq, nq) if lse else (0,)) and lse_out.dtype == torch.float32
+        for pv in ("fp8", "input"):
+            out, lse_out = ops.sageattn_wgmma(q, k.transpose(1, 2).contiguous().transpose(1, 2), v,
+                                              pv, smooth_k, smooth_v, 3, 0.1, True, out_nhd, lse)
+            assert out.shape == (b, hq, nq, d) and out.dtype == torch.bfloat16
+            assert (out.transpose(1, 2) if out_nhd else out).is_contiguous()
+            assert lse_out.shape == ((b, hq, nq) if lse else (0,)) and lse_out.dtype == torch.float32
 
     def call(**changes: Any) -> None:
-        args = dict(q=q, k=k, v=v, smooth_k=True, smooth_v=True, sample_stride=1, sm_scale=0.1,
-                    is_causal=False, out_nhd=False, return_lse=True)
+        args = dict(q=q, k=k, v=v, pv_dtype="fp8", smooth_k=True, smooth_v=True, sample_stride=1,
+                    sm_scale=0.1, is_causal=False, out_nhd=False, return_lse=True)
         args.update(changes)
         ops.sageattn_wgmma(**args)
 
     with pytest.raises(RuntimeError, match="sample_stride must be >= 1"):
         call(sample_stride=0)
+    with pytest.raises(RuntimeError, match="pv_dtype must be 'fp8' or 'input', got 'fp16'"):
+        call(pv_dtype="fp16")
     with pytest.raises(RuntimeError, match="k and v must be 4-D"):
         call(k=k[0])
     with pytest.raises(RuntimeError, match="must have the same dtype"):
@@ -280,6 +295,8 @@ def test_sageattn_mma_meta_shapes() -> None:
         call(qk_dtype="int4", pv_dtype="input")
     with pytest.raises(RuntimeError, match="sample_stride must be >= 1"):
         call(sample_stride=0)
+    with pytest.raises(RuntimeError, match="pv_dtype must be 'fp8' or 'input', got 'fp16'"):
+        call(pv_dtype="fp16")
     with pytest.raises(RuntimeError, match="k and v must be 4-D"):
         call(k=k[0])
     with pytest.raises(RuntimeError, match="must have the same dtype"):

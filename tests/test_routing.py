@@ -95,6 +95,7 @@ def test_build_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
 # ------------------------------------------------------------------------------------------------
 
 WGMMA = _plan.KernelChoice("wgmma", "int8", "fp8")
+WGMMA_INPUT = _plan.KernelChoice("wgmma", "int8", "input")
 MMA_INT8_FP8 = _plan.KernelChoice("mma", "int8", "fp8")
 MMA_INT8_INPUT = _plan.KernelChoice("mma", "int8", "input")
 MMA_INT4_FP8 = _plan.KernelChoice("mma", "int4", "fp8")
@@ -114,8 +115,10 @@ def routing_cases() -> list[Any]:
         (sm90, DEFAULT_BUILD, {"d": 64}, WGMMA),
         (sm90, DEFAULT_BUILD, {"d": 96}, WGMMA),  # padded to 128
         (sm90, DEFAULT_BUILD, {"d": 32, "smooth_v": True}, WGMMA),  # padded to 64
-        (sm90, DEFAULT_BUILD, {"pv_quant": "none"}, MMA_INT8_INPUT),
-        (sm90, DEFAULT_BUILD, {"pv_quant": "none", "smooth_q": False}, MMA_INT8_INPUT),
+        # pv_quant="none" (the accurate tier): the Hopper kernel with 16-bit P and V.
+        (sm90, DEFAULT_BUILD, {"pv_quant": "none"}, WGMMA_INPUT),
+        (sm90, DEFAULT_BUILD, {"pv_quant": "none", "smooth_q": False}, WGMMA_INPUT),
+        (sm90, DEFAULT_BUILD, {"pv_quant": "none", "d": 40}, WGMMA_INPUT),  # padded to 64
         (sm90, DEFAULT_BUILD, {"smooth_q": "head"}, MMA_INT8_INPUT),  # FP8 mma.sync emulated
         (sm90, DEFAULT_BUILD, {"smooth_q": True, "pv_quant": "fp8"}, MMA_INT8_FP8),
         (sm90, DEFAULT_BUILD, {"smooth_q": True, "pv_quant": "none"}, MMA_INT8_INPUT),

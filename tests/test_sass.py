@@ -54,7 +54,7 @@ def test_attention_kernels_use_tensor_cores_and_do_not_spill() -> None:
 @pytest.mark.skipif(not ops.HAS_EXTENSION, reason="compiled extension not available")
 def test_hopper_kernel_uses_wgmma_and_does_not_spill() -> None:
     """On a build with sm_90a, every attention_wgmma instantiation runs QK on IGMMA (INT8) and PV
-    on QGMMA (FP8 E4M3) and spills nothing."""
+    on QGMMA (FP8 E4M3) or, in the accurate tier, HGMMA (fp16/bf16), and spills nothing."""
     if "sm_90a" not in ops.build_info().archs:
         pytest.skip("this build has no sm_90a code")
     check = load_checker()
@@ -63,9 +63,11 @@ def test_hopper_kernel_uses_wgmma_and_does_not_spill() -> None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton's copy)")
     kernels = [k for k in check.read_kernels(cuobjdump, ops._C.__file__)
                if "attention_wgmma_kernel" in k.name and k.arch == "sm_90"]
-    assert len(kernels) == 8  # 2 dtypes x 2 head dims x causal on/off
+    assert len(kernels) == 16  # 2 PV tiers x 2 dtypes x 2 head dims x causal on/off
+    assert {check.variant(k.name) for k in kernels} == {"attention_wgmma_kernel<fp8>",
+                                                         "attention_wgmma_kernel<input>"}
     for k in kernels:
-        for want in check.EXPECTED["attention_wgmma_kernel"]["sm_90"]:
+        for want in check.EXPECTED[check.variant(k.name)]["sm_90"]:
             assert any(op.startswith(want) for op in k.instructions), (k.name, k.instructions)
         # Nothing spills, in the main loop (where it would cost every tile) or around it (the
         # item's state, reloaded per item: the causal head_dim 128 variant had a 24-byte frame

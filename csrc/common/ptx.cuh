@@ -239,6 +239,15 @@ __device__ __forceinline__ void tma_load_3d(void* dst, const void* tensor_map, i
       ::"r"(smem_address(dst)), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(smem_address(bar))
       : "memory");
 }
+// The 4-D tile mode, same contract: boxes of a caller's [B, H, N, D] tensor (c0 the channel,
+// c1 the token, c2 the head, c3 the batch item), read through its own strides.
+__device__ __forceinline__ void tma_load_4d(void* dst, const void* tensor_map, int c0, int c1, int c2, int c3,
+                                            uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4, %5}], [%6];"
+      ::"r"(smem_address(dst)), "l"(tensor_map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(smem_address(bar))
+      : "memory");
+}
 // PTX ISA, "cp.async.bulk": a contiguous copy (16-byte multiple, 16-byte aligned) global ->
 // shared, completing on `bar` like the tensor copies.
 __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
@@ -306,7 +315,21 @@ __device__ __forceinline__ uint64_t kmajor_descriptor(const void* tile) {
          (kSwizzle << 62);
 }
 
+// The same format for an MN-major operand (PTX ISA, "Shared Memory Matrix Layout", canonical
+// layout of 128-byte swizzling, MN-major: ((T,8,m),(8,k)) : ((1,T,LBO),(8T,SBO)) with T = 8
+// 16-bit elements): rows of 64 16-bit elements along N (one 128-byte span per k), 8 consecutive
+// k rows forming one 1024-byte swizzle atom (SBO = 1024), and the next 64 N elements
+// `n_chunk_bytes` further on (LBO). Stepping 16 along K is adding 2048 bytes to the start.
+__device__ __forceinline__ uint64_t mnmajor_descriptor_128b(const void* tile, uint32_t n_chunk_bytes) {
+  return static_cast<uint64_t>((smem_address(tile) & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>((n_chunk_bytes & 0x3FFFF) >> 4) << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define SAGE_WGMMA_D32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
+  "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
 #define SAGE_WGMMA_D64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, " \
   "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, " \
@@ -357,10 +380,47 @@ __device__ __forceinline__ void wgmma_m64n72k32_e4m3(float (&d)[36], const uint3
       : SAGE_OPS32("+f", d), SAGE_OPS4("+f", d, 32)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
 }
+
+// wgmma.mma_async.m64nNk16.f32.{f16,bf16} with N = head_dim (128 or 64), A = P from registers
+// (the accumulator layout of S, packed in pairs), B = V (16 keys x head_dim channels) MN-major
+// from shared memory (imm-trans-b = 1: the caller's V rows as the copy engine lands them, no
+// transposing pass): the accurate tier's PV product, accumulating into O in true FP32 (unlike the
+// e4m3 instruction's, paper 3.4).
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n128k16_input(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc) {
+  if constexpr (kBf16)
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SAGE_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
+        : SAGE_OPS64("+f", d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1));
+  else
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " SAGE_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
+        : SAGE_OPS64("+f", d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1));
+}
+template <bool kBf16>
+__device__ __forceinline__ void wgmma_m64n64k16_input(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+  if constexpr (kBf16)
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SAGE_WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
+        : SAGE_OPS32("+f", d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1));
+  else
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " SAGE_WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
+        : SAGE_OPS32("+f", d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1));
+}
 #undef SAGE_OPS64
 #undef SAGE_OPS32
 #undef SAGE_OPS8
 #undef SAGE_OPS4
+#undef SAGE_WGMMA_D32
 #undef SAGE_WGMMA_D36
 #undef SAGE_WGMMA_D68
 #undef SAGE_WGMMA_D64

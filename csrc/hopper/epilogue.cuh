@@ -18,8 +18,9 @@
 namespace sageattention2 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
 struct WgmmaEpilogue {
+  static constexpr float kLog2PScale = kFp8Pv ? kLog2Fp8Max : 0.0f;  // P's scale (hopper/softmax.cuh)
   static constexpr int kORegs = WgmmaGeometry<kHeadDim>::kORegs;
   // V's channel means (smooth V only; none are loaded without), all loads in flight together.
   // At head_dim 64 they load while the item's last PV product computes (the kernel calls
@@ -61,10 +62,10 @@ struct WgmmaEpilogue {
       const int64_t query = w.q0 + row_in_item + 8 * r;
       if (p.lse != nullptr && t == 0 && query < p.q_len) {
         constexpr float kLn2 = 0.6931471805599453f;
-        // sum holds sum_j P~_j * 448 relative to the base-2 max m; K smoothing dropped the row
-        // constant sm_scale * q . k_mean, which the LSE of the true scores includes.
+        // sum holds sum_j P~_j * 448 (16-bit P: x1) relative to the base-2 max m; K smoothing
+        // dropped the row constant sm_scale * q . k_mean, which the LSE of the true scores includes.
         p.lse[(static_cast<int64_t>(w.b) * p.q_heads + w.h) * p.q_len + query] =
-            sum > 0.0f ? (m[r] + __log2f(sum) - kLog2Fp8Max) * kLn2 + p.sm_scale * q.k_mean_dot[r] : -INFINITY;
+            sum > 0.0f ? (m[r] + __log2f(sum) - kLog2PScale) * kLn2 + p.sm_scale * q.k_mean_dot[r] : -INFINITY;
       }
     }
     if constexpr (!kEarlyVMeans) load_v_means(p, w);

@@ -2,7 +2,8 @@
 // FlashAttention-3's warp-specialised design.
 //
 // A CTA has three warpgroups. The producer (warpgroup 0, one thread) streams 128-key tiles of
-// the quantized K (INT8, from quantize_kv) and V (E4M3, transposed) into a kStages-deep
+// the quantized K (INT8, from quantize_kv) and V (E4M3, transposed; in the accurate tier,
+// kFp8Pv false, the caller's fp16/bf16 V as it is) into a kStages-deep
 // shared-memory ring with the copy engine, on full/empty mbarriers (hopper/producer.cuh). Two
 // consumer warpgroups own 64 queries each: they read their fp16/bf16 Q rows once, quantize them
 // to INT8 in registers (one scale per query row, computed by the quad that holds it, so no Q pass
@@ -41,9 +42,9 @@
 
 namespace sageattention2 {
 
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
 struct AttentionWgmmaKernel {
-  using Geometry = WgmmaGeometry<kHeadDim>;
+  using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
   using Smem = typename Geometry::Smem;
   using Scheduler = WgmmaTileScheduler<kCausal>;
   static constexpr int kThreads = Geometry::kThreads, kSmemBytes = Geometry::kSmemBytes;
@@ -51,10 +52,10 @@ struct AttentionWgmmaKernel {
   static constexpr int kConsumers = Geometry::kConsumers, kQChunks = Geometry::kQChunks, kORegs = Geometry::kORegs;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Producer = WgmmaProducer<kHeadDim, kCausal>;
+  using Producer = WgmmaProducer<kHeadDim, kCausal, kFp8Pv>;
   using QQuantizer = WgmmaQQuantizer<T, kHeadDim>;
-  using Mainloop = WgmmaMainloop<kHeadDim, kCausal>;
-  using Epilogue = WgmmaEpilogue<T, kHeadDim, kCausal>;
+  using Mainloop = WgmmaMainloop<T, kHeadDim, kCausal, kFp8Pv>;
+  using Epilogue = WgmmaEpilogue<T, kHeadDim, kCausal, kFp8Pv>;
 
   // The consumer warpgroup's items in turn. Item i + 1's Q copy is issued as soon as item i's Q
   // is in registers, so it lands while item i's tiles compute.
@@ -123,10 +124,12 @@ struct AttentionWgmmaKernel {
     Smem& s = *reinterpret_cast<Smem*>(base);
     // The 8 rows of E4M3 ones after every V stage (the copy engine writes only the tile before
     // them); the PV wgmma reads them through the async proxy.
-    constexpr int kOnesWords = 8 * kBlockK / 4;
-    for (int i = threadIdx.x; i < kStages * kOnesWords; i += kThreads)
-      reinterpret_cast<uint32_t*>(s.v[i / kOnesWords] + kVBytes)[i % kOnesWords] = 0x38383838u;  // E4M3 1.0
-    ptx::fence_proxy_async_shared();
+    if constexpr (kFp8Pv) {
+      constexpr int kOnesWords = 8 * kBlockK / 4;
+      for (int i = threadIdx.x; i < kStages * kOnesWords; i += kThreads)
+        reinterpret_cast<uint32_t*>(s.v[i / kOnesWords] + kVBytes)[i % kOnesWords] = 0x38383838u;  // E4M3 1.0
+      ptx::fence_proxy_async_shared();
+    }
     if (threadIdx.x == 0) {
       for (int i = 0; i < kStages; ++i) {
         ptx::mbarrier_init(&s.full_k[i], 1);  // the producer's arrive.expect_tx
@@ -151,12 +154,12 @@ struct AttentionWgmmaKernel {
 
 // One CTA per SM: 384 threads, registers rebalanced by setmaxnreg (24 for the producer, 240 for
 // the consumers: 128 * 24 + 256 * 240 = 64,512 of 65,536).
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
 __global__ void __launch_bounds__(384, 1)
     attention_wgmma_kernel(const __grid_constant__ AttentionWgmmaParams p, const __grid_constant__ CUtensorMap k_map,
                            const __grid_constant__ CUtensorMap v_map) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  AttentionWgmmaKernel<T, kHeadDim, kCausal>::run(p, &k_map, &v_map, smem);
+  AttentionWgmmaKernel<T, kHeadDim, kCausal, kFp8Pv>::run(p, &k_map, &v_map, smem);
 }
 
 }  // namespace sageattention2

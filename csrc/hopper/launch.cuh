@@ -10,11 +10,11 @@
 namespace sageattention2 {
 namespace wgmma_launch {
 
-template <typename T, int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
 cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
                    cudaStream_t stream) {
-  using Kernel = AttentionWgmmaKernel<T, kHeadDim, kCausal>;
-  constexpr auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal>;
+  using Kernel = AttentionWgmmaKernel<T, kHeadDim, kCausal, kFp8Pv>;
+  constexpr auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal, kFp8Pv>;
   int device = 0, sms = 0;
   cudaError_t status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = allow_dynamic_smem_once<kernel>(device, Kernel::kSmemBytes);
@@ -44,29 +44,29 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
                        p.after_quantize_kv, launched, k_map, v_map);
 }
 
-template <typename T, int kHeadDim>
+template <typename T, int kHeadDim, bool kFp8Pv>
 cudaError_t launch_causal(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
                           cudaStream_t stream) {
-  return p.causal ? launch<T, kHeadDim, true>(p, k_map, v_map, stream)
-                  : launch<T, kHeadDim, false>(p, k_map, v_map, stream);
+  return p.causal ? launch<T, kHeadDim, true, kFp8Pv>(p, k_map, v_map, stream)
+                  : launch<T, kHeadDim, false, kFp8Pv>(p, k_map, v_map, stream);
 }
 
-template <typename T>
+template <typename T, bool kFp8Pv>
 cudaError_t launch_head_dim(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
                             cudaStream_t stream) {
   switch (p.head_dim) {
-    case 64: return launch_causal<T, 64>(p, k_map, v_map, stream);
-    case 128: return launch_causal<T, 128>(p, k_map, v_map, stream);
+    case 64: return launch_causal<T, 64, kFp8Pv>(p, k_map, v_map, stream);
+    case 128: return launch_causal<T, 128, kFp8Pv>(p, k_map, v_map, stream);
     default: return cudaErrorInvalidValue;  // validated by torch/attention_shapes.cpp
   }
 }
 
 }  // namespace wgmma_launch
 
-template <typename T>
-cudaError_t AttentionWgmmaVariant<T>::launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map,
-                                             const CUtensorMap& v_map, cudaStream_t stream) {
-  return wgmma_launch::launch_head_dim<T>(p, k_map, v_map, stream);
+template <typename T, bool kFp8Pv>
+cudaError_t AttentionWgmmaVariant<T, kFp8Pv>::launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map,
+                                                     const CUtensorMap& v_map, cudaStream_t stream) {
+  return wgmma_launch::launch_head_dim<T, kFp8Pv>(p, k_map, v_map, stream);
 }
 
 }  // namespace sageattention2

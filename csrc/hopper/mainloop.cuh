@@ -6,6 +6,14 @@
 // paper 3.4). V comes with one FP8 scale per tile (quantize_kv's, issue 4): O is kept in units of
 // the last folded tile's scale, so the fold's rescale becomes alpha * s_prev / s_tile, one
 // multiply per row and tile. Only an item's last tile can need a mask (hopper/mask.cuh).
+//
+// The accurate tier (kFp8Pv false, issue 36) keeps everything up to P and changes the PV side:
+// P in the input dtype (in [0, 1], without FP8's x448), V the caller's 16-bit tile as the
+// copy engine lands it (an MN-major operand), and the product accumulated into O itself, as
+// FlashAttention-3 does: the f16/bf16 wgmma accumulates in true FP32, so the per-tile products
+// and folds of paper 3.4 buy nothing there, and O rescaled in place frees the 64 registers of a
+// second accumulator (with them the head_dim 128 loop would not fit in 240). The row sums of P are
+// FADDs in the softmax's registers, reduced across the quad once per item.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -26,11 +34,11 @@
 namespace sageattention2 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <int kHeadDim, bool kCausal>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
 struct WgmmaMainloop {
-  using Geometry = WgmmaGeometry<kHeadDim>;
+  using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
   using Smem = typename Geometry::Smem;
-  using Softmax = WgmmaSoftmax<kHeadDim, kCausal>;
+  using Softmax = WgmmaSoftmax<kHeadDim, kCausal, kFp8Pv>;
   using TileMask = WgmmaTileMask<kCausal>;
   static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages;
   static constexpr int kQkSteps = Geometry::kQkSteps, kPvSteps = Geometry::kPvSteps;
@@ -51,17 +59,38 @@ struct WgmmaMainloop {
   //   (else at the tile's start).
   static constexpr bool kSlotAhead = !kCausal;
 
-  // With V's keys stored in the order of docs/DESIGN.md#v-layout, the A fragment of k-step c of
-  // the PV wgmma is the S columns of the n8 tiles 4c .. 4c+3, packed in register order, as E4M3.
+  // FP8: with V's keys stored in the order of docs/DESIGN.md#v-layout, the A fragment of k-step c
+  // of the PV wgmma is the S columns of the n8 tiles 4c .. 4c+3, packed in register order, as
+  // E4M3. 16-bit: V's keys in their own order, and the A fragment of k-step c (keys 16c ..
+  // 16c + 15) is the accumulator registers of S's n8 tiles 2c and 2c + 1 as they are, in pairs
+  // (PTX ISA, "Register Fragments", m64nNk16 A and m64nN D).
   __device__ static void pack_p(const float (&x)[kSRegs], uint32_t (&pa)[kPvSteps][4]) {
 #pragma unroll
     for (int c = 0; c < kPvSteps; ++c)
 #pragma unroll
       for (int reg = 0; reg < 4; ++reg) {
-        const int r = reg & 1, n = 4 * c + 2 * (reg >> 1);
-        pa[c][reg] = pack_e4m3x4(x[4 * n + 2 * r], x[4 * n + 2 * r + 1], x[4 * (n + 1) + 2 * r],
-                                 x[4 * (n + 1) + 2 * r + 1]);
+        if constexpr (kFp8Pv) {
+          const int r = reg & 1, n = 4 * c + 2 * (reg >> 1);
+          pa[c][reg] = pack_e4m3x4(x[4 * n + 2 * r], x[4 * n + 2 * r + 1], x[4 * (n + 1) + 2 * r],
+                                   x[4 * (n + 1) + 2 * r + 1]);
+        } else {
+          pa[c][reg] = HalfPair<T>::pack(x[8 * c + 2 * reg], x[8 * c + 2 * reg + 1]);
+        }
       }
+  }
+
+  // (16-bit PV) The thread's part of each row's sum of P, over its 32 of the tile's columns.
+  __device__ static void row_sums(const float (&x)[kSRegs], float (&sum)[2]) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float a = 0.0f, b = 0.0f;  // two chains: half the dependent FADD latency
+#pragma unroll
+      for (int n = 0; n < kSRegs / 4; n += 2) {
+        a += x[4 * n + 2 * r] + x[4 * n + 2 * r + 1];
+        b += x[4 * (n + 1) + 2 * r] + x[4 * (n + 1) + 2 * r + 1];
+      }
+      sum[r] = a + b;
+    }
   }
 
   __device__ static void issue_qk(int32_t (&sacc)[kSRegs], uint64_t q_desc, uint64_t k_desc) {
@@ -74,11 +103,15 @@ struct WgmmaMainloop {
     ptx::wgmma_commit();
   }
 
+  // FP8: R = P~ V into a fresh accumulator (racc). 16-bit: O += P V (racc is O).
   __device__ static void issue_pv(float (&racc)[kRaccRegs], uint32_t (&pa)[kPvSteps][4], uint64_t v_desc) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int step = 0; step < kPvSteps; ++step) {
-      if constexpr (kHeadDim == 128) {
+      if constexpr (!kFp8Pv) {  // +16 keys: 16 rows of 128 bytes
+        if constexpr (kHeadDim == 128) ptx::wgmma_m64n128k16_input<HalfPair<T>::kBf16>(racc, pa[step], v_desc + 128 * step);
+        else ptx::wgmma_m64n64k16_input<HalfPair<T>::kBf16>(racc, pa[step], v_desc + 128 * step);
+      } else if constexpr (kHeadDim == 128) {
         if (step == 0) ptx::wgmma_m64n136k32_e4m3<false>(racc, pa[step], v_desc);
         else ptx::wgmma_m64n136k32_e4m3<true>(racc, pa[step], v_desc + 2 * step);
       } else {
@@ -87,6 +120,11 @@ struct WgmmaMainloop {
       }
     }
     ptx::wgmma_commit();
+  }
+
+  __device__ static uint64_t v_descriptor(Smem& s, int stage) {
+    if constexpr (kFp8Pv) return ptx::kmajor_descriptor<128>(s.v[stage]);
+    else return ptx::mnmajor_descriptor_128b(s.v[stage], Geometry::kVChunkBytes);
   }
 
   // Everything of one KV tile between its QK product and its PV product: free the K stage, then
@@ -121,21 +159,24 @@ struct WgmmaMainloop {
     float alpha[2], alpha_prev[2] = {0.0f, 0.0f};  // (alpha_prev: set by tile 0, before its first use)
     int32_t sacc[kSRegs];
     float x[kSRegs];
-    float racc[kRaccRegs];
+    float racc[kFp8Pv ? kRaccRegs : 1];  // (FP8: the tile's R; 16-bit PV accumulates into o)
     uint32_t pa[kPvSteps][4];
     // V's per-tile scales: R of tile j is in units of s_j, O in those of the last folded tile.
     // Read through L2 (.cg). Nothing writes them while this grid runs any more, so the read-only
     // path would do as well; .cg keeps the KV loop's code as it was measured.
-    const float* v_tile_scale =
-        p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
+    const float* v_tile_scale =  // (FP8 only)
+        kFp8Pv ? p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK) : nullptr;
     float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do
 
     // Once PV(it - 1) is done: free its V stage, then O = alpha O s_O / s_tile + R and
     // l = alpha l + the ones columns' row sums (the two-level accumulation of paper 3.4; R, and
     // from now on O, in units of the tile's V scale).
-    auto release_and_fold = [&](int v_stage, float tile_scale) {
+    auto release_v = [&](int v_stage) {
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[v_stage]);
+    };
+    auto release_and_fold = [&](int v_stage, float tile_scale) {
+      release_v(v_stage);
       const float units =  // s_O / s_tile, exact either way
           kInverseByExponent ? o_scale * inverse_of_power_of_two(tile_scale) : __fdividef(o_scale, tile_scale);
       const float factor[2] = {alpha_prev[0] * units, alpha_prev[1] * units};
@@ -144,6 +185,16 @@ struct WgmmaMainloop {
       for (int i = 0; i < kORegs; ++i) o[i] = fmaf(o[i], factor[(i / 2) & 1], racc[i]);
 #pragma unroll
       for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha_prev[r], racc[kORegs + 2 * r]);
+    };
+    // (16-bit PV) Once PV(it - 1) is done and tile it's softmax gave alpha: O and l to tile it's
+    // max, and l += tile it's row sums; PV(it) then adds into O in the same units.
+    auto rescale_to_tile = [&](const float(&tile_alpha)[2]) {
+      float sum[2];
+      row_sums(x, sum);
+#pragma unroll
+      for (int i = 0; i < kORegs; ++i) o[i] *= tile_alpha[(i / 2) & 1];
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], tile_alpha[r], sum[r]);
     };
 
     // Tile 0: S, softmax.
@@ -168,6 +219,7 @@ struct WgmmaMainloop {
     const TileMask mask0 = last == 0 ? TileMask::of(p, w, 0, row_in_item) : unmasked;
     if (mask0.masked) scores_to_p<true>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
     else scores_to_p<false>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
+    if constexpr (!kFp8Pv) rescale_to_tile(alpha_prev);
     pack_p(x, pa);
     if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
 
@@ -197,7 +249,7 @@ struct WgmmaMainloop {
       r.phase = (pos / kStages) & 1;
       r.prev_phase = ((pos - 1) / kStages) & 1;
       r.k_desc = ptx::kmajor_descriptor<kHeadDim>(s.k[r.stage]);
-      r.v_desc = ptx::kmajor_descriptor<128>(s.v[r.prev]);
+      r.v_desc = v_descriptor(s, r.prev);
       return r;
     };
     auto step = [&](int it, const Slot& r, const TileMask& mask, auto masked) {
@@ -210,12 +262,20 @@ struct WgmmaMainloop {
       auto k_scale = [&] { return kEarlyKScale ? early_k_scale : s.k_scale[stage][t]; };
       issue_qk(sacc, q_desc, r.k_desc);
       ptx::mbarrier_wait(&s.full_v[prev], prev_phase);
-      issue_pv(racc, pa, r.v_desc);
-      const float prev_scale = __ldcg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
+      [[maybe_unused]] float prev_scale = 1.0f;
+      if constexpr (kFp8Pv) {
+        issue_pv(racc, pa, r.v_desc);
+        prev_scale = __ldcg(v_tile_scale + it - 1);  // lands while PV(it - 1) runs
+      } else {
+        issue_pv(o, pa, r.v_desc);
+      }
       auto pv_done = [&] {
         if constexpr (!kMasked) ptx::wgmma_wait<0>();  // (masked: waited for both just below)
 #pragma unroll
-        for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
+        for (int i = 0; i < kRaccRegs; ++i) {
+          if constexpr (kFp8Pv) ptx::register_fence(racc[i]);
+          else ptx::register_fence(o[i]);
+        }
 #pragma unroll
         for (int c = 0; c < kPvSteps; ++c)
 #pragma unroll
@@ -224,7 +284,12 @@ struct WgmmaMainloop {
       ptx::wgmma_wait<kMasked ? 0 : 1>();  // S(it) is ready; unmasked, PV(it - 1) may still run
 #pragma unroll
       for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-      if constexpr (kMasked || kFoldBeforeSoftmax) {
+      if constexpr (!kFp8Pv) {
+        scores_to_p<kMasked>(s, stage, k_scale(), q, mask, lane, t, sacc, x, m, alpha);
+        pv_done();
+        release_v(prev);
+        rescale_to_tile(alpha);
+      } else if constexpr (kMasked || kFoldBeforeSoftmax) {
         pv_done();  // (ptxas waits for PV(it - 1) before the exponentials anyway: docs/DECISIONS.md#d14)
         release_and_fold(prev, prev_scale);
         scores_to_p<kMasked>(s, stage, k_scale(), q, mask, lane, t, sacc, x, m, alpha);
@@ -265,12 +330,25 @@ struct WgmmaMainloop {
       const uint32_t last_pos = seq + last;
       const int stage = last_pos % kStages;
       ptx::mbarrier_wait(&s.full_v[stage], (last_pos / kStages) & 1);
-      issue_pv(racc, pa, ptx::kmajor_descriptor<128>(s.v[stage]));
-      const float last_scale = __ldcg(v_tile_scale + last);
-      ptx::wgmma_wait<0>();
+      if constexpr (kFp8Pv) {
+        issue_pv(racc, pa, v_descriptor(s, stage));
+        const float last_scale = __ldcg(v_tile_scale + last);
+        ptx::wgmma_wait<0>();
 #pragma unroll
-      for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
-      release_and_fold(stage, last_scale);
+        for (int i = 0; i < kRaccRegs; ++i) ptx::register_fence(racc[i]);
+        release_and_fold(stage, last_scale);
+      } else {
+        issue_pv(o, pa, v_descriptor(s, stage));
+        ptx::wgmma_wait<0>();
+#pragma unroll
+        for (int i = 0; i < kORegs; ++i) ptx::register_fence(o[i]);
+        release_v(stage);
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {  // the quad's parts of each row's sum
+          l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+          l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+        }
+      }
     }
     finish(o, m, l, o_scale);
   }

@@ -24,8 +24,13 @@ struct AttentionWgmmaParams {
   int64_t q_stride_b = 0, q_stride_h = 0, q_stride_n = 0;
   const int8_t* k_codes = nullptr;   // [B, Hkv, k_padded, D] per-thread INT8 (quantize_kv)
   const float* k_scale = nullptr;    // [B, Hkv, k_padded / 128, 4]
-  const uint8_t* v_codes = nullptr;  // [B, Hkv, D, k_padded] E4M3, PV-MMA key order (docs/DESIGN.md#v-layout)
-  const float* v_tile_scale = nullptr;  // [B, Hkv, k_padded / 128] FP8 scale of each V tile
+  // fp8_pv: [B, Hkv, D, k_padded] E4M3 codes, PV-MMA key order (docs/DESIGN.md#v-layout), with
+  // the FP8 scale of each V tile. Otherwise (the accurate tier): the caller's [B, Hkv, kv_len, D]
+  // in q's dtype, strides below (last dim 1), and no scales.
+  bool fp8_pv = true;
+  const void* v = nullptr;
+  int64_t v_stride_b = 0, v_stride_h = 0, v_stride_n = 0;
+  const float* v_tile_scale = nullptr;  // [B, Hkv, k_padded / 128] (fp8_pv)
   const float* v_mean = nullptr;     // [B, Hkv, D] or null (smooth V: added to the output)
   const float* k_mean = nullptr;     // [B, Hkv, D] or null (smooth K: its row constant joins the LSE)
   void* out = nullptr;               // [B, Hq, q_len, D] in q's dtype, strides below

@@ -1,6 +1,6 @@
 // The producer of the Hopper kernel (FlashAttention-3's mainloop load side): one thread of
 // warpgroup 0 streams the K tiles (INT8, from quantize_kv) with their 4 group scales, and the V
-// tiles (E4M3, transposed), of its CTA's items back to back into the kStages-deep shared-memory
+// tiles (E4M3, transposed, from quantize_kv; or the caller's 16-bit V itself), of its CTA's items back to back into the kStages-deep shared-memory
 // ring with the copy engine, on the full/empty mbarriers the consumers (hopper/mainloop.cuh)
 // wait on and release.
 #pragma once
@@ -17,9 +17,9 @@
 namespace sageattention2 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <int kHeadDim, bool kCausal>
+template <int kHeadDim, bool kCausal, bool kFp8Pv>
 struct WgmmaProducer {
-  using Geometry = WgmmaGeometry<kHeadDim>;
+  using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
   using Scheduler = WgmmaTileScheduler<kCausal>;
   static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages;
   static constexpr int kKBytes = Geometry::kKBytes, kVBytes = Geometry::kVBytes;
@@ -48,7 +48,14 @@ struct WgmmaProducer {
         ptx::bulk_load(s.k_scale[stage], k_scale + it * 4, 16, &s.full_k[stage]);
         ptx::mbarrier_wait_sleeping(&s.empty_v[stage], phase ^ 1);
         ptx::mbarrier_arrive_expect_tx(&s.full_v[stage], kVBytes);
-        ptx::tma_load_3d(s.v[stage], v_map, it * kBlockK, 0, bhk, &s.full_v[stage]);
+        if constexpr (kFp8Pv) {
+          ptx::tma_load_3d(s.v[stage], v_map, it * kBlockK, 0, bhk, &s.full_v[stage]);
+        } else {  // 128 keys x 64 channels per copy; keys past kv_len land as zeros
+#pragma unroll
+          for (int chunk = 0; chunk < kHeadDim / 64; ++chunk)
+            ptx::tma_load_4d(s.v[stage] + chunk * Geometry::kVChunkBytes, v_map, chunk * 64, it * kBlockK, w.hk, w.b,
+                             &s.full_v[stage]);
+        }
       }
     }
   }

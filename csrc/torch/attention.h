@@ -44,33 +44,38 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_after_cuda(
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
     int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv);
 
+// v: quantize_kv's E4M3 codes with v_tile_scale (the FP8 PV tier), or the caller's V in q's
+// dtype without (the accurate tier, P and V in 16 bits).
 AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
-                                          const at::Tensor& v_fp8, const at::Tensor& v_tile_scale,
+                                          const at::Tensor& v, const std::optional<at::Tensor>& v_tile_scale,
                                           const std::optional<at::Tensor>& v_mean,
                                           const std::optional<at::Tensor>& k_mean, int64_t kv_len, bool out_nhd,
                                           bool return_lse);
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
-                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
-                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const at::Tensor& k_scale, const at::Tensor& v,
+                                                        const std::optional<at::Tensor>& v_tile_scale,
+                                                        const std::optional<at::Tensor>& v_mean,
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
 // The same, launched as a programmatic dependent of the quantize_kv that the caller launched just
 // before it (after_quantize_kv; what that allows: hopper/params.h).
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(
-    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v_fp8,
-    const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v,
+    const std::optional<at::Tensor>& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
     int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv);
 
 // The Hopper path of a sageattn call in one op (docs/DESIGN.md#composite-ops): smoothing_stats
-// over every sample_stride-th token (K's mean with smooth_k, V's with smooth_v), quantize_kv for
-// block_k 128 with one V scale per tile, then attention_wgmma. The intermediates are never
+// over every sample_stride-th token (K's mean with smooth_k, V's with smooth_v and FP8 PV),
+// quantize_kv for block_k 128 (V with one scale per tile where pv_dtype is "fp8"; "input": K
+// only, V as it is), then attention_wgmma. The intermediates are never
 // returned: at short sequences a call is host-bound, and each op dispatched from Python cost
 // 15-37 us of host time (docs/DECISIONS.md#d20).
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
+                                                       const std::string& pv_dtype, bool smooth_k, bool smooth_v, int64_t sample_stride,
                                                        double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
-AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
+AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const std::string& pv_dtype, bool smooth_k,
                                          bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse);
 
 // The warp-level path of a sageattn call in one op, for the same reason

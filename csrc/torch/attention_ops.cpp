@@ -97,21 +97,35 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const
 
 // attention_wgmma (after_quantize_kv: quantize_kv was launched by the same call just before).
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(const at::Tensor& q, const at::Tensor& k_codes,
-                                                const at::Tensor& k_scale, const at::Tensor& v_fp8,
-                                                const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                const at::Tensor& k_scale, const at::Tensor& v,
+                                                const std::optional<at::Tensor>& v_tile_scale,
+                                                const std::optional<at::Tensor>& v_mean,
                                                 const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                 double sm_scale, bool is_causal, bool out_nhd, bool return_lse,
                                                 bool after_quantize_kv) {
   AttentionOutputs out =
-      allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
+      allocate_attention_wgmma(q, k_codes, k_scale, v, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
   check_launchable(q, "q");
   const c10::cuda::CUDAGuard guard(q.device());
   AttentionWgmmaParams p;
   set_shared_params(p, q, k_codes, out, kv_len, return_lse);
   p.k_codes = k_codes.data_ptr<int8_t>();
   p.k_scale = k_scale.data_ptr<float>();
-  p.v_codes = static_cast<const uint8_t*>(v_fp8.data_ptr());
-  p.v_tile_scale = v_tile_scale.data_ptr<float>();
+  p.fp8_pv = v.scalar_type() == at::kFloat8_e4m3fn;
+  // The copy engine cannot step along a stride of 0 (a broadcast view of 16-bit V): such a V
+  // is read from a contiguous copy, which the caching allocator keeps until the kernel ran.
+  bool broadcast = false;
+  for (int i = 0; i < 3; ++i) broadcast = broadcast || (v.size(i) > 1 && v.stride(i) == 0);
+  const at::Tensor v_read = !p.fp8_pv && broadcast ? v.contiguous() : v;
+  p.v = v_read.data_ptr();
+  p.v_stride_b = v_read.stride(0);
+  p.v_stride_h = v_read.stride(1);
+  p.v_stride_n = v_read.stride(2);
+  // The copy engine reads the caller's V from a 16-byte aligned address (the strides are
+  // multiples of 16 bytes, checked above).
+  TORCH_CHECK(p.fp8_pv || reinterpret_cast<uintptr_t>(p.v) % 16 == 0,
+              "attention_wgmma: v's data must start at a 16-byte aligned address (v.storage_offset() a multiple of 8)");
+  p.v_tile_scale = v_tile_scale ? v_tile_scale->data_ptr<float>() : nullptr;
   p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
   p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
   p.sm_scale = static_cast<float>(sm_scale);
@@ -126,11 +140,12 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(const at::Tensor& 
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, const at::Tensor& k_codes,
-                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
-                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const at::Tensor& k_scale, const at::Tensor& v,
+                                                        const std::optional<at::Tensor>& v_tile_scale,
+                                                        const std::optional<at::Tensor>& v_mean,
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
-  return attention_wgmma_after_cuda(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
+  return attention_wgmma_after_cuda(q, k_codes, k_scale, v, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
                       return_lse, false);
 }
 

@@ -112,7 +112,7 @@ AttentionOutputs allocate_attention_mma(const at::Tensor& q, const std::optional
 }
 
 AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
-                                          const at::Tensor& v_fp8, const at::Tensor& v_tile_scale,
+                                          const at::Tensor& v, const std::optional<at::Tensor>& v_tile_scale,
                                           const std::optional<at::Tensor>& v_mean,
                                           const std::optional<at::Tensor>& k_mean, int64_t kv_len, bool out_nhd,
                                           bool return_lse) {
@@ -129,17 +129,33 @@ AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor&
   TORCH_CHECK(kv_len > 0 && k_padded >= kv_len && k_padded < kv_len + kWgmmaBlockK,
               "kv_len must be the unpadded length of k_codes (padded to ", kWgmmaBlockK, "), got ", kv_len);
   check_f32(k_scale, "k_scale", {batch, kv_heads, k_padded / kWgmmaBlockK, 4});
-  TORCH_CHECK(v_fp8.scalar_type() == at::kFloat8_e4m3fn && v_fp8.is_contiguous(),
-              "v_fp8 must be contiguous float8_e4m3fn (from quantize_kv), got ", v_fp8.scalar_type());
-  TORCH_CHECK(v_fp8.sym_sizes() == c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}),
-              "v_fp8 must have shape [batch, kv_heads, head_dim, padded_kv_len] = ",
-              c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}), ", got ", v_fp8.sym_sizes());
-  check_f32(v_tile_scale, "v_tile_scale", {batch, kv_heads, k_padded / kWgmmaBlockK});
-  if (v_mean) check_f32(*v_mean, "v_mean", {batch, kv_heads, c10::SymInt(head_dim)});
+  TORCH_CHECK(v.dim() == 4, "v must be 4-D: [batch, kv_heads, head_dim, padded_kv_len] (float8_e4m3fn from "
+              "quantize_kv, with v_scale) or [batch, kv_heads, kv_len, head_dim] (q's dtype, without)");
+  if (v.scalar_type() == at::kFloat8_e4m3fn) {
+    TORCH_CHECK(v.is_contiguous(), "v (float8_e4m3fn) must be contiguous, as quantize_kv returns it");
+    TORCH_CHECK(v.sym_sizes() == c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}),
+                "v (float8_e4m3fn) must have shape [batch, kv_heads, head_dim, padded_kv_len] = ",
+                c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(head_dim), k_padded}), ", got ", v.sym_sizes());
+    TORCH_CHECK(v_tile_scale.has_value(), "v_scale (quantize_kv's v_tile_scale) is required with float8_e4m3fn v");
+    check_f32(*v_tile_scale, "v_scale", {batch, kv_heads, k_padded / kWgmmaBlockK});
+    if (v_mean) check_f32(*v_mean, "v_mean", {batch, kv_heads, c10::SymInt(head_dim)});
+  } else {
+    TORCH_CHECK(v.scalar_type() == q.scalar_type(), "v must be float8_e4m3fn (from quantize_kv) or have q's dtype (",
+                q.scalar_type(), "), got ", v.scalar_type());
+    TORCH_CHECK(!v_tile_scale && !v_mean, "v_scale and v_mean go with float8_e4m3fn v only");
+    TORCH_CHECK(v.sym_size(0) == batch && v.sym_size(1) == kv_heads && v.sym_size(2) == kv_len &&
+                    v.sym_size(3) == head_dim,
+                "v must have shape [batch, kv_heads, kv_len, head_dim] = ",
+                c10::SymIntArrayRef({batch, kv_heads, c10::SymInt(kv_len), c10::SymInt(head_dim)}), ", got ",
+                v.sym_sizes());
+    TORCH_CHECK(v.sym_stride(3) == 1, "v must be contiguous in its last dimension");
+    for (int i = 0; i < 3; ++i)
+      TORCH_CHECK(v.sym_stride(i) % 8 == 0, "v.stride(", i, ") must be a multiple of 8 elements (16-byte rows)");
+  }
   if (k_mean) check_f32(*k_mean, "k_mean", {batch, kv_heads, c10::SymInt(head_dim)});
-  for (const at::Tensor* t : {&k_codes, &k_scale, &v_fp8, &v_tile_scale})
+  for (const at::Tensor* t : {&k_codes, &k_scale, &v})
     TORCH_CHECK(t->device() == q.device(), "all inputs must be on ", q.device());
-  for (const auto* t : {&v_mean, &k_mean})
+  for (const auto* t : {&v_tile_scale, &v_mean, &k_mean})
     TORCH_CHECK(!*t || (*t)->device() == q.device(), "all inputs must be on ", q.device());
   return allocate_outputs(batch, q_heads, q_len, head_dim, q.options(), out_nhd, return_lse);
 }

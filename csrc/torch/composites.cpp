@@ -22,6 +22,12 @@ void check_chain_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
               ") must have the same dtype");
 }
 
+// pv_dtype of the Hopper composite: "fp8" (V quantized, one scale per tile) or "input" (V as it is).
+bool wgmma_fp8_pv(const std::string& pv_dtype) {
+  TORCH_CHECK(pv_dtype == "fp8" || pv_dtype == "input", "pv_dtype must be 'fp8' or 'input', got '", pv_dtype, "'");
+  return pv_dtype == "fp8";
+}
+
 // The tokens whose mean is a smoothing vector: every sample_stride-th one (a view), or none.
 std::optional<at::Tensor> token_sample(const at::Tensor& t, bool wanted, int64_t sample_stride) {
   if (!wanted) return std::nullopt;
@@ -30,9 +36,12 @@ std::optional<at::Tensor> token_sample(const at::Tensor& t, bool wanted, int64_t
 
 }  // namespace
 
-AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool smooth_k,
-                                         bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse) {
+AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                         const std::string& pv_dtype, bool smooth_k, bool smooth_v,
+                                         int64_t sample_stride, bool out_nhd, bool return_lse) {
   check_chain_inputs(q, k, v, sample_stride);
+  const bool fp8 = wgmma_fp8_pv(pv_dtype);
+  smooth_v = smooth_v && fp8;  // (16-bit V is not quantized: nothing to smooth)
   std::optional<at::Tensor> k_mean, v_mean;
   if (smooth_k || smooth_v) {
     SmoothingStatsOutputs stats = allocate_smoothing_stats(
@@ -40,15 +49,20 @@ AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& 
     if (smooth_k) k_mean = stats.k_mean;
     if (smooth_v) v_mean = stats.v_mean;
   }
-  QuantizeKVOutputs kv = allocate_quantize_kv(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8");
-  return allocate_attention_wgmma(q, kv.k_codes, kv.k_scales, kv.v_codes, kv.v_tile_scale, v_mean, k_mean,
+  QuantizeKVOutputs kv = allocate_quantize_kv(k, fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean, v_mean,
+                                              std::nullopt, std::nullopt, kWgmmaBlockK, "int8");
+  return allocate_attention_wgmma(q, kv.k_codes, kv.k_scales, fp8 ? kv.v_codes : v,
+                                  fp8 ? std::optional<at::Tensor>(kv.v_tile_scale) : std::nullopt, v_mean, k_mean,
                                   k.sym_size(2).guard_int(__FILE__, __LINE__), out_nhd, return_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
-                                                       double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
+                                                       const std::string& pv_dtype, bool smooth_k, bool smooth_v,
+                                                       int64_t sample_stride, double sm_scale, bool is_causal,
+                                                       bool out_nhd, bool return_lse) {
   check_chain_inputs(q, k, v, sample_stride);
+  const bool fp8 = wgmma_fp8_pv(pv_dtype);
+  smooth_v = smooth_v && fp8;
   std::optional<at::Tensor> k_mean, v_mean;
   // All of smoothing_stats' outputs live until the end: quantize_kv, launched as its programmatic
   // dependent, may write before it completes (V without v_mean), so none of its outputs may
@@ -61,10 +75,11 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
     if (smooth_v) v_mean = std::get<2>(stats);
   }
   const bool programmatic = programmatic_launches();
-  auto kv = quantize_kv_after_cuda(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kWgmmaBlockK, "int8", 1.0,
-                                   programmatic && (smooth_k || smooth_v));
-  return attention_wgmma_after_cuda(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<4>(kv), v_mean, k_mean, k.size(2),
-                      sm_scale, is_causal, out_nhd, return_lse, programmatic);
+  auto kv = quantize_kv_after_cuda(k, fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean, v_mean, std::nullopt,
+                                   std::nullopt, kWgmmaBlockK, "int8", 1.0, programmatic && (smooth_k || smooth_v));
+  return attention_wgmma_after_cuda(q, std::get<0>(kv), std::get<1>(kv), fp8 ? std::get<2>(kv) : v,
+                                    fp8 ? std::optional<at::Tensor>(std::get<4>(kv)) : std::nullopt, v_mean, k_mean,
+                                    k.size(2), sm_scale, is_causal, out_nhd, return_lse, programmatic);
 }
 
 namespace {

@@ -39,20 +39,21 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q, const
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_meta(const at::Tensor& q, const at::Tensor& k_codes,
-                                                        const at::Tensor& k_scale, const at::Tensor& v_fp8,
-                                                        const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+                                                        const at::Tensor& k_scale, const at::Tensor& v,
+                                                        const std::optional<at::Tensor>& v_tile_scale,
+                                                        const std::optional<at::Tensor>& v_mean,
                                                         const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                         double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
                                                         bool return_lse) {
-  auto o = allocate_attention_wgmma(q, k_codes, k_scale, v_fp8, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
+  auto o = allocate_attention_wgmma(q, k_codes, k_scale, v, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
   return {o.out, o.lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                       bool smooth_k, bool smooth_v, int64_t sample_stride,
+                                                       const std::string& pv_dtype, bool smooth_k, bool smooth_v, int64_t sample_stride,
                                                        double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
                                                        bool return_lse) {
-  auto o = allocate_sageattn_wgmma(q, k, v, smooth_k, smooth_v, sample_stride, out_nhd, return_lse);
+  auto o = allocate_sageattn_wgmma(q, k, v, pv_dtype, smooth_k, smooth_v, sample_stride, out_nhd, return_lse);
   return {o.out, o.lse};
 }
 
@@ -83,11 +84,12 @@ TORCH_LIBRARY(sageattention2, m) {
       "Tensor? v_scale, Tensor? v_mean, Tensor? k_mean, str qk_dtype, int kv_len, float sm_scale, bool is_causal, "
       "bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
   m.def(
-      "attention_wgmma(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor v_scale, Tensor? v_mean, "
+      "attention_wgmma(Tensor q, Tensor k_codes, Tensor k_scale, Tensor v, Tensor? v_scale, Tensor? v_mean, "
       "Tensor? k_mean, int kv_len, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "
       "-> (Tensor out, Tensor lse)");
   m.def(
-      "sageattn_wgmma(Tensor q, Tensor k, Tensor v, bool smooth_k, bool smooth_v, int sample_stride, float sm_scale, "
+      "sageattn_wgmma(Tensor q, Tensor k, Tensor v, str pv_dtype, bool smooth_k, bool smooth_v, int sample_stride, "
+      "float sm_scale, "
       "bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
   m.def(
       "sageattn_mma(Tensor q, Tensor k, Tensor v, str qk_dtype, str pv_dtype, bool smooth_q, bool smooth_k, "

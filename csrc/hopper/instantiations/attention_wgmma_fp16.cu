@@ -1,6 +1,0 @@
-// attention_wgmma, fp16 inputs: its 4 kernels (head_dim x causal).
-#include "hopper/launch.cuh"
-
-namespace sageattention2 {
-template struct AttentionWgmmaVariant<__half>;
-}  // namespace sageattention2

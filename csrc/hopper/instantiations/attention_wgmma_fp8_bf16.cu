@@ -1,0 +1,6 @@
+// attention_wgmma, bf16 inputs, FP8 PV: its 4 kernels (head_dim x causal).
+#include "hopper/launch.cuh"
+
+namespace sageattention2 {
+template struct AttentionWgmmaVariant<__nv_bfloat16, true>;
+}  // namespace sageattention2
