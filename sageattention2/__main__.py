@@ -121,9 +121,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "calibrate", help="the adaptive plan of a model of the suite (each attention call site's "
                           "fastest variant within an error budget) and the forward under it")
     calibrate.add_argument("--model", required=True, choices=[c.key for c in _model_suite.CASES])
-    calibrate.add_argument("--budget", type=float, nargs="+", default=[0.002, 0.01],
+    calibrate.add_argument("--budget", type=float, nargs="+", default=[0.003, 0.01],
                            help="errors allowed per call, 1 - CosSim * (1 - rel. L1) (default: "
-                                "0.002 0.01)")
+                                "0.003 0.01)")
     calibrate.add_argument("--steps", type=int, default=1, help="forwards per run (default 1)")
     calibrate.add_argument("--reps", type=int, default=5, help="timed runs per configuration")
     calibrate.add_argument("--tiny", action="store_true", help="tiny widths and resolutions")

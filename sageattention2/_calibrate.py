@@ -2,7 +2,7 @@
 suite (``_model_suite``: published configs, random weights), at one or more budgets, and the
 whole forward under each choice side by side:
 
-    python -m sageattention2 calibrate --model wan --budget 0.002 0.01 [--steps 1] [--out DIR]
+    python -m sageattention2 calibrate --model wan --budget 0.003 0.01 [--steps 1] [--out DIR]
 
 Rows: every call exact SDPA, every call the 8-bit kernel (INT8 QK + FP8 PV where this GPU has
 it), every call the accurate tier (INT8 QK + FP16/BF16 PV), and the plan at each budget: time

@@ -159,9 +159,11 @@ class Plan:
     entries: list[PlanEntry]
     variants: dict[str, dict[str, str]] = dataclasses.field(default_factory=lambda: dict(VARIANTS))
 
-    def variant_for(self, site: str | None, step: int) -> str | None:
-        """The variant of ``site`` at ``step``, or None where the calibration did not see it."""
-        for entry in self._by_site().get(site, ()):  # type: ignore[arg-type]
+    def variant_for(self, site: str | None, step: int,
+                    by_site: dict[str, list[PlanEntry]] | None = None) -> str | None:
+        """The variant of ``site`` at ``step``, or None where the calibration did not see it
+        (``by_site``: this plan's :meth:`_by_site`, computed once by a caller that asks often)."""
+        for entry in (self._by_site() if by_site is None else by_site).get(site, ()):  # type: ignore[arg-type]
             if entry.steps is None or entry.steps[0] <= step <= entry.steps[1]:
                 return entry.variant
         return None
@@ -331,9 +333,11 @@ class AppliedPlan:
         self._previous = F.scaled_dot_product_attention
         self.calls: dict[str, int] = {}  # variant (or "default") -> eager calls served
 
+        by_site = plan._by_site()
+
         def planned(*args: Any, **kwargs: Any) -> Tensor:
             site = self._tracker.site()
-            name = plan.variant_for(site, self._tracker.step if self._tracker.steps else 0)
+            name = plan.variant_for(site, self._tracker.step if self._tracker.steps else 0, by_site)
             if not torch.compiler.is_compiling():  # (a count in a graph would specialize it)
                 self.calls[name or "default"] = self.calls.get(name or "default", 0) + 1
             if name == EXACT:
