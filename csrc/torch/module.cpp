@@ -31,7 +31,7 @@ constexpr KernelFamily kKernelFamilies[] = {
     {"preprocess", "smoothing_stats, quantize_kv", 0, nullptr},
     {"attention_mma", "INT8 QK, fp16/bf16 PV, mma.sync", 0, nullptr},
     {"attention_mma_fp8", "INT8/INT4 QK, FP8 PV, mma.sync", 89, nullptr},
-    {"attention_wgmma", "INT8 QK, FP8 PV, wgmma", 0, "sm_90a"},
+    {"attention_wgmma", "INT8 QK, FP8 or fp16/bf16 PV, wgmma", 0, "sm_90a"},
 };
 
 std::vector<std::string> split_archs(const std::string& list) {
