@@ -109,6 +109,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("--base", type=Path, default=None,
                       help="a table of this GPU on the same grid: the classes not measured now "
                            "are kept from it")
+    tune.add_argument("--pv-quant", choices=("auto", "none"), default="auto",
+                      help="none: the table of the accurate tier (PV in the input dtype), a file of "
+                           "its own beside the default one")
     tune.add_argument("--out", default=None,
                       help="where to write the table (default: the one sageattn reads for this "
                            "GPU model, under ~/.cache/sageattention2/crossover/)")
@@ -160,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
         path = _tune.tune(axes=_tune.QUICK_AXES if args.quick else None,
                           head_dims=args.head_dims or _tune.HEAD_DIMS, dtypes=dtypes,
-                          causal=causal, out=args.out, base=args.base)
+                          causal=causal, out=args.out, base=args.base, pv_quant=args.pv_quant)
         print(f"wrote {path}")
     elif args.command == "check":
         from . import _check

@@ -15,8 +15,14 @@ shape (the speedup interpolated between the measured points is below 1), without
 result is then exact, and faster. The decision is made once per kind of call (the call cache),
 so it costs nothing per call. ``qk_quant="int8"``/``"int4"`` always runs the quantized kernel.
 
-Which table a GPU uses (:func:`table_for`): ``SAGEATTN_CROSSOVER`` names a table file, or is
-``off`` (no table: "auto" always quantizes); else the table ``tune`` wrote for this GPU model
+A table measures one kernel choice (its ``kernel``): the one default options run
+(``<gpu>.json``), or another that options select, e.g. the Hopper kernel's accurate tier
+(``pv_quant="none"``: ``<gpu>-wgmma-int8-input.json``, ``tune --pv-quant none``). A call is
+decided only by a table of the choice it runs.
+
+Which table a GPU uses for a choice (:func:`table_for`): ``SAGEATTN_CROSSOVER`` names a table
+file (used for its own choice; other choices are looked up as below), or is ``off`` (no table:
+"auto" always quantizes); else the table ``tune`` wrote for this GPU model
 (``$XDG_CACHE_HOME/sageattention2/crossover/``, default ``~/.cache/...``); else the shipped table
 of this GPU model; else a shipped table of another GPU of the same compute capability (an H200
 uses the H100's: same kernels, similar balance); else none.
@@ -223,29 +229,45 @@ def _shipped() -> list[Path]:
     return sorted(SHIPPED.glob("*.json"))
 
 
+def table_file(slug: str, choice: KernelChoice | None = None) -> str:
+    """The file name of a GPU's table: ``<slug>.json`` for the choice default options run
+    (``choice`` None), ``<slug>-<kernel>-<qk>-<pv>.json`` for another."""
+    return f"{slug}.json" if choice is None else f"{slug}-{choice.kernel}-{choice.qk}-{choice.pv}.json"
+
+
 @functools.lru_cache(maxsize=None)
-def _table_for(setting: str | None, name: str, capability: Capability) -> CrossoverTable | None:
+def _table_for(setting: str | None, name: str, capability: Capability,
+               choice: KernelChoice | None = None) -> CrossoverTable | None:
+    """``choice`` None: the GPU's default table (whatever kernel it measured)."""
+    def fits(table: CrossoverTable) -> bool:
+        return choice is None or table.kernel == choice
+
     if setting is not None and setting.strip().lower() in ("off", "0", "none", ""):
         return None
-    if setting is not None:
-        return _load(setting)
+    if setting is not None and fits(table := _load(setting)):
+        return table
     slug = gpu_slug(name)
-    for path in (user_dir() / f"{slug}.json", SHIPPED / f"{slug}.json"):
-        if path.is_file():
-            return _load(str(path))
-    for path in _shipped():
+    files = [table_file(slug)] if choice is None else [table_file(slug, choice), table_file(slug)]
+    for directory in (user_dir(), SHIPPED):
+        for file in files:
+            if (directory / file).is_file() and fits(table := _load(str(directory / file))):
+                return table
+    for path in _shipped():  # (a default table is the file named after its GPU alone)
         table = _load(str(path))
-        if table.capability == capability:
+        if table.capability == capability and fits(table) and (
+                choice is not None or path.stem == gpu_slug(table.gpu)):
             return table
     return None
 
 
-def table_for(device: torch.device, capability: Capability | None) -> CrossoverTable | None:
-    """The crossover table of a CUDA ``device`` (see the module's docstring), or None."""
+def table_for(device: torch.device, capability: Capability | None,
+              choice: KernelChoice | None = None) -> CrossoverTable | None:
+    """The crossover table of a CUDA ``device`` for ``choice`` (None: its default table; see
+    the module's docstring), or None."""
     if device.type != "cuda" or capability is None:
         return None
     index = torch.cuda.current_device() if device.index is None else device.index
-    return _table_for(os.environ.get(ENVIRONMENT), _gpu_name(index), capability)
+    return _table_for(os.environ.get(ENVIRONMENT), _gpu_name(index), capability, choice)
 
 
 def clear_cache() -> None:
@@ -262,7 +284,7 @@ def exact_is_faster(call: AttentionCall, choice: KernelChoice,
     path computes it in float64, far slower than the kernel, which returns it as it goes)."""
     if not call.qk_quant_auto or call.return_lse:
         return None
-    table = table_for(call.q.device, capability)
+    table = table_for(call.q.device, capability, choice)
     if table is None or table.kernel != choice:
         return None
     b, h_q, n_q, _ = call.q.shape

@@ -75,7 +75,7 @@ def _warm_gpu(seconds: float = 1.0) -> None:
 
 
 def _point(n_q: int, n_k: int, heads: int, head_dim: int, causal: bool,
-           dtype: torch.dtype) -> float | None:
+           dtype: torch.dtype, pv_quant: str = "auto") -> float | None:
     """SDPA's time over the quantized call's at one point, or None where it is not timed."""
     kernel_dim = _plan.kernel_head_dim(head_dim) or head_dim
     work = 4 * n_q * n_k * heads * kernel_dim // (2 if causal else 1)
@@ -87,17 +87,17 @@ def _point(n_q: int, n_k: int, heads: int, head_dim: int, causal: bool,
                 for _ in range(2))
         exact_ms, quantized_ms = compare_ms(
             lambda: _execute._exact_sdpa(q, k, v, is_causal=causal),
-            lambda: sageattn(q, k, v, is_causal=causal, qk_quant="int8"))
+            lambda: sageattn(q, k, v, is_causal=causal, qk_quant="int8", pv_quant=pv_quant))
     except RuntimeError:  # out of memory, or a shape an SDPA backend refuses: not timed
         torch.cuda.empty_cache()
         return None
     return exact_ms / quantized_ms
 
 
-def _kernel_choice(dtype: torch.dtype) -> _plan.KernelChoice:
-    """The kernel that a default call runs on this GPU (what the table is for)."""
+def _kernel_choice(dtype: torch.dtype, pv_quant: str = "auto") -> _plan.KernelChoice:
+    """The kernel that a call with ``pv_quant`` runs on this GPU (what the table is for)."""
     q = torch.empty(1, 1, 128, 128, device="cuda", dtype=dtype)
-    decision = _execute.decide(validated_call(q, q, q, qk_quant="int8"))
+    decision = _execute.decide(validated_call(q, q, q, qk_quant="int8", pv_quant=pv_quant))
     if decision.fallback is not None:
         raise RuntimeError(f"nothing to tune: the quantized kernels cannot run here "
                            f"({decision.fallback})")
@@ -107,9 +107,12 @@ def _kernel_choice(dtype: torch.dtype) -> _plan.KernelChoice:
 def tune(axes: dict[str, Sequence[int]] | None = None,
          head_dims: Sequence[int] = HEAD_DIMS, dtypes: Sequence[str] = DTYPES,
          causal: Sequence[bool] = (False, True), out: Path | str | None = None,
-         log: Callable[[str], None] = print, base: Path | str | None = None) -> Path:
+         log: Callable[[str], None] = print, base: Path | str | None = None,
+         pv_quant: str = "auto") -> Path:
     """Measure the crossover table of the current GPU and write it (default: the user table
     that sageattn then uses on this GPU model, ``_crossover.user_dir()``). Returns its path.
+    ``pv_quant``: of the calls measured; "none" measures the accurate tier, whose table is
+    another file (``_crossover.table_file``).
     ``base``: a table of this GPU model on the same axes whose other classes the new table
     keeps (re-measure only what a kernel change touched: the non-causal classes in 97 s on an
     H100 where all take 6 minutes)."""
@@ -119,7 +122,7 @@ def tune(axes: dict[str, Sequence[int]] | None = None,
     n_q, n_k, heads = (tuple(sorted(axes[name])) for name in ("n_q", "n_k", "heads"))
     name = torch.cuda.get_device_name()
     capability = torch.cuda.get_device_capability()
-    choice = _kernel_choice(getattr(torch, dtypes[0]))
+    choice = _kernel_choice(getattr(torch, dtypes[0]), pv_quant)
     measuring = {(h, c, d) for h in head_dims for c in causal for d in dtypes}
     classes: list[dict] = [] if base is None else [
         c for c in _base_classes(Path(base), name, {"n_q": list(n_q), "n_k": list(n_k),
@@ -135,8 +138,8 @@ def tune(axes: dict[str, Sequence[int]] | None = None,
         "axes": {"n_q": list(n_q), "n_k": list(n_k), "heads": list(heads)},
         "classes": classes,
     }
-    path = Path(out) if out is not None else (
-        _crossover.user_dir() / f"{_crossover.gpu_slug(name)}.json")
+    path = Path(out) if out is not None else (_crossover.user_dir() / _crossover.table_file(
+        _crossover.gpu_slug(name), None if pv_quant == "auto" else choice))
     path.parent.mkdir(parents=True, exist_ok=True)
     _warm_gpu()
     started = time.monotonic()
@@ -145,7 +148,7 @@ def tune(axes: dict[str, Sequence[int]] | None = None,
         for dtype_name in dtypes:
             dtype = getattr(torch, dtype_name)
             for is_causal in causal:
-                grid = [[[_point(a, b, h, head_dim, is_causal, dtype) for h in heads]
+                grid = [[[_point(a, b, h, head_dim, is_causal, dtype, pv_quant) for h in heads]
                          for b in n_k] for a in n_q]
                 classes.append({"head_dim": head_dim, "causal": is_causal, "dtype": dtype_name,
                                 "speedup": [[[None if x is None else round(x, 3) for x in cell]

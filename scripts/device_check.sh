@@ -36,7 +36,8 @@ steps
   --ab TAR          A/B of two builds: A the tree in TAR (make it before the device call, in the
                     repo root: git archive REV -o base.tar), B the working tree; each is built
                     into its own --target dir, then bench_attention.py --no-sdpa runs A, B, A
-                    and one table shows the three runs and B/A
+                    and one table shows the three runs and B/A (AB_ARGS: more arguments of
+                    bench_attention.py, e.g. "--pv-quant none")
 EOF
 }
 set -uo pipefail
@@ -179,7 +180,7 @@ step_ab() {
   cd /tmp || return 1
   for side in A B A; do
     i=$((i + 1))
-    PYTHONPATH=/tmp/ab_$side python3 "$R/benchmarks/bench_attention.py" --no-sdpa $QUICK \
+    PYTHONPATH=/tmp/ab_$side python3 "$R/benchmarks/bench_attention.py" --no-sdpa $QUICK ${AB_ARGS:-} \
       --out "$OUT/ab_${i}_$side.md" > "$OUT/ab_${i}_$side.txt" 2>&1 || { tail -20 "$OUT/ab_${i}_$side.txt"; return 1; }
     head -1 "$OUT/ab_${i}_$side.txt"
     runs+=("$side=$OUT/ab_${i}_$side.md")

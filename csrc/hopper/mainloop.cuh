@@ -210,7 +210,12 @@ struct WgmmaMainloop {
     // Warpgroup 1 starts an item once warpgroup 0 has its tile 0's P (barrier 3, below): the two
     // then run the KV loop a fraction of a tile apart instead of in step. Left to itself, their
     // offset depended on the per-item code by accident, and the loop tile took 1,644 cycles at
-    // 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; docs/DECISIONS.md#d11).
+    // 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; docs/DECISIONS.md#d11). Both sync
+    // there (D35): with items of a tile or two warpgroup 0 could start two items before warpgroup
+    // 1 started one (the ring holds 3-6 tiles), and two mere arrivals of warpgroup 0 completed the
+    // barrier's phase alone; warpgroup 1 then waited one item behind and, at the CTA's last item,
+    // forever (causal 4096 queries x 256 keys x 64 heads hung within seconds). Warpgroup 1,
+    // behind by a fraction of a tile, is normally there first, so warpgroup 0 rarely waits.
     if (consumer == 1) ptx::named_barrier_sync<3, 256>();
     issue_qk(sacc, q_desc, ptx::kmajor_descriptor<kHeadDim>(s.k[stage0]));
     ptx::wgmma_wait<0>();
@@ -221,7 +226,7 @@ struct WgmmaMainloop {
     else scores_to_p<false>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
     if constexpr (!kFp8Pv) rescale_to_tile(alpha_prev);
     pack_p(x, pa);
-    if (consumer == 0) ptx::named_barrier_arrive<3, 256>();  // one arrival per item, as warpgroup 1 syncs
+    if (consumer == 0) ptx::named_barrier_sync<3, 256>();  // once per item in both warpgroups
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; S(it)'s row maxima are
     // taken while PV(it - 1) computes (ptxas waits for the PV before the exponentials:
