@@ -8,7 +8,8 @@ one 128-key tile per CTA without a split of the key range. At short or few seque
 costs decide, and SDPA is faster. Where the line runs depends on the GPU, the head_dim, the
 mask, the dtype, the lengths and B*H, so it is measured, not modelled: ``python -m
 sageattention2 tune`` (``_tune``) times both on a grid of shapes on the GPU at hand and writes a
-:class:`CrossoverTable`. A table for the H100 ships in ``sageattention2/crossover/``.
+:class:`CrossoverTable`. Tables for the H100 ship in ``sageattention2/crossover/`` (the default
+FP8 tier's and the accurate tier's).
 
 A call with ``qk_quant="auto"`` runs exact SDPA where the table says that SDPA is faster for its
 shape (the speedup interpolated between the measured points is below 1), without a warning: the

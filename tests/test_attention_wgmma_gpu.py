@@ -8,7 +8,7 @@ import torch
 
 from gpu_helpers import (EMULATION_L1, EXACT_L1, EXACT_L1_FP8, WGMMA, WGMMA_INPUT, assert_finite,
                          emulate, exact, make_qkv, q_view, rel_l1, run_wgmma_op)
-from sageattention2 import api, ops
+from sageattention2 import api, ops, sageattn
 from sageattention2.testing import poison_cuda_allocator
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("attention_kernel")]
@@ -285,3 +285,21 @@ def test_opcheck_attention_wgmma() -> None:
                   True, False),
                  (q4, k_nhd, q_view(v4, "NHD"), "input", True, False, 3, 0.125, True, False, True)):
         torch.library.opcheck(torch.ops.sageattention2.sageattn_wgmma.default, args)
+
+
+@pytest.mark.usefixtures("wgmma_kernel")
+@pytest.mark.parametrize("pv", ["fp8", "input"])
+def test_items_of_one_or_two_tiles_do_not_hang(pv: str) -> None:
+    """Causal 4096 queries on 256 keys, 64 heads: a persistent grid whose CTAs walk ~15 items of
+    one or two tiles each. The consumer warpgroups' item-start handshake let warpgroup 0 arrive
+    twice before warpgroup 1 synced once, and one call in a few hung (D35); 40 calls here (a
+    hang stops the run at device_check's step limit). Each call gives the first one's output."""
+    q4, k4, v4 = make_qkv(1, 64, 64, 4096, 256, 128, torch.float16, seed=29, bias=(1.0, 2.0, 1.0))
+    options = dict(is_causal=True, qk_quant="int8", pv_quant="fp8" if pv == "fp8" else "none",
+                   strict=True)
+    first = sageattn(q4, k4, v4, **options)
+    assert_finite(first)
+    for _ in range(40):
+        out = sageattn(q4, k4, v4, **options)
+    torch.cuda.synchronize()
+    assert torch.equal(out, first)
