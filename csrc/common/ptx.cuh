@@ -386,36 +386,26 @@ __device__ __forceinline__ void wgmma_m64n72k32_e4m3(float (&d)[36], const uint3
 // from shared memory (imm-trans-b = 1: the caller's V rows as the copy engine lands them, no
 // transposing pass): the accurate tier's PV product, accumulating into O in true FP32 (unlike the
 // e4m3 instruction's, paper 3.4).
+// One such instruction in TYPE (f16 or bf16): SHAPE, the D register list, the operand list of A's
+// four registers, the operand numbers of B's descriptor and of scale-d (always 1: O accumulates),
+// D's operands last.
+#define SAGE_WGMMA_INPUT(SHAPE, TYPE, DLIST, ALIST, B, P, ...)                                     \
+  asm volatile("{ .reg .pred p; setp.ne.b32 p, %" P ", 0;\n"                                      \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TYPE "." TYPE " " DLIST ", " ALIST     \
+               ", %" B ", p, 1, 1, 1; }"                                                           \
+               : __VA_ARGS__                                                                       \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1))
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_m64n128k16_input(float (&d)[64], const uint32_t (&a)[4], uint64_t b_desc) {
-  if constexpr (kBf16)
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " SAGE_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
-        : SAGE_OPS64("+f", d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1));
-  else
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " SAGE_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 1; }"
-        : SAGE_OPS64("+f", d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1));
+  if constexpr (kBf16) SAGE_WGMMA_INPUT("m64n128k16", "bf16", SAGE_WGMMA_D64, "{%64, %65, %66, %67}", "68", "69", SAGE_OPS64("+f", d));
+  else SAGE_WGMMA_INPUT("m64n128k16", "f16", SAGE_WGMMA_D64, "{%64, %65, %66, %67}", "68", "69", SAGE_OPS64("+f", d));
 }
 template <bool kBf16>
 __device__ __forceinline__ void wgmma_m64n64k16_input(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
-  if constexpr (kBf16)
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SAGE_WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
-        : SAGE_OPS32("+f", d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1));
-  else
-    asm volatile(
-        "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " SAGE_WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1, 1; }"
-        : SAGE_OPS32("+f", d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(1));
+  if constexpr (kBf16) SAGE_WGMMA_INPUT("m64n64k16", "bf16", SAGE_WGMMA_D32, "{%32, %33, %34, %35}", "36", "37", SAGE_OPS32("+f", d));
+  else SAGE_WGMMA_INPUT("m64n64k16", "f16", SAGE_WGMMA_D32, "{%32, %33, %34, %35}", "36", "37", SAGE_OPS32("+f", d));
 }
+#undef SAGE_WGMMA_INPUT
 #undef SAGE_OPS64
 #undef SAGE_OPS32
 #undef SAGE_OPS8
