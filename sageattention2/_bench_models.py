@@ -144,10 +144,15 @@ def measure(case: _model_suite.ModelCase, device: torch.device, tiny: bool, reps
         forward()
         default_ms, sage_ms = [], []
         runs = reps
-        while len(default_ms) < runs:  # alternate, so that drift hits both alike
-            default_ms.append(clock.ms(forward))
-            with patch_sdpa():
-                sage_ms.append(clock.ms(forward))
+        while len(default_ms) < runs:
+            # Alternate, so that drift hits both alike, and swap which goes first every other
+            # time: a host-bound forward's time depends on what ran just before it.
+            for sage in ((False, True) if len(default_ms) % 2 == 0 else (True, False)):
+                if sage:
+                    with patch_sdpa():
+                        sage_ms.append(clock.ms(forward))
+                else:
+                    default_ms.append(clock.ms(forward))
             if len(default_ms) == 1 and seconds > 0 and not tiny:
                 runs = min(MAX_REPS, max(reps, math.ceil(seconds * 1e3 / max(default_ms[0], 1e-3))))
         attention = attention_ms(calls, clock, reps)
