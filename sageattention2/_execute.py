@@ -33,7 +33,6 @@ __all__ = [
     "quantized",
     "run",
     "run_and_remember",
-    "short_exact_on_flash",
     "smoothing_sample_stride",
 ]
 
@@ -46,17 +45,6 @@ SMOOTHING_SAMPLE_TOKENS = 256
 # The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still
 # reaches the exact kernel while F.scaled_dot_product_attention is patched to sageattn.
 _exact_sdpa = torch._C._nn.scaled_dot_product_attention
-
-
-# The crossover's exact calls (qk_quant="auto" where SDPA is measured faster than the kernel) of
-# at most this much work (4 B H N_q N_kv D) run on SDPA's FlashAttention-2 kernel, called
-# directly, rather than on SDPA's default pick (cuDNN on Hopper): the same exact attention, and
-# at these sizes the host's time per call decides whether a model's calls keep the GPU busy;
-# cuDNN's costs more host time per call (D36: the SD1.5 and SDXL UNets, whose calls all run
-# exact, 1.01-1.02x faster end to end with flash than with SDPA's default). 2^34 is ~40 us of
-# cuDNN on an H100; above it the GPU's time decides and SDPA's own pick runs.
-SHORT_EXACT_WORK = 2 ** 34
-_flash_sdpa = torch._scaled_dot_product_flash_attention
 
 
 class SageAttentionFallbackWarning(UserWarning):
@@ -140,8 +128,6 @@ def _run_decided(call: AttentionCall, decision: Decision) -> Tensor | tuple[Tens
     if decision.quantized:
         return quantized(call, decision.choice, decision.ranges)
     if decision.fallback is None:  # exact by choice: faster here
-        if short_exact_on_flash(call):
-            return call.result(_flash(call.q, call.k, call.v, call.is_causal, call.scale), None)
         return exact(call)
     _fall_back(decision.fallback, call.strict, stacklevel=4)  # sageattn's caller: sageattn, run, this
     return exact(call)
@@ -172,34 +158,6 @@ def _bottom_right_mask(call: AttentionCall) -> Tensor:
     with warnings.catch_warnings():  # "NaNs when seq_len_q > seq_len_kv": those rows are zeroed
         warnings.simplefilter("ignore")
         return causal_lower_right(call.q.shape[2], call.k.shape[2])
-
-
-def short_exact_on_flash(call: AttentionCall) -> bool:
-    """Whether ``call``, if the crossover runs it exact, runs on SDPA's flash kernel directly
-    (:data:`SHORT_EXACT_WORK`): CUDA fp16/bf16 of at most that work, without a mask, dropout,
-    lse, grad or GQA, causal only with N_q == N_kv (flash aligns causal masks to the bottom
-    right, SDPA to the top left), a head_dim that is a multiple of 8 up to 256 (SDPA pads
-    others), on sm_80+."""
-    q, k, v = call.q, call.k, call.v
-    b, h, n_q, d = q.shape
-    n_k = k.shape[2]
-    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and call.attn_mask is None
-            and call.dropout_p == 0.0 and not call.return_lse and not call.bottom_right
-            and (not call.is_causal or n_q == n_k) and k.shape[1] == h and v.shape[3] == d
-            and d % 8 == 0 and d <= 256 and 4 * b * h * n_q * n_k * d <= SHORT_EXACT_WORK
-            and not (torch.is_grad_enabled()
-                     and (q.requires_grad or k.requires_grad or v.requires_grad))
-            and (_plan.cuda_capability(q.device) or (0, 0)) >= _plan.MIN_CAPABILITY)
-
-
-def _flash(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> Tensor:
-    """SDPA's flash kernel on ``[B, H, N, D]`` views, as SDPA runs it; SDPA itself where the
-    caller turned flash off (``torch.nn.attention.sdpa_kernel``) or a view's last dimension is
-    strided (SDPA then picks another kernel)."""
-    if (torch._C._get_flash_sdp_enabled() and q.stride(3) == 1 and k.stride(3) == 1
-            and v.stride(3) == 1):
-        return _flash_sdpa(q, k, v, 0.0, is_causal, False, scale=scale)[0]
-    return _exact_sdpa(q, k, v, None, 0.0, is_causal, scale=scale)
 
 
 def exact(call: AttentionCall) -> Tensor | tuple[Tensor, Tensor]:
@@ -466,8 +424,6 @@ def _runner(call: AttentionCall, decision: Decision) -> Runner | None:
         reason = decision.fallback
         if (reason is not None and call.strict) or call.return_lse:
             return None
-        if reason is None and short_exact_on_flash(call):
-            return _flash_runner(nhd, call.input_ndim == 3)
         if reason is None and not nhd:
             return _exact_as_called  # the crossover's exact calls: one frame before SDPA
 
@@ -510,26 +466,6 @@ def _exact_at_full_length(call: AttentionCall, decision: Decision) -> bool:
     unmasked = dataclasses.replace(call, attn_mask=None)
     return _crossover.exact_is_faster(unmasked, decision.choice,
                                       _plan.cuda_capability(call.q.device)) is not None
-
-
-def _flash_runner(nhd: bool, rank3: bool) -> Runner:
-    """The runner of the crossover's short exact calls (:func:`short_exact_on_flash`)."""
-    if not nhd and not rank3:
-        def flash_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-                         dropout_p: float, is_causal: bool, scale: float | None,
-                         enable_gqa: bool) -> Tensor:
-            return _flash(q, k, v, is_causal, scale)
-        return flash_runner
-
-    def flash_runner_in_layout(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
-                               dropout_p: float, is_causal: bool, scale: float | None,
-                               enable_gqa: bool) -> Tensor:
-        views = [_in_bhnd(t, nhd) for t in (q, k, v)]
-        if rank3:
-            views = [t.unsqueeze(0) for t in views]
-        out = _in_bhnd(_flash(*views, is_causal, scale), nhd)
-        return out.squeeze(0) if rank3 else out
-    return flash_runner_in_layout
 
 
 def _exact_as_called(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,

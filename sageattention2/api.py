@@ -182,8 +182,7 @@ class Explanation(NamedTuple):
     """What :func:`sageattn` runs for a call (:func:`explain`)."""
 
     quantized: bool     # a quantized kernel serves the call
-    kernel: str         # "attention_wgmma", "attention_mma", "exact SDPA", "exact SDPA (its
-    #                     flash kernel)" or "nothing (empty)"
+    kernel: str         # "attention_wgmma", "attention_mma", "exact SDPA" or "nothing (empty)"
     qk: str | None      # "int8" / "int4" when quantized
     pv: str | None      # "fp8" / "input" when quantized
     reason: str | None  # why no quantized kernel serves it: the fallback's warning text, or
@@ -215,13 +214,8 @@ def explain(*args: Any, **kwargs: Any) -> Explanation:
     if call.is_empty:
         return Explanation(False, "nothing (empty)", None, None, None)
     decision = _execute.decide(call)
-    if decision.fallback is not None:
-        return Explanation(False, "exact SDPA", None, None, decision.fallback)
-    if decision.faster_exact is not None:
-        if _execute.short_exact_on_flash(call):
-            return Explanation(False, "exact SDPA (its flash kernel)", None, None,
-                               f"{decision.faster_exact}; a short call, run on SDPA's flash "
-                               "kernel directly (less host time per call than its default)")
-        return Explanation(False, "exact SDPA", None, None, decision.faster_exact)
+    if not decision.quantized:
+        return Explanation(False, "exact SDPA", None, None,
+                           decision.fallback or decision.faster_exact)
     choice = decision.choice
     return Explanation(True, f"attention_{choice.kernel}", choice.qk, choice.pv, None)

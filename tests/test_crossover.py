@@ -310,66 +310,6 @@ def test_an_h100_table_ships() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def exact_as_sageattn_runs_it(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                              **kwargs: Any) -> torch.Tensor:
-    """SDPA as the crossover's exact calls run it: its flash kernel for short calls
-    (_execute.SHORT_EXACT_WORK), its default pick otherwise."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if _execute.short_exact_on_flash(validated(q, k, v, **kwargs)):
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            return ORIGINAL_SDPA(q, k, v, **kwargs)
-    return ORIGINAL_SDPA(q, k, v, **kwargs)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("rank", [4, 3])
-def test_short_exact_calls_run_sdpas_flash_kernel(attention_kernel: None, layout: str,
-                                                  rank: int,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The shipped table sends a cross-attention of 77 keys to exact SDPA; such a short call runs
-    SDPA's flash kernel directly (its host time is what counts there, D36): bit for bit what
-    SDPA gives when it may only use flash, on the first call (decided) and the next (the call
-    cache), also causal, in either layout and rank; with flash turned
-    off by the caller (sdpa_kernel) it is SDPA's own pick; a long exact-by-choice call is not
-    diverted."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    if _plan.cuda_capability(torch.device("cuda")) != (9, 0):
-        pytest.skip("the shipped table is the H100's (it stands for sm_90 GPUs)")
-    monkeypatch.setenv(_crossover.ENVIRONMENT, str(_crossover.SHIPPED / "nvidia-h100-80gb-hbm3.json"))
-    _crossover.clear_cache()
-    torch.manual_seed(36)
-    b = 2 if rank == 4 else None
-    for n_q, n_k, causal in ((1024, 77, False), (300, 300, True)):
-        q, k, v = (t.cuda() for t in qkv(b=b, hq=10, nq=n_q, nk=n_k, d=64, dtype=torch.float16,
-                                          layout=layout))
-        call = validated(q, k, v, is_causal=causal, tensor_layout=layout)
-        decision = _execute.decide(call)
-        assert decision.faster_exact is not None and _execute.short_exact_on_flash(call)
-        def sdpa(*backends: SDPBackend) -> torch.Tensor:
-            """SDPA on 4-D [B, H, N, D] views (its fused kernels take no 3-D inputs)."""
-            views = [t.transpose(-3, -2) if layout == "NHD" else t for t in (q, k, v)]
-            views = [t.unsqueeze(0) if rank == 3 else t for t in views]
-            with sdpa_kernel(list(backends)):
-                out = ORIGINAL_SDPA(*views, is_causal=causal)
-            out = out.squeeze(0) if rank == 3 else out
-            return out.transpose(-3, -2) if layout == "NHD" else out
-
-        want = sdpa(SDPBackend.FLASH_ATTENTION)
-        for _ in range(2):
-            got = sageattention2.sageattn(q, k, v, is_causal=causal, tensor_layout=layout)
-            assert got.shape == want.shape and torch.equal(got, want)
-        assert "flash" in sageattention2.explain(q, k, v, is_causal=causal,
-                                                 tensor_layout=layout).kernel
-        with sdpa_kernel(SDPBackend.EFFICIENT_ATTENTION):
-            got = sageattention2.sageattn(q, k, v, is_causal=causal, tensor_layout=layout)
-        assert torch.equal(got, sdpa(SDPBackend.EFFICIENT_ATTENTION))
-    q = torch.empty(1, 8, 4096, 64, device="cuda", dtype=torch.float16)  # 2^35 of work
-    assert not _execute.short_exact_on_flash(validated(q, q, q))
-
-
 @pytest.mark.gpu
 def test_tune_measures_and_sageattn_follows(attention_kernel: None, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
@@ -396,7 +336,7 @@ def test_tune_measures_and_sageattn_follows(attention_kernel: None, tmp_path: Pa
         assert sageattention2.explain(q, k, v, qk_quant="int8").quantized
         out = sageattention2.sageattn(q, k, v)
         if not explanation.quantized:
-            assert torch.equal(out, exact_as_sageattn_runs_it(q, k, v))
+            assert torch.equal(out, ORIGINAL_SDPA(q, k, v))
         seen.add(explanation.quantized)
     assert seen == {True, False}, "the tiny call and the 4K call should fall on either side"
 
