@@ -74,8 +74,9 @@ def extensions() -> tuple[list, dict]:
     # torch adds no arch flags of its own when the nvcc flags already name an arch.
     csrc = ROOT / "csrc"
     # csrc/sources.txt lists the op library (CMakeLists.txt builds it from the same list); the
-    # Python module entry comes on top.
-    sources = [f"csrc/{path}" for path in read_source_list(csrc / "sources.txt")] + ["csrc/torch/module.cpp"]
+    # Python module (its entry and the call cache) comes on top.
+    sources = [f"csrc/{path}" for path in read_source_list(csrc / "sources.txt")] + [
+        "csrc/torch/module.cpp", "csrc/torch/call_cache.cpp"]
     define = [f'-DSAGE_ARCH_LIST="{",".join(names)}"']
     ext = CUDAExtension(
         name="sageattention2._C",

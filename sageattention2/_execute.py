@@ -24,14 +24,14 @@ __all__ = [
     "Decision",
     "KernelCall",
     "SageAttentionFallbackWarning",
-    "cached_runner",
-    "call_key",
+    "MISS",
     "clear_call_cache",
     "decide",
     "empty",
     "exact",
     "quantized",
     "run",
+    "native_calls",
     "run_and_remember",
     "smoothing_sample_stride",
 ]
@@ -239,7 +239,7 @@ def smoothing_sample_stride(tokens: int) -> int:
 @dataclass(frozen=True)
 class KernelCall:
     """All of a quantized call that its shapes and options decide (so computed once per kind of
-    call, :func:`cached_runner`), run on its ``[B, H, N, D]`` views: each kernel's path is one op
+    call: the call cache), run on its ``[B, H, N, D]`` views: each kernel's path is one op
     (``ops.sageattn_wgmma_chain`` / ``ops.sageattn_mma_chain`` say what it runs: the smoothing
     means, K and V quantized, the kernel, which quantizes Q itself), at the kernel's head_dim
     (the only place that pads and cuts back)."""
@@ -368,39 +368,23 @@ def _bottom_right(call: AttentionCall, choice: KernelChoice) -> tuple[Tensor, Te
 # A runner takes sageattn's first eight arguments (SDPA's) and returns its result.
 Runner = Callable[[Tensor, Tensor, Tensor, Optional[Tensor], float, bool, Optional[float], bool],
                   Tensor]
-_runners: dict[tuple[Any, ...], Runner] = {}
-_MAX_RUNNERS = 1024  # kinds of calls remembered; beyond, the cache starts afresh
-
-
-def call_key(query: object, key: object, value: object, attn_mask: object,
-             options: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """What decides a call's validity, route and kernel arguments: the shapes, dtypes and devices
-    of q, k, v and the mask, whether autograd would track the call, and the other arguments
-    with their types (``1`` is not ``True`` to the validation). Not the values, strides or
-    addresses: each call still checks that the kernels can read its tensors in place. None for
-    calls that are not remembered (non-tensors: the validation names them)."""
-    try:  # (cheaper than isinstance checks: a non-tensor lacks these, or is never remembered)
-        mask = None if attn_mask is None else (attn_mask.shape, attn_mask.dtype, attn_mask.device)
-        grad = torch.is_grad_enabled() and (query.requires_grad or key.requires_grad  # type: ignore[attr-defined]
-                                            or value.requires_grad)  # type: ignore[attr-defined]
-        return (query.shape, query.dtype, query.device, key.shape, key.dtype,  # type: ignore[attr-defined]
-                key.device, value.shape, value.dtype, value.device, mask, grad,  # type: ignore[attr-defined]
-                options, tuple(map(type, options)))
-    except AttributeError:
-        return None
-
-
-def cached_runner(key: tuple[Any, ...]) -> Runner | None:
-    """The runner of an earlier call with ``key`` (:func:`run_and_remember`), or None."""
-    try:
-        return _runners.get(key)
-    except TypeError:  # an unhashable option: validate names it
-        return None
+# The call cache lives in the extension (csrc/torch/call_cache.cpp: its key is read from the
+# tensors there, and the crossover's exact calls run from there): sageattn asks it first, with
+# its arguments and MISS; what decides a kind of call is the shapes, dtypes and devices of q, k,
+# v and the mask, whether autograd would track the call, and the other arguments with their
+# types (``1`` is not ``True`` to the validation); not the values, strides or addresses (each
+# call still checks that the kernels can read its tensors in place). Tensor subclasses and
+# active torch function modes are not remembered (their __torch_function__ runs in Python).
+# Without the extension (a pure-Python install: every call is an exact fallback) nothing is
+# remembered and every call is validated.
+native_calls: Any = getattr(ops._C, "call_cache", None) if ops.HAS_EXTENSION else None
+MISS = object()
 
 
 def clear_call_cache() -> None:
     """Forget every remembered call (tests that pretend other GPUs or builds call this)."""
-    _runners.clear()
+    if native_calls is not None:
+        native_calls.clear()
 
 
 def _in_bhnd(t: Tensor, nhd: bool) -> Tensor:
@@ -530,14 +514,14 @@ def _mask_runner(call: AttentionCall) -> Runner:
     return mask_runner
 
 
-def run_and_remember(call: AttentionCall, key: tuple[Any, ...] | None) -> Any:
-    """:func:`run`, remembering under ``key`` how to run the next call of this kind."""
-    if call.is_empty or key is None:
+def run_and_remember(call: AttentionCall, arguments: tuple[Any, ...]) -> Any:
+    """:func:`run`, remembering in the call cache how to run the next call of this kind
+    (``arguments``: sageattn's q, k, v, attn_mask as given and the tuple of its other
+    arguments, what the cache keys on)."""
+    if call.is_empty or native_calls is None:
         return run(call)
     decision = decide(call)
     runner = _runner(call, decision)
     if runner is not None:
-        if len(_runners) >= _MAX_RUNNERS:
-            _runners.clear()
-        _runners[key] = runner
+        native_calls.remember(*arguments, runner, runner is _exact_as_called)
     return _run_decided(call, decision)

@@ -163,19 +163,22 @@ def sageattn(
         ))
     # A call of a kind seen before (same shapes, dtypes, devices and options) runs as the first
     # one was decided, without validating and routing it again: most of a short call's host time
-    # (models make dozens of calls of a few kinds per forward).
-    call_key = _execute.call_key(q, k, v, attn_mask, (
-        dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant, pv_quant, smooth_k,
-        smooth_q, smooth_v, return_lse, strict, causal_alignment))
-    runner = None if call_key is None else _execute.cached_runner(call_key)
-    if runner is not None:
-        return runner(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    # (models make dozens of calls of a few kinds per forward). The call cache is the
+    # extension's (_execute.native_calls): one call from here, nothing built in Python but the
+    # tuple of options.
+    options = (dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant, pv_quant,
+               smooth_k, smooth_q, smooth_v, return_lse, strict, causal_alignment)
+    calls = _execute.native_calls
+    if calls is not None:
+        out = calls.run(q, k, v, attn_mask, options, _execute.MISS)
+        if out is not _execute.MISS:
+            return out
     call = validate(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
         tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
         causal_alignment,
     )
-    return _execute.run_and_remember(call, call_key)
+    return _execute.run_and_remember(call, (q, k, v, attn_mask, options))
 
 
 class Explanation(NamedTuple):

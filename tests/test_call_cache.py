@@ -114,3 +114,65 @@ def test_unhashable_option_is_validated() -> None:
     q, k, v = qkv()
     with pytest.raises(ValueError, match="tensor_layout"):
         sageattn(q, k, v, tensor_layout=["HND"])  # type: ignore[arg-type]
+
+
+class _Tagged(torch.Tensor):
+    """A tensor subclass (its __torch_function__ is torch.Tensor's)."""
+
+
+def test_tensor_subclasses_are_validated_every_call(validations: list[int]) -> None:
+    """The cache (csrc/torch/call_cache.cpp) keys plain tensors only: a subclass's call is
+    decided each time, in Python, and gives what the plain call gives."""
+    q, k, v = qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plain = sageattn(q, k, v)
+        tagged = [t.as_subclass(_Tagged) for t in (q, k, v)]
+        for expected_validations in (2, 3):
+            out = sageattn(*tagged)
+            assert validations[0] == expected_validations
+            assert torch.equal(out, plain)
+        sageattn(q, k, v)
+    assert validations[0] == 3  # the plain call was remembered
+
+
+def test_calls_under_a_torch_function_mode_are_validated(validations: list[int]) -> None:
+    """Under an active TorchFunctionMode the mode sees SDPA's call, as with the Python path: the
+    cache is not asked (it would call SDPA from C++, past the mode)."""
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[str] = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = qkv()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sageattn(q, k, v)
+        assert validations[0] == 1
+        with Recording():
+            sageattn(q, k, v)
+            sageattn(q, k, v)
+    assert validations[0] == 3
+    assert seen.count("scaled_dot_product_attention") == 2
+
+
+def test_exact_calls_run_from_the_cache(validations: list[int]) -> None:
+    """A kind the Python path decided to run as exact SDPA on the caller's tensors runs from the
+    cache: SDPA's result bit for bit, with the call's own arguments, without validation."""
+    q, k, v = qkv(nq=11, nk=13)
+    options = (0.0, True, 0.25, False, "HND", "auto", "auto", True, "auto", False, False, False,
+               "top_left")
+    assert _execute.native_calls is not None
+    _execute.native_calls.remember(q, k, v, None, options, None, True)
+    for _ in range(2):
+        out = sageattn(q.clone(), k, v, is_causal=True, scale=0.25)
+        assert torch.equal(out, ORIGINAL_SDPA(q, k, v, is_causal=True, scale=0.25))
+    assert validations[0] == 0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sageattn(q, k, v, is_causal=True, scale=0.5)  # another scale: another kind
+    assert validations[0] == 1

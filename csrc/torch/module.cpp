@@ -1,7 +1,7 @@
 // The Python extension module sageattention2._C. Importing it registers the ops (TORCH_LIBRARY in
-// ops.cpp, linked into the same library); it also reports what this build contains. Nothing
-// here touches a tensor, so pybind11 alone is included (torch/extension.h cost ~30 s of compile
-// time for this one file).
+// ops.cpp, linked into the same library); it also reports what this build contains, and holds
+// sageattn's call cache (torch/call_cache.cpp). Nothing here touches a tensor, so pybind11 alone
+// is included (torch/extension.h cost ~30 s of compile time for this one file).
 #include <cuda_runtime_api.h>  // CUDART_VERSION
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -69,7 +69,12 @@ pybind11::dict build_info() {
 
 }  // namespace
 
+namespace sageattention2 {
+void register_call_cache(pybind11::module_& m);  // torch/call_cache.cpp
+}  // namespace sageattention2
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "sageattention2 CUDA kernels; the ops live under torch.ops.sageattention2";
   m.def("build_info", &build_info, "CUDA version, archs and kernel families this extension was compiled for");
+  sageattention2::register_call_cache(m);
 }
