@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
@@ -41,6 +42,33 @@ __all__ = [
 # shifts each row of S by a constant (and V's mean is added back), so only the quantization error
 # can change; the statistics launch then reads ~1/16 of K at 4K instead of all of it.
 SMOOTHING_SAMPLE_TOKENS = 256
+
+# The INT4 guard (docs/DECISIONS.md#d38): with INT4 QK, the KV heads whose K, or a Q head sharing
+# them, has a channel range more than this many times the head's mean channel range (after
+# smoothing; ops.int8_heads) run INT8 QK inside the same call. INT4's per-thread groups share one
+# scale over all channels: at a spread of 2 INT4's error is already ~1.6x that of even channels,
+# at 8 (the outliers family) CosSim falls to 0.80 (notebook, session 30). SAGEATTN_INT4_GUARD
+# sets another threshold (a number >= 1), or "off".
+INT4_GUARD = 2.0
+INT4_GUARD_ENVIRONMENT = "SAGEATTN_INT4_GUARD"
+
+
+def int4_guard() -> float:
+    """The INT4 guard's threshold for calls decided now (0: off): INT4_GUARD unless the
+    environment sets another."""
+    value = os.environ.get(INT4_GUARD_ENVIRONMENT, "").strip().lower()
+    if not value:
+        return INT4_GUARD
+    if value in ("off", "0"):
+        return 0.0
+    try:
+        threshold = float(value)
+    except ValueError:
+        threshold = math.nan
+    if not threshold >= 1.0:
+        raise ValueError(f"{INT4_GUARD_ENVIRONMENT} must be 'off' or a number >= 1, got {value!r}")
+    return threshold
+
 
 # The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still
 # reaches the exact kernel while F.scaled_dot_product_attention is patched to sageattn.
@@ -255,6 +283,7 @@ class KernelCall:
     is_causal: bool
     out_nhd: bool
     return_lse: bool
+    int4_guard: float   # the INT4 guard's threshold with INT4 QK (int4_guard()), else 0
 
     @staticmethod
     def of(call: AttentionCall, choice: KernelChoice) -> KernelCall:
@@ -264,7 +293,7 @@ class KernelCall:
             choice, _plan.smooths_q(call, choice), call.smooth_k, call.smooth_v, call.head_dim,
             padded_head_dim, 1.0 / math.sqrt(call.head_dim) if call.scale is None else call.scale,
             smoothing_sample_stride(call.k.shape[2]), call.is_causal, call.tensor_layout == "NHD",
-            call.return_lse)
+            call.return_lse, int4_guard() if choice.qk == "int4" else 0.0)
 
     def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """(out ``[B, H, Nq, D]``; lse, empty unless return_lse). The output's memory is NHD
@@ -281,7 +310,7 @@ class KernelCall:
             out, lse = ops.sageattn_mma(
                 q, k, v, self.choice.qk, self.choice.pv, self.smooth_q, self.smooth_k,
                 self.smooth_v, self.sample_stride, self.sm_scale, self.is_causal, out_nhd,
-                self.return_lse)
+                self.return_lse, self.int4_guard)
         if self.padded_head_dim != self.head_dim:
             out = _unpad_head_dim(out, self.head_dim, out_nhd)
         return out, lse

@@ -343,32 +343,73 @@ def sageattn_mma(
     is_causal: bool,
     out_nhd: bool,
     return_lse: bool,
+    int4_guard: float = 0.0,
 ) -> tuple[Tensor, Tensor]:
     """The warp-level path of sageattn in one op (docs/DESIGN.md#composite-ops):
     :func:`sageattn_mma_chain`, run by the extension in C++, each launch a programmatic dependent
     of the one before. ``q``, ``k``, ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last
-    dimension contiguous, other strides multiples of 8); ``pv_dtype`` "fp8" or "input". Returns
-    attention_mma's ``(out, lse)``."""
+    dimension contiguous, other strides multiples of 8); ``pv_dtype`` "fp8" or "input";
+    ``int4_guard`` > 0 with INT4 QK: the INT4 guard (:func:`int8_heads`; no programmatic
+    launches then). Returns attention_mma's ``(out, lse)``."""
     out, lse = _op("sageattn_mma")(
         q, k, v, qk_dtype, pv_dtype, smooth_q, smooth_k, smooth_v, sample_stride, sm_scale,
-        is_causal, out_nhd, return_lse,
+        is_causal, out_nhd, return_lse, int4_guard,
     )
     return out, lse
 
 
+def channel_spread(x: Tensor, mean: Tensor) -> Tensor:
+    """``[B, H]``: the largest of a head's per-channel ranges max_n |x_n - mean| over the mean of
+    its nonzero ones (zero channels are a head_dim's padding, 40 -> 64, not spread); each range
+    divided by 448 as smoothing_stats computes it, and the ratio taken as sageattn_mma does, so
+    the figures agree bit for bit. ~1 for evenly spread channels; a few channels k times wider
+    than the rest give ~k."""
+    ranges = (x.float() - mean.unsqueeze(2)).abs().amax(2) / 448.0
+    return ranges.amax(-1).mul(ranges.gt(0).sum(-1)).div(ranges.sum(-1))
+
+
+def int8_heads(q: Tensor, k: Tensor, q_mean: Tensor, k_mean: Tensor, threshold: float) -> Tensor:
+    """The INT4 guard's choice (docs/DECISIONS.md#d38): ``[B, H_kv]`` uint8, 1 for a KV head
+    whose K, or any Q head sharing it, has a :func:`channel_spread` above ``threshold``: INT4's
+    per-thread groups share one scale over all channels, so the narrow channels of such a head
+    get a code or two. Those heads run INT8 QK inside the same call. ``q_mean``, ``k_mean``: the
+    per-head means over all tokens (smoothing_stats)."""
+    b, h_kv = k.shape[:2]
+    q_spread = channel_spread(q, q_mean).view(b, h_kv, -1).amax(-1)
+    return (channel_spread(k, k_mean).gt(threshold) | q_spread.gt(threshold)).to(torch.uint8)
+
+
 def sageattn_mma_chain(q: Tensor, k: Tensor, v: Tensor, qk_dtype: str, pv_dtype: str,
                        smooth_q: bool, smooth_k: bool, smooth_v: bool, sample_stride: int,
-                       sm_scale: float, *attention: Any) -> tuple[Tensor, Tensor]:
+                       sm_scale: float, is_causal: bool, out_nhd: bool, return_lse: bool,
+                       int4_guard: float = 0.0) -> tuple[Tensor, Tensor]:
     """What sageattn_mma computes, op by op (its CPU implementation, and what the GPU tests
     compare its C++ chain with bit for bit): at most one smoothing_stats pass (Q's per-head mean
     with ``smooth_q``; K's mean with ``smooth_k``, over every ``sample_stride``-th token unless
     FP8 PV's V statistics need all of K's tokens anyway; with FP8 PV, V's per-channel range and,
     with ``smooth_v``, mean), one quantize_kv pass (per-thread INT8/INT4 K, the Delta-S of Q's
     mean, FP8 V transposed in the PV-MMA order), then attention_mma, which quantizes Q itself
-    (``sm_scale * log2(e)`` folded into its scales) and returns the complete LSE. ``attention``
-    is the rest of sageattn_mma's arguments, ``(is_causal, out_nhd, return_lse)``."""
+    (``sm_scale * log2(e)`` folded into its scales) and returns the complete LSE. With INT4 QK
+    and ``int4_guard`` > 0, the heads :func:`int8_heads` picks take the INT8 chain's output
+    (the kernels compute every head alone, so this is the composite's result bit for bit)."""
     if pv_dtype not in ("fp8", "input"):
         raise ValueError(f"pv_dtype must be 'fp8' or 'input', got {pv_dtype!r}")
+    if int4_guard != 0.0 and int4_guard < 1.0:
+        raise ValueError(f"int4_guard must be 0 (off) or >= 1, got {int4_guard}")
+    attention = (is_causal, out_nhd, return_lse)
+    if int4_guard > 0 and qk_dtype == "int4":
+        stats = smoothing_stats(q, k, v, smooth_v)  # over all tokens: the guard's statistic
+        guarded = int8_heads(q, k, stats.q_mean, stats.k_mean, int4_guard).bool()
+        chains = {qk: sageattn_mma_chain(q, k, v, qk, pv_dtype, smooth_q, smooth_k, smooth_v,
+                                         sample_stride, sm_scale, *attention)
+                  for qk, needed in (("int4", not guarded.all()), ("int8", guarded.any())) if needed}
+        if len(chains) == 1:  # (the chain may ask the host: it is the reference, not the path)
+            return next(iter(chains.values()))
+        per_q_head = guarded.repeat_interleave(q.shape[1] // k.shape[1], dim=1)  # [B, Hq]
+        out = torch.where(per_q_head[:, :, None, None], chains["int8"][0], chains["int4"][0])
+        lse = (torch.where(per_q_head[:, :, None], chains["int8"][1], chains["int4"][1])
+               if return_lse else chains["int4"][1])
+        return out, lse
     fp8 = pv_dtype == "fp8"
     multiplier = sm_scale * LOG2E
     q_mean = k_mean = v_mean = v_scale = None

@@ -136,10 +136,13 @@ def _fresh_fallback_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     (sageattn remembers how it ran each kind of call: a test that pretends another GPU or build
     must not find a decision of another test), and with no crossover table: qk_quant="auto"
     always runs the quantized kernel, which is what the tests of the kernels test (the tests of
-    the crossover, tests/test_crossover.py, give it their own tables)."""
+    the crossover, tests/test_crossover.py, give it their own tables); and with the INT4 guard
+    off, so that qk_quant="int4" runs INT4 on every head, as the emulation does (the tests of the
+    guard turn it on)."""
     from sageattention2 import _crossover, _execute
 
     monkeypatch.setenv(_crossover.ENVIRONMENT, "off")
+    monkeypatch.setenv(_execute.INT4_GUARD_ENVIRONMENT, "off")
     _execute._warned_reasons.clear()
     _execute.clear_call_cache()
     _crossover.clear_cache()

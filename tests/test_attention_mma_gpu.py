@@ -170,3 +170,29 @@ def test_opcheck_attention_mma_fp8(kernel: KernelChoice) -> None:
         torch.library.opcheck(torch.ops.sageattention2.attention_mma.default, args,
                               test_utils=("test_autograd_registration", "test_faketensor",
                                           "test_aot_dispatch_dynamic"))
+
+
+def test_sageattn_mma_int4_guard_is_its_chain() -> None:
+    """The INT4 guard in C++ (sageattn_mma with int4_guard: the statistics with Q's and K's
+    channel ranges, the flags, quantize_kv and attention_mma twice into one output, docs/
+    DECISIONS.md#d38) gives its chain's output and LSE bit for bit (ops.sageattn_mma_chain: the
+    INT4 chain and the INT8 chain merged per head by ops.int8_heads), on poisoned memory, with
+    GQA and an odd length; KV head 1 is flagged for its K, KV head 2 for one of its Q heads."""
+    require_kernel(MMA_INT4_FP8)
+    b, hq, hkv, n, d = 2, 8, 4, 1000, 128
+    q, k, v = make_qkv(b, hq, hkv, n, n, d, torch.float16, seed=38, bias=(1.0, 4.0, 1.0))
+    k[:, 1, :, 8:12] *= 8
+    q[:, 4, :, 20:24] *= 8
+    stats = ops.smoothing_stats(q, k, v, False)
+    assert ops.int8_heads(q, k, stats.q_mean, stats.k_mean, 2.0).tolist() == [[0, 1, 1, 0]] * b
+    for causal, return_lse in ((False, True), (True, False)):
+        args = (q, k, v, "int4", "fp8", True, True, False, 1, 0.07, causal, False, return_lse, 2.0)
+        poison_cuda_allocator()
+        want, want_lse = ops.sageattn_mma_chain(*args)
+        poison_cuda_allocator()
+        out, lse = ops.sageattn_mma(*args)
+        assert_finite(out, lse)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+        unguarded, _ = ops.sageattn_mma(*args[:-1], 0.0)
+        for h in range(hq):  # the heads of KV heads 1 and 2 ran INT8, the others INT4 as before
+            assert torch.equal(out[:, h], unguarded[:, h]) == (h // 2 in (0, 3)), h

@@ -538,3 +538,72 @@ def test_wgmma_path_wiring(monkeypatch: pytest.MonkeyPatch, case: dict[str, Any]
     assert torch.equal(lse if b is not None else lse[None], want_lse)
     if b is not None:  # the output is contiguous in the caller's layout
         assert out.is_contiguous()
+
+
+def guard_inputs(outlier_heads: tuple[int, ...], d: int = 64, n: int = 256,
+                 factor: float = 8.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """B1, 4 Q heads on 2 KV heads: channel offsets (smoothing removes them), and in the KV groups
+    of ``outlier_heads`` (KV head indices) 4 channels of Q and K ``factor`` times wider."""
+    gen = torch.Generator().manual_seed(38)
+    q = torch.randn(1, 4, n, d, generator=gen) + 2 * torch.randn(1, 4, 1, d, generator=gen)
+    k = torch.randn(1, 2, n, d, generator=gen) + 4 * torch.randn(1, 2, 1, d, generator=gen)
+    v = torch.randn(1, 2, n, d, generator=gen)
+    for h in outlier_heads:
+        k[:, h, :, :4] *= factor
+        q[:, 2 * h, :, :4] *= factor  # one Q head of the group is enough
+    return q.half(), k.half(), v.half()
+
+
+def test_int4_guard_statistic() -> None:
+    """ops.channel_spread is ~1 for even channels and ~the factor for a few wide ones; zero
+    channels (a padded head_dim) do not count; int8_heads flags a KV head for its K or for any Q
+    head of its group."""
+    q, k, _ = guard_inputs((1,))
+    q_mean, k_mean = q.float().mean(2), k.float().mean(2)
+    k_spread = ops.channel_spread(k, k_mean)
+    assert 1.0 < k_spread[0, 0] < 1.7 and 4.0 < k_spread[0, 1] < 10.0
+    padded = torch.nn.functional.pad(k[:, :1], (0, 64))  # 64 zero channels
+    assert torch.allclose(ops.channel_spread(padded, padded.float().mean(2)), k_spread[:, :1])
+    assert ops.int8_heads(q, k, q_mean, k_mean, 2.0).tolist() == [[0, 1]]
+    q_only = k.clone()
+    q_only[:, 1, :, :4] /= 8  # K even again: Q head 2 alone flags KV head 1
+    assert ops.int8_heads(q, q_only, q_mean, q_only.float().mean(2), 2.0).tolist() == [[0, 1]]
+    assert ops.int8_heads(q, k, q_mean, k_mean, 20.0).tolist() == [[0, 0]]
+
+
+@pytest.mark.parametrize("outlier_heads", [(), (1,), (0, 1)], ids=["none", "one", "all"])
+def test_int4_guard_routes_heads_to_int8(stand_in: list[dict[str, Any]],  # noqa: F811
+                                         monkeypatch: pytest.MonkeyPatch,
+                                         outlier_heads: tuple[int, ...]) -> None:
+    """qk_quant="int4" with the guard (the default): the KV heads whose Q or K is too spread run
+    INT8 inside the same call (INT8 K codes for them, the INT8 attention op); the output of each
+    head is what the unguarded INT4 call (the guard off) or the INT8 call (FP8 PV, Q smoothed
+    per head) gives for it, bit for bit, LSE too. (sageattn_mma's CPU implementation, the chain;
+    the GPU test runs the C++ composite against it.)"""
+    monkeypatch.delenv(_execute.INT4_GUARD_ENVIRONMENT)  # the default: on
+    q, k, v = guard_inputs(outlier_heads)
+    options = dict(enable_gqa=True, strict=True, return_lse=True)
+    out, lse = sageattn(q, k, v, qk_quant="int4", **options)
+    qk_run = [call["qk_dtype"] for call in stand_in]
+    assert sorted(qk_run) == sorted(({"int4"} if len(outlier_heads) < 2 else set())
+                                    | ({"int8"} if outlier_heads else set()))
+    stand_in.clear()
+    _execute.clear_call_cache()
+    monkeypatch.setenv(_execute.INT4_GUARD_ENVIRONMENT, "off")
+    out4, lse4 = sageattn(q, k, v, qk_quant="int4", **options)
+    out8, lse8 = sageattn(q, k, v, qk_quant="int8", pv_quant="fp8", smooth_q="head", **options)
+    for h in range(4):
+        want, want_lse = (out8, lse8) if h // 2 in outlier_heads else (out4, lse4)
+        assert torch.equal(out[:, h], want[:, h]) and torch.equal(lse[:, h], want_lse[:, h]), h
+
+
+def test_int4_guard_threshold_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(_execute.INT4_GUARD_ENVIRONMENT)
+    assert _execute.int4_guard() == _execute.INT4_GUARD
+    for value, threshold in (("off", 0.0), ("0", 0.0), ("3.5", 3.5), (" OFF ", 0.0)):
+        monkeypatch.setenv(_execute.INT4_GUARD_ENVIRONMENT, value)
+        assert _execute.int4_guard() == threshold
+    for bad in ("0.5", "many", "nan"):
+        monkeypatch.setenv(_execute.INT4_GUARD_ENVIRONMENT, bad)
+        with pytest.raises(ValueError, match="SAGEATTN_INT4_GUARD"):
+            _execute.int4_guard()

@@ -186,6 +186,43 @@ def test_anchor_families_int4(capsys: pytest.CaptureFixture[str]) -> None:
     assert not failures, "\n".join(failures)
 
 
+# Issue 36's acceptance for the INT4 guard: the outlier family with qk_quant="int4" at 8-bit quality.
+INT4_GUARD_OUTLIERS_COSSIM = 0.998
+
+
+@pytest.mark.usefixtures("mma_fp8_kernel")
+def test_int4_guard_on_the_anchor_families(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """sageattn(qk_quant="int4") with the INT4 guard at its default threshold (D38): on the
+    outliers family (channel spread ~8) every head runs INT8 QK, CosSim >= 0.998 against float64
+    (INT4 alone: ~0.81); on bias0 and bias4 (spread ~1.07) no head does, the output bit for bit
+    the guard-off call's."""
+    lines = []
+    for name, (q, k, v) in anchor_families().items():
+        want, _ = exact(q, k, v, False)
+        runs = {}
+        for guard in ("off", None):
+            if guard is None:
+                monkeypatch.delenv(_execute.INT4_GUARD_ENVIRONMENT)
+            else:
+                monkeypatch.setenv(_execute.INT4_GUARD_ENVIRONMENT, guard)
+            _execute.clear_call_cache()
+            poison_cuda_allocator()
+            runs[guard] = sageattn_no_fallback(q, k, v, qk_quant="int4")
+            assert_finite(runs[guard])
+        guarded, raw = runs[None], runs["off"]
+        cos, l1 = cosine_similarity(guarded, want), rel_l1(guarded, want)
+        lines.append(f"{name:<9} guard on: CosSim {cos:.6f} rel.L1 {l1:.5f}   guard off: CosSim "
+                     f"{cosine_similarity(raw, want):.6f} rel.L1 {rel_l1(raw, want):.5f}")
+        if name == "outliers":
+            assert cos >= INT4_GUARD_OUTLIERS_COSSIM, lines[-1]
+        else:
+            assert torch.equal(guarded, raw), lines[-1]
+    with capsys.disabled():
+        print("\nthe INT4 guard on the input families (B1 H8 N4096 D128 fp16, qk_quant='int4'):")
+        print("\n".join(lines))
+
+
 # ------------------------------------------------------------------------------------------------
 # sageattn over shapes, layouts, dtypes
 # ------------------------------------------------------------------------------------------------

@@ -164,6 +164,15 @@ __global__ void __launch_bounds__(AttentionMmaKernel<T, kHeadDim, kCausal, kSmoo
   if constexpr (kPv == PvOperands::kFp8 && !kCompilingFp8Mma) {
     __trap();
   } else {
+    // The INT4 guard's two launches (INT4 QK and INT8 QK, both with FP8 PV) each skip the other's
+    // heads (mma/params.h). Only the FP8 variants check: in the others the test moved ptxas's
+    // allocation (sm_89, INT8 + BF16 PV at head_dim 128: 8 more bytes of stack).
+    if constexpr (kPv == PvOperands::kFp8) {
+      if (p.int8_heads != nullptr &&
+          p.int8_heads[static_cast<int>(blockIdx.z) * p.kv_heads +
+                       static_cast<int>(blockIdx.y) / (p.q_heads / p.kv_heads)] != p.int8_heads_run)
+        return;
+    }
     AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>::run(p, smem);
   }
 }

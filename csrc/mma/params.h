@@ -69,6 +69,11 @@ struct AttentionMmaParams {
   // (sageattn_mma): the CTAs are placed and load their Q while that launch ends, and wait for it
   // before reading anything else (MmaQQuantizer::quantize_block).
   bool after_quantize_kv = false;
+  // The INT4 guard (docs/DECISIONS.md#d38; QuantizeKVParams says what the flags are): the
+  // guarded call launches the INT4 kernel over the heads flagged 0 and the INT8 one over those
+  // flagged 1, into one output; a CTA of a head flagged otherwise than `int8_heads_run` exits.
+  const uint8_t* int8_heads = nullptr;
+  uint8_t int8_heads_run = 0;
 };
 
 // dtype is q's and the output's (and, for PvOperands::kInput, V's). cudaErrorNotSupported for an FP8

@@ -68,6 +68,12 @@ struct QuantizeKVParams {
   // its outputs (no v_mean, no v_scale) then run without waiting for it, since no output of
   // this launch can share memory with a tensor it still touches.
   bool v_overlaps_prior_grid = false;
+  // The INT4 guard (docs/DECISIONS.md#d38): [B, Hkv], 1 where a head's K is coded INT8 because
+  // INT4 cannot represent its Q or K, or null. The guarded call launches quantize_kv twice, INT4
+  // K over the heads flagged 0 (and V), INT8 K over those flagged 1; a K CTA of a head flagged
+  // otherwise than `int8_heads_run` exits at once.
+  const uint8_t* int8_heads = nullptr;
+  uint8_t int8_heads_run = 0;
 };
 
 // quantize_kv quantizes K from registers (quantize_k_block_in_registers) for the head_dims it has

@@ -44,6 +44,8 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const int kb = x / per_block, h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
   if (x % per_block != 0) {
     quantize_v_tile<T, kHeadDim>(p, tile, sm, kb, h, b);
+  } else if (p.int8_heads != nullptr && p.int8_heads[b * static_cast<int>(gridDim.y) + h] != p.int8_heads_run) {
+    return;  // the other launch of the INT4 guard codes this head's K
   } else if constexpr (kHeadDim != 0) {
     if (k_block_in_registers(p)) quantize_k_block_in_registers<T, kInt4, kHeadDim>(p, sm, kb, h, b);
     else quantize_k_tile<T, kInt4, kHeadDim>(p, tile, sm, kb, h, b);

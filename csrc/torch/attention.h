@@ -44,6 +44,18 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_after_cuda(
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
     int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv);
 
+// attention_mma over the heads whose int8_heads flag ([B, H_kv] uint8) is int8_heads_run, into
+// `out` (allocate_attention_mma's for this call): the INT4 guard's two launches, INT4 and INT8
+// codes into one output (docs/DECISIONS.md#d38). Internal to sageattn_mma, which made every
+// input: nothing is validated here.
+void attention_mma_heads_into_cuda(const AttentionOutputs& out, const at::Tensor& q,
+                                   const std::optional<at::Tensor>& q_mean, const at::Tensor& k_codes,
+                                   const at::Tensor& k_scale, const std::optional<at::Tensor>& delta_s,
+                                   const at::Tensor& v, const std::optional<at::Tensor>& v_scale,
+                                   const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
+                                   const std::string& qk_dtype, int64_t kv_len, double sm_scale, bool is_causal,
+                                   bool return_lse, const at::Tensor& int8_heads, bool int8_heads_run);
+
 // v: quantize_kv's E4M3 codes with v_tile_scale (the FP8 PV tier), or the caller's V in q's
 // dtype without (the accurate tier, P and V in 16 bits).
 AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale,
@@ -83,14 +95,17 @@ AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& 
 // over every sample_stride-th token with smooth_k, or over all tokens with FP8 PV, whose V range
 // needs them all), quantize_kv for block_k 128, then attention_mma, each launch a programmatic
 // dependent of the one before.
+// int4_guard > 0 with INT4 QK: the INT4 guard (docs/DECISIONS.md#d38): the heads (of K, with the
+// Q heads that share them) whose Q or K has a channel range above int4_guard times the head's
+// mean channel range, after smoothing, run INT8 QK inside the same call.
 std::tuple<at::Tensor, at::Tensor> sageattn_mma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::string& qk_dtype, const std::string& pv_dtype,
                                                      bool smooth_q, bool smooth_k, bool smooth_v,
                                                      int64_t sample_stride, double sm_scale, bool is_causal,
-                                                     bool out_nhd, bool return_lse);
+                                                     bool out_nhd, bool return_lse, double int4_guard);
 AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const std::string& qk_dtype, const std::string& pv_dtype, bool smooth_q,
                                        bool smooth_k, bool smooth_v, int64_t sample_stride, bool out_nhd,
-                                       bool return_lse);
+                                       bool return_lse, double int4_guard);
 
 }  // namespace sageattention2

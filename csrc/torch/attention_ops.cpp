@@ -37,18 +37,17 @@ void set_shared_params(Params& p, const at::Tensor& q, const at::Tensor& k_codes
 
 }  // namespace
 
-// attention_mma, launched the ordinary way or (after_quantize_kv) as a programmatic dependent of
-// the quantize_kv launched just before it by the same call.
-std::tuple<at::Tensor, at::Tensor> attention_mma_after_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
-                                              const at::Tensor& k_codes, const at::Tensor& k_scale,
-                                              const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
-                                              const std::optional<at::Tensor>& v_scale,
-                                              const std::optional<at::Tensor>& v_mean,
-                                              const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
-                                              int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd,
-                                              bool return_lse, bool after_quantize_kv) {
-  AttentionOutputs out = allocate_attention_mma(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean,
-                                                qk_dtype, kv_len, out_nhd, return_lse);
+namespace {
+
+// attention_mma into `out` (allocated by allocate_attention_mma), over the heads whose
+// int8_heads flag is int8_heads_run (all heads without int8_heads).
+void launch_attention_mma_into(const AttentionOutputs& out, const at::Tensor& q,
+                               const std::optional<at::Tensor>& q_mean, const at::Tensor& k_codes,
+                               const at::Tensor& k_scale, const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                               const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_mean,
+                               const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype, int64_t kv_len,
+                               double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv,
+                               const std::optional<at::Tensor>& int8_heads, bool int8_heads_run) {
   check_launchable(q, "q");
   const c10::cuda::CUDAGuard guard(q.device());
   const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
@@ -74,13 +73,50 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_after_cuda(const at::Tensor& q,
   p.pv = fp8_v ? PvOperands::kFp8 : PvOperands::kInput;
   p.causal = is_causal;
   p.after_quantize_kv = after_quantize_kv;
+  if (int8_heads) {
+    TORCH_CHECK(int8_heads->scalar_type() == at::kByte && int8_heads->is_contiguous() &&
+                    int8_heads->numel() == q.size(0) * k_codes.size(1),
+                "attention_mma: int8_heads must be a contiguous uint8 [B, H_kv] tensor");
+    p.int8_heads = int8_heads->data_ptr<uint8_t>();
+    p.int8_heads_run = int8_heads_run ? 1 : 0;
+  }
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status != cudaErrorNotSupported, "attention_mma: ",
               fp8_v ? "FP8 PV needs an sm_89+ GPU and a build with code for it (TORCH_CUDA_ARCH_LIST 8.9 or 9.0a)"
                     : "this variant needs more shared memory per block than this GPU allows");
   C10_CUDA_CHECK(status);
+}
+
+}  // namespace
+
+// attention_mma, launched the ordinary way or (after_quantize_kv) as a programmatic dependent of
+// the quantize_kv launched just before it by the same call.
+std::tuple<at::Tensor, at::Tensor> attention_mma_after_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
+                                              const at::Tensor& k_codes, const at::Tensor& k_scale,
+                                              const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
+                                              const std::optional<at::Tensor>& v_scale,
+                                              const std::optional<at::Tensor>& v_mean,
+                                              const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype,
+                                              int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd,
+                                              bool return_lse, bool after_quantize_kv) {
+  AttentionOutputs out = allocate_attention_mma(q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean,
+                                                qk_dtype, kv_len, out_nhd, return_lse);
+  launch_attention_mma_into(out, q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean, qk_dtype, kv_len,
+                            sm_scale, is_causal, return_lse, after_quantize_kv, std::nullopt, false);
   return {out.out, out.lse};
+}
+
+void attention_mma_heads_into_cuda(const AttentionOutputs& out, const at::Tensor& q,
+                                   const std::optional<at::Tensor>& q_mean, const at::Tensor& k_codes,
+                                   const at::Tensor& k_scale, const std::optional<at::Tensor>& delta_s,
+                                   const at::Tensor& v, const std::optional<at::Tensor>& v_scale,
+                                   const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
+                                   const std::string& qk_dtype, int64_t kv_len, double sm_scale, bool is_causal,
+                                   bool return_lse, const at::Tensor& int8_heads, bool int8_heads_run) {
+  // (No shape checks of its own: its caller, sageattn_mma, made every input.)
+  launch_attention_mma_into(out, q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean, qk_dtype, kv_len,
+                            sm_scale, is_causal, return_lse, false, int8_heads, int8_heads_run);
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,

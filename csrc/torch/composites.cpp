@@ -22,6 +22,11 @@ void check_chain_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tens
               ") must have the same dtype");
 }
 
+// int4_guard: 0 (off) or the guard's threshold, a ratio of channel ranges (>= 1).
+void check_int4_guard(double int4_guard) {
+  TORCH_CHECK(int4_guard == 0.0 || int4_guard >= 1.0, "int4_guard must be 0 (off) or >= 1, got ", int4_guard);
+}
+
 // pv_dtype of the Hopper composite: "fp8" (V quantized, one scale per tile) or "input" (V as it is).
 bool wgmma_fp8_pv(const std::string& pv_dtype) {
   TORCH_CHECK(pv_dtype == "fp8" || pv_dtype == "input", "pv_dtype must be 'fp8' or 'input', got '", pv_dtype, "'");
@@ -108,8 +113,9 @@ struct MmaChainPlan {
 AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                        const std::string& qk_dtype, const std::string& pv_dtype, bool smooth_q,
                                        bool smooth_k, bool smooth_v, int64_t sample_stride, bool out_nhd,
-                                       bool return_lse) {
+                                       bool return_lse, double int4_guard) {
   check_chain_inputs(q, k, v, sample_stride);
+  check_int4_guard(int4_guard);
   const MmaChainPlan plan(q, k, v, pv_dtype, smooth_q, smooth_k, sample_stride);
   std::optional<at::Tensor> q_mean, k_mean, v_mean, v_scale;
   if (plan.stats) {
@@ -128,12 +134,69 @@ AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k,
                                 k.sym_size(2).guard_int(__FILE__, __LINE__), out_nhd, return_lse);
 }
 
+namespace {
+
+// sageattn_mma with INT4 QK and the guard (docs/DECISIONS.md#d38). One smoothing_stats launch
+// over all tokens of Q, K (their means and channel ranges) and V; per KV head a flag, 1 where
+// K's or any of its Q heads' largest channel range exceeds `threshold` times their mean nonzero
+// channel range (INT4's per-thread groups share one scale over all channels: a few wide channels leave
+// the others a code or two); quantize_kv and attention_mma each twice, INT4 over the heads
+// flagged 0 (V's FP8 codes with them), INT8 over those flagged 1, the attention into one output.
+// No programmatic launches: the flags come from ATen reductions between the launches.
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_int4_guarded(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const MmaChainPlan& plan,
+                                                             bool smooth_q, bool smooth_k, bool smooth_v,
+                                                             double sm_scale, bool is_causal, bool out_nhd,
+                                                             bool return_lse, double threshold) {
+  TORCH_CHECK(plan.fp8, "INT4 QK runs with FP8 PV only");
+  const auto stats = smoothing_stats_ranges_cuda(q, k, v, smooth_v);
+  const std::optional<at::Tensor> q_mean = smooth_q ? std::optional<at::Tensor>(std::get<0>(stats)) : std::nullopt;
+  const std::optional<at::Tensor> k_mean = smooth_k ? std::optional<at::Tensor>(std::get<1>(stats)) : std::nullopt;
+  const std::optional<at::Tensor> v_mean = smooth_v ? std::optional<at::Tensor>(std::get<2>(stats)) : std::nullopt;
+  const at::Tensor& v_scale = std::get<3>(stats);
+  // [B, H]: the largest channel range over the mean of the nonzero ones (a head_dim padded with
+  // zero channels, 40 -> 64, must not look spread: ops.channel_spread).
+  const auto spread = [](const at::Tensor& range) {
+    return range.amax(-1).mul(range.gt(0).sum(-1)).div(range.sum(-1));
+  };
+  const int64_t batch = q.size(0), kv_heads = k.size(1);
+  const at::Tensor q_spread = spread(std::get<4>(stats)).view({batch, kv_heads, -1}).amax(-1);
+  const at::Tensor int8_heads =
+      spread(std::get<5>(stats)).gt(threshold).logical_or(q_spread.gt(threshold)).to(at::kByte).contiguous();
+  const double delta_s_multiplier = sm_scale * kLog2e;
+  auto kv4 = quantize_kv_heads_cuda(k, v, k_mean, v_mean, v_scale, q_mean, kMmaBlockK, "int4", delta_s_multiplier,
+                                    false, int8_heads, false);
+  auto kv8 = quantize_kv_heads_cuda(k, std::nullopt, k_mean, std::nullopt, std::nullopt, q_mean, kMmaBlockK, "int8",
+                                    delta_s_multiplier, false, int8_heads, true);
+  const at::Tensor& v_codes = std::get<2>(kv4);
+  const int64_t kv_len = k.size(2);
+  const AttentionOutputs out =
+      allocate_attention_mma(q, q_mean, std::get<0>(kv4), std::get<1>(kv4),
+                             q_mean ? std::optional<at::Tensor>(std::get<3>(kv4)) : std::nullopt, v_codes, v_scale,
+                             v_mean, k_mean, "int4", kv_len, out_nhd, return_lse);
+  attention_mma_heads_into_cuda(out, q, q_mean, std::get<0>(kv4), std::get<1>(kv4),
+                                q_mean ? std::optional<at::Tensor>(std::get<3>(kv4)) : std::nullopt, v_codes, v_scale,
+                                v_mean, k_mean, "int4", kv_len, sm_scale, is_causal, return_lse, int8_heads, false);
+  attention_mma_heads_into_cuda(out, q, q_mean, std::get<0>(kv8), std::get<1>(kv8),
+                                q_mean ? std::optional<at::Tensor>(std::get<3>(kv8)) : std::nullopt, v_codes, v_scale,
+                                v_mean, k_mean, "int8", kv_len, sm_scale, is_causal, return_lse, int8_heads, true);
+  return {out.out, out.lse};
+}
+
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> sageattn_mma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::string& qk_dtype, const std::string& pv_dtype,
                                                      bool smooth_q, bool smooth_k, bool smooth_v,
                                                      int64_t sample_stride, double sm_scale, bool is_causal,
-                                                     bool out_nhd, bool return_lse) {
+                                                     bool out_nhd, bool return_lse, double int4_guard) {
   check_chain_inputs(q, k, v, sample_stride);
+  check_int4_guard(int4_guard);
+  if (int4_guard > 0 && parse_qk_dtype(qk_dtype) == QkDtype::kInt4) {
+    const MmaChainPlan plan(q, k, v, pv_dtype, smooth_q, smooth_k, sample_stride);
+    return sageattn_mma_int4_guarded(q, k, v, plan, smooth_q, smooth_k, smooth_v, sm_scale, is_causal, out_nhd,
+                                     return_lse, int4_guard);
+  }
   const MmaChainPlan plan(q, k, v, pv_dtype, smooth_q, smooth_k, sample_stride);
   std::optional<at::Tensor> q_mean, k_mean, v_mean, v_scale;
   // As in sageattn_wgmma_cuda: the statistics' outputs live until the end, so that nothing

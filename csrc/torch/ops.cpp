@@ -61,9 +61,9 @@ std::tuple<at::Tensor, at::Tensor> sageattn_mma_meta(const at::Tensor& q, const 
                                                      const std::string& qk_dtype, const std::string& pv_dtype,
                                                      bool smooth_q, bool smooth_k, bool smooth_v,
                                                      int64_t sample_stride, double /*sm_scale*/, bool /*is_causal*/,
-                                                     bool out_nhd, bool return_lse) {
+                                                     bool out_nhd, bool return_lse, double int4_guard) {
   auto o = allocate_sageattn_mma(q, k, v, qk_dtype, pv_dtype, smooth_q, smooth_k, smooth_v, sample_stride, out_nhd,
-                                 return_lse);
+                                 return_lse, int4_guard);
   return {o.out, o.lse};
 }
 
@@ -93,8 +93,8 @@ TORCH_LIBRARY(sageattention2, m) {
       "bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
   m.def(
       "sageattn_mma(Tensor q, Tensor k, Tensor v, str qk_dtype, str pv_dtype, bool smooth_q, bool smooth_k, "
-      "bool smooth_v, int sample_stride, float sm_scale, bool is_causal, bool out_nhd, bool return_lse) "
-      "-> (Tensor out, Tensor lse)");
+      "bool smooth_v, int sample_stride, float sm_scale, bool is_causal, bool out_nhd, bool return_lse, "
+      "float int4_guard=0.0) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {

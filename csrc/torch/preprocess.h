@@ -48,6 +48,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier);
+// smoothing_stats of q, k (and v) with, for q and k, each channel's max |x - mean| / 448
+// ([B, H, D] float: the INT4 guard's statistic, docs/DECISIONS.md#d38), returned after v_scale.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_ranges_cuda(
+    const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& v, bool smooth_v);
 // The same, launched as a programmatic dependent of the smoothing_stats launch that the caller
 // made just before it, whose inputs and outputs it keeps alive until this launch
 // (after_smoothing_stats; what that allows: quantize_kv_kernel).
@@ -56,5 +60,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier, bool after_smoothing_stats);
+// The same over the heads whose int8_heads flag ([B, H_kv] uint8) is int8_heads_run (all heads
+// without int8_heads): the INT4 guard's two launches (docs/DECISIONS.md#d38). The K codes and
+// scales of the other heads, and their Delta-S, are left unwritten.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_heads_cuda(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double delta_s_multiplier, bool after_smoothing_stats, const std::optional<at::Tensor>& int8_heads,
+    bool int8_heads_run);
 
 }  // namespace sageattention2

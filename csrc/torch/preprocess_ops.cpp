@@ -2,6 +2,7 @@
 // (preprocess_shapes.cpp), fill the kernel parameters, launch on the current stream
 // (preprocess/smoothing_stats.cu, preprocess/quantize_kv.cu).
 #include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -62,11 +63,10 @@ QuantizeKVParams quantize_kv_params(const at::Tensor& k, const std::optional<at:
   return p;
 }
 
-}  // namespace
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
-    const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
-    const std::optional<at::Tensor>& v, bool smooth_v) {
+// smoothing_stats; with `ranges`, also Q's and K's per-channel max |x - mean| / 448 into
+// ranges[0] and ranges[1] (allocated here, [B, H, D] float, where q and k are given).
+SmoothingStatsOutputs run_smoothing_stats(const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
+                                          const std::optional<at::Tensor>& v, bool smooth_v, at::Tensor* ranges) {
   SmoothingStatsOutputs out = allocate_smoothing_stats(q, k, v, smooth_v);
   check_optional_launchable(q, "q");
   check_optional_launchable(k, "k");
@@ -77,21 +77,27 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
   StatsParams p;
   int jobs = 0;
   int64_t max_rows = 0;
-  auto add = [&](const std::optional<at::Tensor>& t, at::Tensor& mean, at::Tensor* scale) {
+  // scale: the source's range is tracked into it (V's FP8 scale; Q's and K's with `ranges`);
+  // smooth: around its mean.
+  auto add = [&](const std::optional<at::Tensor>& t, at::Tensor& mean, at::Tensor* scale, bool smooth) {
     if (!t) return;
     StatsSource& s = p.sources[p.num_sources++];
     s.view = make_view(*t);
     s.first_job = jobs;
     s.track_range = scale != nullptr;
-    s.smooth = scale != nullptr && smooth_v;
+    s.smooth = scale != nullptr && smooth;
     s.mean_out = mean.numel() > 0 ? mean.data_ptr<float>() : nullptr;
     s.scale_out = scale != nullptr ? scale->data_ptr<float>() : nullptr;
     jobs += s.view.batch * s.view.heads;
     max_rows = std::max(max_rows, s.view.tokens);
   };
-  add(q, out.q_mean, nullptr);
-  add(k, out.k_mean, nullptr);
-  add(v, out.v_mean, v ? &out.v_scale : nullptr);
+  if (ranges != nullptr) {  // smooth: the range around the mean, as V's with smooth_v
+    if (q) ranges[0] = at::empty_like(out.q_mean);
+    if (k) ranges[1] = at::empty_like(out.k_mean);
+  }
+  add(q, out.q_mean, ranges != nullptr && q ? &ranges[0] : nullptr, true);
+  add(k, out.k_mean, ranges != nullptr && k ? &ranges[1] : nullptr, true);
+  add(v, out.v_mean, v ? &out.v_scale : nullptr, smooth_v);
   bool equal_sources = true;
   for (int i = 0; i < p.num_sources; ++i)
     equal_sources = equal_sources && p.sources[i].view.batch * p.sources[i].view.heads * p.num_sources == jobs;
@@ -110,7 +116,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
     auto f32 = any.options().dtype(at::kFloat);
     partial_sum = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
     p.partial_sum = p.partial_max = p.partial_min = partial_sum.data_ptr<float>();
-    if (v) {
+    if (v || ranges != nullptr) {
       partial_max = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
       partial_min = at::empty({jobs, grid.chunks, kMaxHeadDim}, f32);
       p.partial_max = partial_max.data_ptr<float>();
@@ -118,7 +124,23 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
     }
   }
   C10_CUDA_CHECK(launch_smoothing_stats(p, jobs, input_dtype(any), at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
+    const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& v, bool smooth_v) {
+  const SmoothingStatsOutputs out = run_smoothing_stats(q, k, v, smooth_v, nullptr);
   return {out.q_mean, out.k_mean, out.v_mean, out.v_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_ranges_cuda(
+    const at::Tensor& q, const at::Tensor& k, const std::optional<at::Tensor>& v, bool smooth_v) {
+  at::Tensor ranges[2];
+  const SmoothingStatsOutputs out = run_smoothing_stats(q, k, v, smooth_v, ranges);
+  return {out.q_mean, out.k_mean, out.v_mean, out.v_scale, ranges[0], ranges[1]};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
@@ -134,6 +156,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier, bool after_smoothing_stats) {
+  return quantize_kv_heads_cuda(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype, delta_s_multiplier,
+                                after_smoothing_stats, std::nullopt, false);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_heads_cuda(
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
+    const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
+    double delta_s_multiplier, bool after_smoothing_stats, const std::optional<at::Tensor>& int8_heads,
+    bool int8_heads_run) {
   QuantizeKVOutputs out = allocate_quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype);
   check_launchable(k, "k");
   check_optional_launchable(v, "v");
@@ -144,6 +176,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   const c10::cuda::CUDAGuard guard(k.device());
   QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, q_mean, block_k, delta_s_multiplier, out);
   p.v_overlaps_prior_grid = after_smoothing_stats;
+  if (int8_heads) {
+    TORCH_CHECK(int8_heads->scalar_type() == at::kByte && int8_heads->is_contiguous() &&
+                    int8_heads->numel() == k.size(0) * k.size(1),
+                "quantize_kv: int8_heads must be a contiguous uint8 [B, H_kv] tensor");
+    p.int8_heads = int8_heads->data_ptr<uint8_t>();
+    p.int8_heads_run = int8_heads_run ? 1 : 0;
+  }
   const bool int4 = parse_qk_dtype(qk_dtype) == QkDtype::kInt4;
   C10_CUDA_CHECK(
       launch_quantize_kv(p, input_dtype(k), int4, at::cuda::getCurrentCUDAStream(), after_smoothing_stats));
