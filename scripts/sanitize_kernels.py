@@ -110,8 +110,12 @@ def sageattn_mma(fp8: bool) -> None:
                 for causal in (False, True):
                     ops.sageattn_mma(q, k, v, qk, pv, smooth_q, smooth_k, pv == "fp8", 3, d ** -0.5, causal,
                                      causal, True)
+        if fp8:  # the INT4 guard: K head 1 wide in 4 channels runs INT8, head 0 INT4 (two launches each)
+            k[:, 1, :, :4] *= 8
+            for causal in (False, True):
+                ops.sageattn_mma(q, k, v, "int4", "fp8", True, True, True, 3, d ** -0.5, causal, causal, True, 2.0)
     torch.cuda.synchronize()
-    print(f"sanitize: sageattn_mma variants ran: {variants}")
+    print(f"sanitize: sageattn_mma variants ran: {variants}" + (", and INT4 guarded" if fp8 else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
