@@ -112,15 +112,22 @@ py::object run_remembered(py::handle q, py::handle k, py::handle v, py::handle m
   if (found == kinds().end()) return py::reinterpret_borrow<py::object>(miss);
   for (const Entry& e : found->second) {
     if (!same_options(e, options.ptr())) continue;
-    if (!e.exact_as_called) return e.runner(q, k, v, mask, e.dropout_p, e.is_causal, e.scale, e.enable_gqa);
+    if (!e.exact_as_called) {  // (a reference of its own: the runner may let another thread clear the cache)
+      const py::object runner = e.runner;
+      return runner(q, k, v, mask, e.dropout_p, e.is_causal, e.scale, e.enable_gqa);
+    }
+    // Copies: once the GIL is released another thread may remember or clear (the entry moves).
+    const at::Tensor tq = THPVariable_Unpack(q.ptr()), tk = THPVariable_Unpack(k.ptr()),
+                     tv = THPVariable_Unpack(v.ptr());
     const std::optional<at::Tensor> attn_mask =
         mask.is_none() ? std::nullopt : std::optional<at::Tensor>(THPVariable_Unpack(mask.ptr()));
+    const double dropout_p = e.dropout_p;
+    const bool is_causal = e.is_causal, enable_gqa = e.enable_gqa;
+    const std::optional<double> scale = e.scale;
     at::Tensor out;
     {
       py::gil_scoped_release no_gil;  // as SDPA's own binding
-      out = at::scaled_dot_product_attention(THPVariable_Unpack(q.ptr()), THPVariable_Unpack(k.ptr()),
-                                             THPVariable_Unpack(v.ptr()), attn_mask, e.dropout_p, e.is_causal,
-                                             e.scale, e.enable_gqa);
+      out = at::scaled_dot_product_attention(tq, tk, tv, attn_mask, dropout_p, is_causal, scale, enable_gqa);
     }
     return py::reinterpret_steal<py::object>(THPVariable_Wrap(std::move(out)));
   }
