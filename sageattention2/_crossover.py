@@ -42,7 +42,7 @@ from typing import Any, Iterable, Sequence
 import torch
 
 from ._call import AttentionCall
-from ._plan import Capability, KernelChoice, kernel_head_dim
+from ._plan import Capability, KernelChoice, head_dims_of, kernel_head_dim
 
 __all__ = [
     "ENVIRONMENT",
@@ -142,18 +142,28 @@ class CrossoverTable:
         """The measured class that stands for a call: same causal flag, the dtype (else the other
         half-precision one: the kernels and SDPA run both alike), and the head_dim itself, else
         the nearest measured one that the kernel runs the same way (the same kernel head_dim,
-        zero-padded or not: hd 48 takes hd 40's points, hd 96 takes hd 80's)."""
-        padded = kernel_head_dim(head_dim)
+        zero-padded or not: hd 48 takes hd 40's points, hd 96 takes hd 80's). A kernel head_dim
+        above every measured one (256, in tables from before it was built) takes the largest
+        measured head_dim's points: at 256 the Hopper kernel's speedup over cuDNN runs like
+        128's (0.72x at 1K, 1.19x at 4K; docs/DECISIONS.md#d39), closer than running it at
+        every length."""
+        built = head_dims_of(self.kernel)
+        padded = kernel_head_dim(head_dim, built)
         if padded is None:
             return None
         want = class_key(head_dim, causal, dtype)[2]
         keys = [key for key in self.speedups if key[1] == causal]
         for dtype_name in (want, *sorted({key[2] for key in keys} - {want})):
             same_way = [key for key in keys if key[2] == dtype_name
-                        and kernel_head_dim(key[0]) == padded
+                        and kernel_head_dim(key[0], built) == padded
                         and (key[0] == padded) == (head_dim == padded)]
             if same_way:
                 return min(same_way, key=lambda key: abs(key[0] - head_dim))
+        measured = [key for key in keys if kernel_head_dim(key[0], built) is not None]
+        if measured and padded > max(kernel_head_dim(key[0], built) or 0 for key in measured):
+            top = max(key[0] for key in measured)
+            same_dtype = [key for key in measured if key[0] == top and key[2] == want]
+            return (same_dtype or [key for key in measured if key[0] == top])[0]
         return None
 
     def speedup(self, head_dim: int, causal: bool, dtype: torch.dtype, n_q: int, n_k: int,

@@ -287,7 +287,7 @@ class KernelCall:
 
     @staticmethod
     def of(call: AttentionCall, choice: KernelChoice) -> KernelCall:
-        padded_head_dim = _plan.kernel_head_dim(call.head_dim)
+        padded_head_dim = _plan.kernel_head_dim(call.head_dim, _plan.head_dims_of(choice))
         assert padded_head_dim is not None  # a fallback rule checked it
         return KernelCall(
             choice, _plan.smooths_q(call, choice), call.smooth_k, call.smooth_v, call.head_dim,

@@ -51,6 +51,8 @@ __all__ = [
     "device_reason",
     "family_archs",
     "kernel_for",
+    "ANY_KERNEL_HEAD_DIMS",
+    "head_dims_of",
     "kernel_head_dim",
     "kernel_plan",
     "native_fp8_mma",
@@ -189,16 +191,26 @@ def family_archs(family: str) -> str:
     return ", ".join(archs) or "no architectures"
 
 
+# Every head_dim some kernel runs: 64 and 128 (both kernels), 256 (the Hopper kernel, FP8 PV).
+ANY_KERNEL_HEAD_DIMS = tuple(sorted({*ops.MMA_HEAD_DIMS, *ops.WGMMA_HEAD_DIMS}))
+
+
 @functools.lru_cache(maxsize=None)  # asked twice per call (routes and rules), a few head dims
-def kernel_head_dim(head_dim: int) -> int | None:
-    """The head_dim the attention kernels run a call of ``head_dim`` at: itself when they are
-    built for it (ops.MMA_HEAD_DIMS, the Hopper kernel's as well), else the next larger one, the
-    inputs zero-padded (a zero channel adds nothing to a score, so scores, softmax and LSE are
-    unchanged, and its output channel, 0, is cut off). None when ``head_dim`` is not a positive
-    multiple of 8 or above the largest."""
+def kernel_head_dim(head_dim: int, built: tuple[int, ...] = ops.MMA_HEAD_DIMS) -> int | None:
+    """The head_dim a kernel built for the head dims ``built`` runs a call of ``head_dim`` at:
+    itself when built for it, else the next larger one, the inputs zero-padded (a zero channel
+    adds nothing to a score, so scores, softmax and LSE are unchanged, and its output channel, 0,
+    is cut off). None when ``head_dim`` is not a positive multiple of 8 or above the largest."""
     if head_dim <= 0 or head_dim % HEAD_DIM_MULTIPLE != 0:
         return None
-    return next((d for d in sorted(ops.MMA_HEAD_DIMS) if d >= head_dim), None)
+    return next((d for d in sorted(built) if d >= head_dim), None)
+
+
+def head_dims_of(choice: KernelChoice) -> tuple[int, ...]:
+    """The head dims ``choice``'s kernel is built for: the Hopper kernel's FP8 PV also 256."""
+    if choice.kernel == "wgmma":
+        return ops.WGMMA_HEAD_DIMS if choice.pv == "fp8" else ops.WGMMA_INPUT_PV_HEAD_DIMS
+    return ops.MMA_HEAD_DIMS
 
 
 # ------------------------------------------------------------------------------------------------
@@ -227,7 +239,8 @@ ROUTES: tuple[Route, ...] = (
           lambda call, target: (
               call.qk_quant == "int8" and call.pv_quant in ("auto", "fp8")
               and call.smooth_q in ("auto", "none")
-              and kernel_head_dim(call.head_dim) in ops.WGMMA_HEAD_DIMS and target.wgmma),
+              and kernel_head_dim(call.head_dim, ops.WGMMA_HEAD_DIMS) is not None
+              and target.wgmma),
           WGMMA, "what the Hopper kernel computes: INT8 QK with Q quantized per row in the "
                  "kernel, no Q smoothing, FP8 PV"),
     Route("an sm_90 GPU with the build's Hopper kernel, `qk_quant` \"auto\"/\"int8\", `pv_quant` "
@@ -235,7 +248,8 @@ ROUTES: tuple[Route, ...] = (
           lambda call, target: (
               call.qk_quant == "int8" and call.pv_quant == "none"
               and call.smooth_q in ("auto", "none")
-              and kernel_head_dim(call.head_dim) in ops.WGMMA_HEAD_DIMS and target.wgmma),
+              and kernel_head_dim(call.head_dim, ops.WGMMA_INPUT_PV_HEAD_DIMS) is not None
+              and target.wgmma),
           WGMMA_INPUT, "the accurate tier: the Hopper kernel with P and V in the input dtype, "
                        "FP32 accumulation (3-4x less error than FP8 PV)"),
     Route("`qk_quant=\"int4\"`", lambda call, target: call.qk_quant == "int4", MMA_INT4_FP8,
@@ -267,7 +281,8 @@ class Fallback(NamedTuple):
         return self.reason if self.details is None else self.reason.format(**self.details(*args))
 
 
-_HEAD_DIMS = " and ".join(map(str, ops.MMA_HEAD_DIMS))
+_HEAD_DIMS = ", ".join(map(str, ANY_KERNEL_HEAD_DIMS))
+_MMA_HEAD_DIMS = " and ".join(map(str, ops.MMA_HEAD_DIMS))
 
 DEVICE_RULES: tuple[Fallback, ...] = (
     Fallback("tensors not on a CUDA device (CPU, meta, ...)",
@@ -300,12 +315,12 @@ CALL_RULES: tuple[Fallback, ...] = (
     Fallback("`dropout_p` > 0", lambda call: call.dropout_p > 0.0,
              "the quantized kernels have no dropout (dropout_p > 0)"),
     MASK_RULE,
-    Fallback(f"a head_dim above {max(ops.MMA_HEAD_DIMS)} or not a multiple of "
+    Fallback(f"a head_dim above {max(ANY_KERNEL_HEAD_DIMS)} or not a multiple of "
              f"{HEAD_DIM_MULTIPLE}",
-             lambda call: kernel_head_dim(call.head_dim) is None,
-             f"the attention kernels are built for head_dim {_HEAD_DIMS} (other multiples of "
-             f"{HEAD_DIM_MULTIPLE} below {max(ops.MMA_HEAD_DIMS)} are zero-padded to the next), "
-             "got {head_dim}",
+             lambda call: kernel_head_dim(call.head_dim, ANY_KERNEL_HEAD_DIMS) is None,
+             f"the attention kernels are built for head_dim {_HEAD_DIMS} ({max(ANY_KERNEL_HEAD_DIMS)}: "
+             f"the Hopper kernel with FP8 PV; other multiples of {HEAD_DIM_MULTIPLE} below "
+             f"{max(ANY_KERNEL_HEAD_DIMS)} are zero-padded to the next), got {{head_dim}}",
              lambda call: {"head_dim": call.head_dim}),
     Fallback("v's head_dim differs from q's and k's", lambda call: call.head_dim_v != call.head_dim,
              "the quantized kernels need v's head_dim to be q's and k's, got {head_dim_v} and "
@@ -328,6 +343,15 @@ BUILD_RULES: tuple[Fallback, ...] = (
                              "built": family_archs(ops.MMA_FAMILY)}),
 )
 MMA_RULES: tuple[Fallback, ...] = (
+    Fallback(f"a head_dim above {max(ops.MMA_HEAD_DIMS)} off the Hopper kernel's FP8 PV (the "
+             "warp-level kernel, `pv_quant=\"none\"`, `qk_quant=\"int4\"`, GPUs other than sm_90)",
+             lambda call, choice, target: kernel_head_dim(call.head_dim) is None,
+             f"the warp-level kernel and the Hopper kernel's accurate tier run head_dim up to "
+             f"{max(ops.MMA_HEAD_DIMS)} ({_MMA_HEAD_DIMS}, smaller multiples of "
+             f"{HEAD_DIM_MULTIPLE} zero-padded); head_dim {{head_dim}} runs quantized on the Hopper "
+             "kernel (sm_90) with INT8 QK and FP8 PV only (qk_quant 'auto'/'int8', pv_quant "
+             "'auto'/'fp8')",
+             lambda call, choice, target: {"head_dim": call.head_dim}),
     Fallback("`qk_quant=\"int4\"` with `pv_quant=\"none\"`",
              lambda call, choice, target: choice.qk == "int4" and call.pv_quant == "none",
              "INT4 QK runs with FP8 PV only; pv_quant='none' needs qk_quant='int8'"),
@@ -447,12 +471,13 @@ def kernel_plan(device: torch.device | str | int | None = None) -> str:
     target = target_of(dev)
     reason = _target_reason(target)
     capability = target.capability
-    dims = (f"head_dim {' and '.join(map(str, ops.MMA_HEAD_DIMS))} (smaller multiples of "
-            f"{HEAD_DIM_MULTIPLE} zero-padded)")
+    dims = (f"head_dim {_MMA_HEAD_DIMS} (smaller multiples of {HEAD_DIM_MULTIPLE} zero-padded)")
+    hopper_dims = (f"head_dim {_HEAD_DIMS} (256: FP8 PV only; smaller multiples of "
+                   f"{HEAD_DIM_MULTIPLE} zero-padded)")
     if reason or capability is None:
         plan = f"exact SDPA fallback ({reason or 'the quantized kernels need a CUDA GPU'})"
     elif target.wgmma:
-        plan = (f"quantized SageAttention2: {WGMMA_PLAN}, {dims}, INT8 without Q smoothing; the "
+        plan = (f"quantized SageAttention2: {WGMMA_PLAN}, {hopper_dims}, INT8 without Q smoothing; the "
                 f"{MMA_PLAN} for smooth_q='head'/True or qk_quant='int4': "
                 f"{_mma_variants(target)} (other calls: exact SDPA)")
     else:

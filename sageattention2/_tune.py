@@ -77,7 +77,7 @@ def _warm_gpu(seconds: float = 1.0) -> None:
 def _point(n_q: int, n_k: int, heads: int, head_dim: int, causal: bool,
            dtype: torch.dtype, pv_quant: str = "auto") -> float | None:
     """SDPA's time over the quantized call's at one point, or None where it is not timed."""
-    kernel_dim = _plan.kernel_head_dim(head_dim) or head_dim
+    kernel_dim = _plan.kernel_head_dim(head_dim, _plan.ANY_KERNEL_HEAD_DIMS) or head_dim
     work = 4 * n_q * n_k * heads * kernel_dim // (2 if causal else 1)
     if work > MAX_WORK or max(n_q, n_k) * heads * head_dim * 2 > MAX_TENSOR_BYTES:
         return None

@@ -58,6 +58,7 @@ __all__ = [
     "WGMMA_BLOCK_K",
     "WGMMA_FAMILY",
     "WGMMA_HEAD_DIMS",
+    "WGMMA_INPUT_PV_HEAD_DIMS",
     "arch_runs_on",
     "attention_mma",
     "attention_wgmma",
@@ -96,7 +97,10 @@ MMA_LAZY_RESCALE_LOG2 = 8
 MMA_HEAD_DIMS = (64, 128)
 # The Hopper kernel (csrc/hopper/params.h: kWgmmaBlockK): K from quantize_kv(block_k=128).
 WGMMA_BLOCK_K = 128
-WGMMA_HEAD_DIMS = (64, 128)
+# head_dim 256 with FP8 PV only (csrc/hopper/geometry.cuh); the accurate tier (16-bit PV) at 64
+# and 128.
+WGMMA_HEAD_DIMS = (64, 128, 256)
+WGMMA_INPUT_PV_HEAD_DIMS = (64, 128)
 # Kernel families of build_info().kernels (csrc/torch/module.cpp says what each holds): the
 # preprocessing kernels and attention_mma's INT8 QK + fp16/bf16 PV variant (every arch of the
 # build), its FP8 PV variants, INT8 or INT4 QK (archs >= sm_89: FP8 mma.sync), and the Hopper

@@ -18,7 +18,8 @@ steps
   --tests [K]       pytest of tests/ from /tmp with --import-mode=importlib (-k K if given)
   --check           python -m sageattention2 check: every kernel variant vs its emulation and
                     float64 (the input families against their documented bounds)
-  --bench           benchmarks/bench_attention.py, the protocol's speed table ($OUT/bench_attention.md)
+  --bench           benchmarks/bench_attention.py, the protocol's speed table ($OUT/bench_attention.md;
+                    BENCH_ARGS: more of its arguments, e.g. "--d 256")
   --sanitize        compute-sanitizer memcheck, racecheck, synccheck on scripts/sanitize_kernels.py
                     (racecheck's known ptx::bulk_load report, RACECHECK_KNOWN, does not fail it)
   --sass            scripts/check_sass.py on the installed build
@@ -91,7 +92,7 @@ step_check() {
   local rc=$?; grep -E "FAIL|^check|Error|causal=" "$OUT/check.txt"; return $rc
 }
 step_bench() {
-  cd /tmp && python3 "$R/benchmarks/bench_attention.py" $QUICK --out "$OUT/bench_attention.md"
+  cd /tmp && python3 "$R/benchmarks/bench_attention.py" $QUICK ${BENCH_ARGS:-} --out "$OUT/bench_attention.md"
 }
 # racecheck's report on the Hopper kernel's K-scale bulk copy (ptx::bulk_load) is a known false
 # positive (docs/DECISIONS.md#d26): it alone does not fail the step.

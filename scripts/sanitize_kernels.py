@@ -61,11 +61,11 @@ def attention_mma(fp8: bool) -> None:
 
 
 def attention_wgmma() -> None:
-    """The Hopper kernel: both head dims, causal on/off, GQA, a tail tile, NHD output, smooth V;
+    """The Hopper kernel: every head dim, causal on/off, GQA, a tail tile, NHD output, smooth V;
     both PV tiers (the accurate one reads the caller's V, here an NHD view, through a 4-D
-    tensor map)."""
+    tensor map; head_dim 256 has the FP8 tier only)."""
     for dtype in (torch.float16, torch.bfloat16):
-        for n, d in ((130, 128), (33, 64)):
+        for n, d in ((130, 128), (33, 64), (260, 256)):
             q = torch.randn(1, 4, n, d, device="cuda", dtype=dtype)
             k = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
             v = torch.randn(1, 2, n + 7, d, device="cuda", dtype=dtype)
@@ -74,6 +74,8 @@ def attention_wgmma() -> None:
             for causal in (False, True):
                 ops.attention_wgmma(q, kv.k_quant, kv.k_scale, kv.v_fp8, kv.v_tile_scale, stats.v_mean, stats.k_mean,
                                     n + 7, d ** -0.5, causal, causal, True)
+                if d not in ops.WGMMA_INPUT_PV_HEAD_DIMS:
+                    continue
                 v_nhd = v.transpose(1, 2).contiguous().transpose(1, 2)
                 ops.attention_wgmma(q, kv.k_quant, kv.k_scale, v_nhd, None, None, stats.k_mean, n + 7, d ** -0.5,
                                     causal, causal, True)
@@ -85,11 +87,11 @@ def sageattn_wgmma() -> None:
     """sageattn's Hopper path as one op: fewer queries than keys (causal: only the key blocks
     the kernel reads matter), both head dims; and end to end through sageattn, its smoothing
     means over a strided token sample (stride 5 at 1100 keys), smooth V, the LSE."""
-    for n, d in ((300, 128), (33, 64)):
+    for n, d in ((300, 128), (33, 64), (129, 256)):
         q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, 2, 3 * n + 7, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for causal in (False, True):
-            for pv in ("fp8", "input"):
+            for pv in ("fp8", "input") if d in ops.WGMMA_INPUT_PV_HEAD_DIMS else ("fp8",):
                 ops.sageattn_wgmma(q, k, v, pv, True, causal, 3, d ** -0.5, causal, causal, True)
     q, k, v = (torch.randn(1, 2, 1100, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     assert api.smoothing_sample_stride(1100) == 5

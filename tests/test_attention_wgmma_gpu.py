@@ -29,6 +29,14 @@ WGMMA_OP_SHAPES = [
     (2, 4, 2, 1000, 1000, 64),  # GQA 2:1
     (1, 2, 2, 4097, 4097, 128),
 ]
+# head_dim 256: the FP8 tier only (its Q and K rows in two 128-byte spans, PV in two halves, a
+# 2-stage ring and Q read without staging: csrc/hopper/geometry.cuh).
+WGMMA_HD256_SHAPES = [
+    (1, 2, 2, 1, 1, 256),
+    (2, 4, 2, 129, 300, 256),  # GQA 2:1, q_len < kv_len
+    (1, 4, 1, 1000, 333, 256),  # MQA, q_len > kv_len
+    (1, 2, 2, 4097, 4097, 256),
+]
 WGMMA_SMOOTHING = [(True, False), (True, True), (False, False)]  # (smooth_k, smooth_v)
 # The emulation takes its own float64 K means, the kernel's preprocessing float32 ones, so a few
 # K codes sit one step apart: a row that few keys dominate moves its LSE by up to a few 1e-3 (as
@@ -37,7 +45,7 @@ WGMMA_OP_LSE_ATOL = 5e-3
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
-@pytest.mark.parametrize("shape", WGMMA_OP_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", WGMMA_OP_SHAPES + WGMMA_HD256_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("smoothing", WGMMA_SMOOTHING, ids=["smooth-k", "smooth-kv", "no-smooth"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
@@ -240,6 +248,17 @@ def test_accurate_tier_matches_emulation(shape: tuple[int, ...], smooth_k: bool,
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
+def test_accurate_tier_refuses_head_dim_256() -> None:
+    """The accurate tier stops at head_dim 128 (a 16-bit V stage of 64 KB and O's 128 registers
+    leave no room): a clear error from the op, before any launch."""
+    q4, k4, v4 = make_qkv(1, 2, 2, 200, 200, 256, torch.float16, seed=3)
+    kv = ops.quantize_kv(k4, None, None, None, None, None, ops.WGMMA_BLOCK_K, "int8", 1.0)
+    with pytest.raises(RuntimeError, match="head_dim 256 runs attention_wgmma with FP8 V only"):
+        ops.attention_wgmma(q4, kv.k_quant, kv.k_scale, v4, None, None, None, 200, 0.0625, False,
+                            False, True)
+
+
+@pytest.mark.usefixtures("wgmma_kernel")
 def test_accurate_tier_reads_v_views() -> None:
     """The accurate tier reads the caller's V through a 4-D tensor map of its strides: a packed
     [B, N, 3, H, D] slice, a broadcast view (stride 0 over batch and heads: read from a copy)
@@ -288,14 +307,15 @@ def test_opcheck_attention_wgmma() -> None:
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
-@pytest.mark.parametrize("pv", ["fp8", "input"])
+@pytest.mark.parametrize("pv", ["fp8", "input", "fp8-hd256"])
 def test_items_of_one_or_two_tiles_do_not_hang(pv: str) -> None:
     """Causal 4096 queries on 256 keys, 64 heads: a persistent grid whose CTAs walk ~15 items of
     one or two tiles each. The consumer warpgroups' item-start handshake let warpgroup 0 arrive
     twice before warpgroup 1 synced once, and one call in a few hung (D35); 40 calls here (a
     hang stops the run at device_check's step limit). Each call gives the first one's output."""
-    q4, k4, v4 = make_qkv(1, 64, 64, 4096, 256, 128, torch.float16, seed=29, bias=(1.0, 2.0, 1.0))
-    options = dict(is_causal=True, qk_quant="int8", pv_quant="fp8" if pv == "fp8" else "none",
+    d = 256 if pv.endswith("hd256") else 128
+    q4, k4, v4 = make_qkv(1, 64, 64, 4096, 256, d, torch.float16, seed=29, bias=(1.0, 2.0, 1.0))
+    options = dict(is_causal=True, qk_quant="int8", pv_quant="none" if pv == "input" else "fp8",
                    strict=True)
     first = sageattn(q4, k4, v4, **options)
     assert_finite(first)

@@ -94,7 +94,11 @@ def test_the_class_that_stands_for_a_call() -> None:
     assert stands(96, False, torch.bfloat16) == (80, False, "bfloat16")   # zero-padded to 128
     assert stands(120, False, torch.bfloat16) == (80, False, "bfloat16")
     assert stands(64, True, torch.bfloat16) is None   # no causal class
-    assert stands(136, False, torch.bfloat16) is None  # the kernels do not run it
+    # Above every measured kernel head_dim (256: the Hopper kernel's FP8 tier), the largest
+    # measured head_dim's points; above 256 nothing runs.
+    assert stands(136, False, torch.bfloat16) == (128, False, "bfloat16")
+    assert stands(256, False, torch.float16) == (128, False, "bfloat16")
+    assert stands(264, False, torch.bfloat16) is None
     only_64 = CrossoverTable.from_json(table_json(classes[1:2]))
     assert only_64.class_for(40, False, torch.bfloat16) is None  # padded: not measured
 

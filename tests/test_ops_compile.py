@@ -209,9 +209,18 @@ def test_attention_wgmma_meta_shapes() -> None:
         call(v=v_input[:, :, 1:], v_tile_scale=None)
     with pytest.raises(RuntimeError, match="or have q's dtype"):
         call(v=v_input.to(torch.bfloat16 if q.dtype == torch.float16 else torch.float16), v_tile_scale=None)
-    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+    with pytest.raises(RuntimeError, match="head_dim must be 64, 128 or 256"):
         call(q=torch.empty(b, hq, nq, 96, dtype=torch.float16, **meta),
              k_codes=torch.empty(b, hkv, k_pad, 96, dtype=torch.int8, **meta))
+    # head_dim 256: the FP8 tier only.
+    q256 = torch.empty(b, hq, nq, 256, dtype=q.dtype, **meta)
+    k256 = torch.empty(b, hkv, k_pad, 256, dtype=torch.int8, **meta)
+    out, _ = ops.attention_wgmma(q256, k256, k_scale, torch.empty(b, hkv, 256, k_pad, dtype=torch.float8_e4m3fn, **meta),
+                                 v_tile_scale, None, None, kv_len, 0.1, False, False, True)
+    assert out.shape == q256.shape
+    with pytest.raises(RuntimeError, match="head_dim 256 runs attention_wgmma with FP8 V only"):
+        call(q=q256, k_codes=k256, v=torch.empty(b, hkv, kv_len, 256, dtype=q.dtype, **meta),
+             v_tile_scale=None)
     with pytest.raises(RuntimeError, match="q must be contiguous in its last dimension"):
         call(q=torch.empty(b, hq, d, nq, dtype=torch.float16, **meta).transpose(2, 3))
     with pytest.raises(RuntimeError, match="v_scale must have shape"):  # a per-channel scale
@@ -256,7 +265,7 @@ def test_sageattn_wgmma_meta_shapes() -> None:
         call(v=v[:, :, :-1], smooth_v=False)  # by quantize_kv
     with pytest.raises(RuntimeError, match="multiple of kv heads"):
         call(q=q[:, :3])
-    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+    with pytest.raises(RuntimeError, match="head_dim must be 64, 128 or 256"):
         call(q=q[..., :32], k=k[..., :32], v=v[..., :32])
 
 

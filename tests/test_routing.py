@@ -23,12 +23,12 @@ from sageattention2._call import AttentionCall
         (torch.float16, {}, {"dropout_p": 0.1}, "no dropout (dropout_p > 0)"),
         (torch.bfloat16, {}, {"attn_mask": torch.ones(9, 9, dtype=torch.bool).tril()}, "no attn_mask"),
         (torch.float16, {"d": 12}, {},
-         "the attention kernels are built for head_dim 64 and 128 (other multiples of 8 below "
-         "128 are zero-padded to the next), got 12"),
-        (torch.float16, {"d": 136}, {}, "built for head_dim 64 and 128 (other multiples of 8 "
-                                        "below 128 are zero-padded to the next), got 136"),
-        (torch.float16, {"d": 256}, {}, "got 256"),
-        (torch.float16, {"d": 264}, {}, "got 264"),
+         "the attention kernels are built for head_dim 64, 128, 256 (256: the Hopper kernel with "
+         "FP8 PV; other multiples of 8 below 256 are zero-padded to the next), got 12"),
+        (torch.float16, {"d": 264}, {}, "built for head_dim 64, 128, 256 (256: the Hopper kernel "
+                                        "with FP8 PV; other multiples of 8 below 256 are "
+                                        "zero-padded to the next), got 264"),
+        (torch.float16, {"d": 260}, {}, "got 260"),
         (torch.float16, {"dv": 32}, {}, "v's head_dim to be q's and k's, got 32 and 16"),
         (torch.float16, {}, {"requires_grad": True}, "require grad"),
         (torch.float16, {}, {}, None),  # head_dim 16: zero-padded to 64
@@ -69,6 +69,18 @@ def test_unsupported_reasons(monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype
 def test_kernel_head_dim(head_dim: int, kernel_head_dim: int | None) -> None:
     """The head_dim the kernels run: the next built one (64, 128) for a multiple of 8."""
     assert _plan.kernel_head_dim(head_dim) == kernel_head_dim
+    if kernel_head_dim is not None:  # up to 128 the Hopper kernel pads alike
+        assert _plan.kernel_head_dim(head_dim, _plan.head_dims_of(WGMMA)) == kernel_head_dim
+
+
+@pytest.mark.parametrize(("head_dim", "hopper"),
+                         [(136, 256), (160, 256), (192, 256), (256, 256), (264, None), (100, None)])
+def test_hopper_head_dims_above_128(head_dim: int, hopper: int | None) -> None:
+    """The Hopper kernel's FP8 tier is built for 256 as well (160 and 192 padded to it); its
+    accurate tier and the warp-level kernel stop at 128."""
+    assert _plan.kernel_head_dim(head_dim, _plan.head_dims_of(WGMMA)) == hopper
+    for choice in (WGMMA_INPUT, MMA_INT8_FP8, MMA_INT8_INPUT, MMA_INT4_FP8):
+        assert _plan.kernel_head_dim(head_dim, _plan.head_dims_of(choice)) is None
 
 
 def test_build_reasons(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,6 +114,8 @@ MMA_INT4_FP8 = _plan.KernelChoice("mma", "int4", "fp8")
 INT4_NONE = "INT4 QK runs with FP8 PV only; pv_quant='none' needs qk_quant='int8'"
 NO_FP8 = "FP8 PV needs an sm_89+ GPU and a build with attention_mma_fp8 code for it"
 BLOCK = "smooths Q per head, not per block"
+HEAD_DIM_ABOVE_128 = ("the warp-level kernel and the Hopper kernel's accurate tier run head_dim "
+                      "up to 128")
 
 
 def routing_cases() -> list[Any]:
@@ -130,7 +144,13 @@ def routing_cases() -> list[Any]:
         (sm90, DEFAULT_BUILD, {"qk_quant": "int4", "pv_quant": "none"}, INT4_NONE),
         (sm90, DEFAULT_BUILD, {"smooth_q": "block"}, BLOCK),
         (sm90, DEFAULT_BUILD, {"smooth_q": "block", "qk_quant": "int4"}, BLOCK),
-        (sm90, DEFAULT_BUILD, {"d": 256}, "built for head_dim 64 and 128"),
+        # head_dim 136-256: the Hopper kernel with FP8 PV (padded to 256), nothing else.
+        (sm90, DEFAULT_BUILD, {"d": 256}, WGMMA),
+        (sm90, DEFAULT_BUILD, {"d": 160, "pv_quant": "fp8"}, WGMMA),
+        (sm90, DEFAULT_BUILD, {"d": 192, "pv_quant": "none"}, HEAD_DIM_ABOVE_128),
+        (sm90, DEFAULT_BUILD, {"d": 256, "smooth_q": "head"}, HEAD_DIM_ABOVE_128),
+        (sm90, DEFAULT_BUILD, {"d": 256, "qk_quant": "int4"}, HEAD_DIM_ABOVE_128),
+        (sm89, DEFAULT_BUILD, {"d": 136}, HEAD_DIM_ABOVE_128),
         # sm_90 without the Hopper kernel in the build: the warp-level kernel, FP16 PV unless
         # FP8 is asked for (FP8 mma.sync is emulated on sm_90).
         (sm90, {k: v for k, v in DEFAULT_BUILD.items() if k != WGMMA_KEY}, {}, MMA_INT8_INPUT),
@@ -209,7 +229,8 @@ def test_fp8_reason_names_the_gpu_and_build(monkeypatch: pytest.MonkeyPatch) -> 
 @pytest.mark.parametrize(
     ("capability", "build", "starts", "contains"),
     [
-        ((9, 0), DEFAULT_BUILD, f"quantized SageAttention2: {_plan.WGMMA_PLAN}, head_dim 64 and 128",
+        ((9, 0), DEFAULT_BUILD, f"quantized SageAttention2: {_plan.WGMMA_PLAN}, head_dim 64, 128, "
+                                f"256 (256: FP8 PV only",
          [f"the {_plan.MMA_PLAN} for smooth_q='head'/True", "INT8 QK + FP8 PV",
           "INT4 QK + FP8 PV with qk_quant='int4'", f"{MMA_FP8_KEY} [sm_90a]"]),
         ((8, 9), DEFAULT_BUILD, f"quantized SageAttention2: {_plan.MMA_PLAN}: INT8 QK + FP8 PV",

@@ -372,6 +372,16 @@ __device__ __forceinline__ void wgmma_m64n136k32_e4m3(float (&d)[68], const uint
       : SAGE_OPS64("+f", d), SAGE_OPS4("+f", d, 64)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
 }
+// N = 64: a quarter of head_dim 256's channels (hopper/mainloop.cuh), without ones rows (the
+// last quarter, m64n72k32, has them).
+template <bool kAccumulate>
+__device__ __forceinline__ void wgmma_m64n64k32_e4m3(float (&d)[32], const uint32_t (&a)[4], uint64_t b_desc) {
+  asm volatile(
+      "{ .reg .pred p; setp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " SAGE_WGMMA_D32 ", {%32, %33, %34, %35}, %36, p, 1, 1; }"
+      : SAGE_OPS32("+f", d)
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "n"(kAccumulate ? 1 : 0));
+}
 template <bool kAccumulate>
 __device__ __forceinline__ void wgmma_m64n72k32_e4m3(float (&d)[36], const uint32_t (&a)[4], uint64_t b_desc) {
   asm volatile(

@@ -21,7 +21,8 @@ namespace sageattention2 {
 template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
 struct WgmmaEpilogue {
   static constexpr float kLog2PScale = kFp8Pv ? kLog2Fp8Max : 0.0f;  // P's scale (hopper/softmax.cuh)
-  static constexpr int kORegs = WgmmaGeometry<kHeadDim>::kORegs;
+  using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
+  static constexpr int kORegs = Geometry::kORegs;
   // V's channel means (smooth V only; none are loaded without), all loads in flight together.
   // At head_dim 64 they load while the item's last PV product computes (the kernel calls
   // load_v_means before it); at 128 their 32 registers would push the item's own state out of
@@ -69,8 +70,8 @@ struct WgmmaEpilogue {
       }
     }
     if constexpr (!kEarlyVMeans) load_v_means(p, w);
-    store_output(p, w, o, inv, v_means, q_tile + warp_in_group * 16 * kHeadDim, consumer * 64 + warp_in_group * 16,
-                 lane);
+    store_output(p, w, o, inv, v_means, q_tile + warp_in_group * 16 * Geometry::kSpanRowBytes,
+                 consumer * 64 + warp_in_group * 16, lane);
   }
 
   // Writes a warp's 16 rows of O through its own 16 rows of the Q code tile (free once the item's
@@ -78,11 +79,14 @@ struct WgmmaEpilogue {
   // layout gives each thread 4-byte pieces of 8 rows per store, which cost 8 memory transactions
   // per instruction (~0.9 tile's time per item, docs/DECISIONS.md#d8), and the round
   // trip through shared memory turns them into 16-byte stores of whole row segments. The tile
-  // holds half the columns at a time.
+  // holds half the columns at a time (head_dim 256: a quarter, in the warp's rows of the first
+  // 128-byte span, hopper/geometry.cuh; the rows of the second belong to the same warp too, but
+  // 16 rows x 128 bytes are what the first holds).
   __device__ static void store_output(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, const float (&o)[kORegs],
                                       const float (&inv)[2], const VChannelMeans<kHeadDim / 8>& v_means,
                                       uint8_t* staging, int warp_row0, int lane) {
-    constexpr int kChunks = kHeadDim / 16;  // 16-byte chunks of a staged row (half the columns)
+    constexpr int kChunks = kHeadDim / 16 < 8 ? kHeadDim / 16 : 8;  // 16-byte chunks of a staged row
+    constexpr int kPasses = kHeadDim / (8 * kChunks);                // (2: half the columns each)
     const int g = lane / 4, t = lane % 4;
     [[maybe_unused]] const int hidden_byte = kStagingAddressesPerItem ? opaque(4 * t) : 0;
     // XOR swizzle of the chunks so that both the 4-byte writes (8 rows, one chunk) and the 16-byte
@@ -92,8 +96,8 @@ struct WgmmaEpilogue {
     };
     T* out = static_cast<T*>(p.out) + w.b * p.out_stride_b + w.h * p.out_stride_h;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (half == 1) __syncwarp();  // the first half has been read
+    for (int half = 0; half < kPasses; ++half) {
+      if (half > 0) __syncwarp();  // the pass before has been read
 #pragma unroll
       for (int r = 0; r < 2; ++r)
 #pragma unroll

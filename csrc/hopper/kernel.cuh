@@ -49,7 +49,7 @@ struct AttentionWgmmaKernel {
   using Scheduler = WgmmaTileScheduler<kCausal>;
   static constexpr int kThreads = Geometry::kThreads, kSmemBytes = Geometry::kSmemBytes;
   static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages, kVBytes = Geometry::kVBytes;
-  static constexpr int kConsumers = Geometry::kConsumers, kQChunks = Geometry::kQChunks, kORegs = Geometry::kORegs;
+  static constexpr int kConsumers = Geometry::kConsumers, kQSlots = Geometry::kQSlots, kORegs = Geometry::kORegs;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Producer = WgmmaProducer<kHeadDim, kCausal, kFp8Pv>;
@@ -63,7 +63,7 @@ struct AttentionWgmmaKernel {
     const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int slab_row = warp_in_group * 16 + g;  // the thread's rows in the item: q0 + consumer * 64 + slab_row (+8)
-    uint2(&slots)[kQChunks][32] = s.q_stage[consumer * 4 + warp_in_group];
+    uint2(&slots)[kQSlots][32] = s.q_stage[Geometry::kStageQ ? consumer * 4 + warp_in_group : 0];
     const typename Scheduler::Schedule sc = Scheduler::schedule(p.q_len, p.batch, p.q_heads, p.unit_items);
     int64_t unit = blockIdx.x;
     int half = 0;
@@ -82,7 +82,7 @@ struct AttentionWgmmaKernel {
       ptx::cp_async_wait<0>();
       // Item i's Q codes overwrite item i - 1's: this warp's wgmma, the only reader of its own
       // 16 rows, completed before its epilogue.
-      const WgmmaQRows q = QQuantizer::quantize(p, w, slab_row, t, slots, lane, s.q[consumer]);
+      const WgmmaQRows q = QQuantizer::quantize(p, w, slab_row, t, slots, lane, s.q[consumer], consumer * 64 + slab_row);
       if (have_next) QQuantizer::stage(p, next, consumer * 64 + slab_row, t, slots, lane);
       ptx::fence_proxy_async_shared();  // the codes are read by wgmma (async proxy)
       // ... once the whole warpgroup wrote them (barrier 1 + consumer: one per warpgroup).
@@ -106,14 +106,14 @@ struct AttentionWgmmaKernel {
   __device__ static void attend(const AttentionWgmmaParams& p, Smem& s, const WgmmaWorkItem& w, const WgmmaQRows& q,
                                 uint32_t seq, int consumer) {
     Epilogue epilogue;
-    Mainloop::run(
-        p, s, w, q, seq, consumer,
-        [&] {
-          if constexpr (Epilogue::kEarlyVMeans) epilogue.load_v_means(p, w);
-        },
-        [&](const float(&o)[kORegs], const float(&m)[2], const float(&l)[2], float o_scale) {
-          epilogue.store(p, w, q, o, m, l, o_scale, s.q[consumer], consumer);
-        });
+    auto before_last_pv = [&] {
+      if constexpr (Epilogue::kEarlyVMeans) epilogue.load_v_means(p, w);
+    };
+    auto finish = [&](const float(&o)[kORegs], const float(&m)[2], const float(&l)[2], float o_scale) {
+      epilogue.store(p, w, q, o, m, l, o_scale, s.q[consumer], consumer);
+    };
+    if constexpr (Geometry::kPvChunks > 1) Mainloop::run_in_chunks(p, s, w, q, seq, consumer, before_last_pv, finish);
+    else Mainloop::run(p, s, w, q, seq, consumer, before_last_pv, finish);
   }
 #endif  // sm_90a
 

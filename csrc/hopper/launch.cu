@@ -75,9 +75,11 @@ cudaError_t launch_attention_wgmma(const AttentionWgmmaParams& p, InputDtype dty
   const uint64_t heads = static_cast<uint64_t>(p.batch) * p.kv_heads;
   const uint64_t d = static_cast<uint64_t>(p.head_dim), n = static_cast<uint64_t>(p.k_padded);
   CUtensorMap k_map, v_map;
-  // K codes [B*Hkv][k_padded][D]: boxes of 128 keys x D bytes. V codes [B*Hkv][D][k_padded]:
-  // boxes of D channels x 128 keys; or the caller's V (encode_input_v_map).
-  cudaError_t status = encode_byte_map(&k_map, p.k_codes, d, n, heads, static_cast<uint32_t>(d), kWgmmaBlockK);
+  // K codes [B*Hkv][k_padded][D]: boxes of 128 keys x D bytes (head_dim 256: x 128 bytes, two
+  // per tile, as a swizzle span is at most 128 bytes). V codes [B*Hkv][D][k_padded]: boxes of D
+  // channels x 128 keys; or the caller's V (encode_input_v_map).
+  const uint32_t k_box_inner = static_cast<uint32_t>(d < 128 ? d : 128);
+  cudaError_t status = encode_byte_map(&k_map, p.k_codes, d, n, heads, k_box_inner, kWgmmaBlockK);
   if (status == cudaSuccess)
     status = p.fp8_pv ? encode_byte_map(&v_map, p.v, n, d, heads, kWgmmaBlockK, static_cast<uint32_t>(d))
                       : encode_input_v_map(&v_map, p);

@@ -57,6 +57,9 @@ cudaError_t launch_head_dim(const AttentionWgmmaParams& p, const CUtensorMap& k_
   switch (p.head_dim) {
     case 64: return launch_causal<T, 64, kFp8Pv>(p, k_map, v_map, stream);
     case 128: return launch_causal<T, 128, kFp8Pv>(p, k_map, v_map, stream);
+    case 256:  // FP8 PV only (hopper/geometry.cuh)
+      if constexpr (kFp8Pv) return launch_causal<T, 256, kFp8Pv>(p, k_map, v_map, stream);
+      return cudaErrorInvalidValue;
     default: return cudaErrorInvalidValue;  // validated by torch/attention_shapes.cpp
   }
 }

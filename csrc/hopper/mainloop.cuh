@@ -93,14 +93,49 @@ struct WgmmaMainloop {
     }
   }
 
+  // +32 bytes along K per step; at head_dim 256 steps 4-7 read the second 128-byte span's tiles
+  // (hopper/geometry.cuh), which start 64 (Q) or 128 (K) rows of 128 bytes further on.
+  static constexpr int kStepsPerSpan = Geometry::kSpanRowBytes / 32;
+  static constexpr uint64_t kQSpanDesc = 64 * Geometry::kSpanRowBytes / 16, kKSpanDesc = kBlockK * Geometry::kSpanRowBytes / 16;
   __device__ static void issue_qk(int32_t (&sacc)[kSRegs], uint64_t q_desc, uint64_t k_desc) {
     ptx::wgmma_fence();
 #pragma unroll
-    for (int step = 0; step < kQkSteps; ++step) {  // +32 bytes along K per step
+    for (int step = 0; step < kQkSteps; ++step) {
+      const int span = step / kStepsPerSpan, within = step % kStepsPerSpan;
       if (step == 0) ptx::wgmma_m64n128k32_s8<false>(sacc, q_desc, k_desc);
-      else ptx::wgmma_m64n128k32_s8<true>(sacc, q_desc + 2 * step, k_desc + 2 * step);
+      else ptx::wgmma_m64n128k32_s8<true>(sacc, q_desc + span * kQSpanDesc + 2 * within,
+                                          k_desc + span * kKSpanDesc + 2 * within);
     }
     ptx::wgmma_commit();
+  }
+
+  // (head_dim 256) R = P~ V for V's channels 64 c .. 64 c + 63 into a fresh accumulator (V^T
+  // rows 64 c on, N 64; the last chunk also the 8 rows of ones after them, N 72, the row sums in
+  // racc[32 ..]), then folded into O's quarter (paper 3.4, factor = alpha * s_O / s_tile).
+  template <int kChunk>
+  __device__ static void pv_chunk(float (&o)[kORegs], float (&racc)[kRaccRegs], uint32_t (&pa)[kPvSteps][4],
+                                  uint64_t v_desc, const float (&factor)[2]) {
+    static_assert(kFp8Pv && kRaccRegs == 36 && kORegs == 128, "head_dim 256 with FP8 PV");
+    constexpr bool kLast = kChunk == Geometry::kPvChunks - 1;
+    const uint64_t desc = v_desc + kChunk * (64 * kBlockK / 16);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int step = 0; step < kPvSteps; ++step) {
+      if constexpr (kLast) {
+        if (step == 0) ptx::wgmma_m64n72k32_e4m3<false>(racc, pa[step], desc);
+        else ptx::wgmma_m64n72k32_e4m3<true>(racc, pa[step], desc + 2 * step);
+      } else {
+        float(&first)[32] = *reinterpret_cast<float(*)[32]>(&racc[0]);
+        if (step == 0) ptx::wgmma_m64n64k32_e4m3<false>(first, pa[step], desc);
+        else ptx::wgmma_m64n64k32_e4m3<true>(first, pa[step], desc + 2 * step);
+      }
+    }
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+#pragma unroll
+    for (int j = 0; j < kRaccRegs; ++j) ptx::register_fence(racc[j]);
+#pragma unroll
+    for (int j = 0; j < 32; ++j) o[32 * kChunk + j] = fmaf(o[32 * kChunk + j], factor[(j / 2) & 1], racc[j]);
   }
 
   // FP8: R = P~ V into a fresh accumulator (racc). 16-bit: O += P V (racc is O).
@@ -150,7 +185,7 @@ struct WgmmaMainloop {
     const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int row_in_item = consumer * 64 + warp_in_group * 16 + g;  // the thread's rows: this and + 8
-    const uint64_t q_desc = ptx::kmajor_descriptor<kHeadDim>(s.q[consumer]);
+    const uint64_t q_desc = ptx::kmajor_descriptor<Geometry::kSpanRowBytes>(s.q[consumer]);
 
     float o[kORegs];
 #pragma unroll
@@ -217,7 +252,7 @@ struct WgmmaMainloop {
     // forever (causal 4096 queries x 256 keys x 64 heads hung within seconds). Warpgroup 1,
     // behind by a fraction of a tile, is normally there first, so warpgroup 0 rarely waits.
     if (consumer == 1) ptx::named_barrier_sync<3, 256>();
-    issue_qk(sacc, q_desc, ptx::kmajor_descriptor<kHeadDim>(s.k[stage0]));
+    issue_qk(sacc, q_desc, ptx::kmajor_descriptor<Geometry::kSpanRowBytes>(s.k[stage0]));
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
@@ -253,7 +288,7 @@ struct WgmmaMainloop {
       r.prev = (pos - 1) % kStages;
       r.phase = (pos / kStages) & 1;
       r.prev_phase = ((pos - 1) / kStages) & 1;
-      r.k_desc = ptx::kmajor_descriptor<kHeadDim>(s.k[r.stage]);
+      r.k_desc = ptx::kmajor_descriptor<Geometry::kSpanRowBytes>(s.k[r.stage]);
       r.v_desc = v_descriptor(s, r.prev);
       return r;
     };
@@ -354,6 +389,74 @@ struct WgmmaMainloop {
           l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
         }
       }
+    }
+    finish(o, m, l, o_scale);
+  }
+
+  // The same item at head_dim 256 (FP8 PV, hopper/geometry.cuh), one tile at a time: QK(it),
+  // the softmax, then PV(it) in four channel ranges, each folded into its part of O as soon as it
+  // is done (paper 3.4, with alpha of tile it itself). O's 128 registers leave room for S or for
+  // one range's accumulator, not for QK(it + 1) beside PV(it) as at 64 and 128: the tensor cores
+  // are kept busy by the other consumer warpgroup, a fraction of a tile apart (barrier 3), and
+  // a tile's GEMMs here take twice as long against the same softmax.
+  template <typename BeforeLastPv, typename Finish>
+  __device__ static void run_in_chunks(const AttentionWgmmaParams& p, Smem& s, const WgmmaWorkItem& w,
+                                       const WgmmaQRows& q, uint32_t seq, int consumer,
+                                       BeforeLastPv&& before_last_pv, Finish&& finish) {
+    static_assert(Geometry::kPvChunks == 4 && kORegs == 128, "head_dim 256");
+    const int warp_in_group = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int row_in_item = consumer * 64 + warp_in_group * 16 + g;
+    const uint64_t q_desc = ptx::kmajor_descriptor<Geometry::kSpanRowBytes>(s.q[consumer]);
+    float o[kORegs];
+#pragma unroll
+    for (int i = 0; i < kORegs; ++i) o[i] = 0.0f;
+    float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2];
+    int32_t sacc[kSRegs];
+    float x[kSRegs];
+    float racc[kRaccRegs];
+    uint32_t pa[kPvSteps][4];
+    const float* v_tile_scale = p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
+    float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do
+    const int last = __shfl_sync(0xffffffffu, w.kv_tiles - 1, 0);  // warp-uniform (see run())
+    seq = __shfl_sync(0xffffffffu, seq, 0);
+    const TileMask unmasked{false, kBlockK, 0};
+#pragma unroll 1
+    for (int i = 0; i <= last; ++i) {
+      const int it = __shfl_sync(0xffffffffu, i, 0);
+      const uint32_t pos = seq + it;
+      const int stage = pos % kStages;
+      const uint32_t phase = (pos / kStages) & 1;
+      ptx::mbarrier_wait(&s.full_k[stage], phase);
+      if (it == 0 && consumer == 1) ptx::named_barrier_sync<3, 256>();  // as in run()
+      issue_qk(sacc, q_desc, ptx::kmajor_descriptor<Geometry::kSpanRowBytes>(s.k[stage]));
+      const float tile_scale = __ldcg(v_tile_scale + it);  // lands while QK(it) runs
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < kSRegs; ++j) ptx::register_fence(sacc[j]);
+      const TileMask mask = it == last ? TileMask::of(p, w, it, row_in_item) : unmasked;
+      if (mask.masked) scores_to_p<true>(s, stage, s.k_scale[stage][t], q, mask, lane, t, sacc, x, m, alpha);
+      else scores_to_p<false>(s, stage, s.k_scale[stage][t], q, mask, lane, t, sacc, x, m, alpha);
+      pack_p(x, pa);
+      if (it == 0 && consumer == 0) ptx::named_barrier_sync<3, 256>();
+      if (it == last) before_last_pv();
+      const float units = __fdividef(o_scale, tile_scale);  // s_O / s_tile, exact (powers of two)
+      const float factor[2] = {alpha[0] * units, alpha[1] * units};
+      o_scale = tile_scale;
+      const uint64_t v_desc = ptx::kmajor_descriptor<128>(s.v[stage]);
+      ptx::mbarrier_wait(&s.full_v[stage], phase);
+      pv_chunk<0>(o, racc, pa, v_desc, factor);
+      pv_chunk<1>(o, racc, pa, v_desc, factor);
+      pv_chunk<2>(o, racc, pa, v_desc, factor);
+      pv_chunk<3>(o, racc, pa, v_desc, factor);
+#pragma unroll
+      for (int c = 0; c < kPvSteps; ++c)
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) ptx::register_fence(pa[c][reg]);  // read by PV until now
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[stage]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha[r], racc[32 + 2 * r]);
     }
     finish(o, m, l, o_scale);
   }

@@ -44,7 +44,11 @@ struct WgmmaProducer {
         const uint32_t phase = (seq / kStages) & 1;
         ptx::mbarrier_wait_sleeping(&s.empty_k[stage], phase ^ 1);
         ptx::mbarrier_arrive_expect_tx(&s.full_k[stage], kKBytes + 16);
-        ptx::tma_load_3d(s.k[stage], k_map, 0, it * kBlockK, bhk, &s.full_k[stage]);
+        // One box per 128-byte span of K's rows (head_dim 256: two tiles, hopper/geometry.cuh).
+#pragma unroll
+        for (int span = 0; span < Geometry::kRowSpans; ++span)
+          ptx::tma_load_3d(s.k[stage] + span * kBlockK * Geometry::kSpanRowBytes, k_map,
+                           span * Geometry::kSpanRowBytes, it * kBlockK, bhk, &s.full_k[stage]);
         ptx::bulk_load(s.k_scale[stage], k_scale + it * 4, 16, &s.full_k[stage]);
         ptx::mbarrier_wait_sleeping(&s.empty_v[stage], phase ^ 1);
         ptx::mbarrier_arrive_expect_tx(&s.full_v[stage], kVBytes);

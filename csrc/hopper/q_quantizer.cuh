@@ -27,12 +27,19 @@ struct WgmmaQRows {
 template <typename T, int kHeadDim>
 struct WgmmaQQuantizer {
   using Geometry = WgmmaGeometry<kHeadDim>;
-  static constexpr int kQkSteps = Geometry::kQkSteps, kQChunks = Geometry::kQChunks;
+  static constexpr int kQkSteps = Geometry::kQkSteps, kQSlots = Geometry::kQSlots;
 
   // Byte offset of (row, byte) in a K-major tile whose rows are one swizzle span (64 or 128
-  // bytes): the copy engine's SWIZZLE_64B/128B pattern, which kmajor_descriptor() describes.
+  // bytes): the copy engine's SWIZZLE_64B/128B pattern, which kmajor_descriptor() describes. At
+  // head_dim 256 the 64 rows' bytes 128-255 form a second such tile after the first.
   __device__ static int swizzled(int row, int byte) {
-    constexpr int kRowBytes = kHeadDim;  // INT8 Q and K rows
+    constexpr int kRowBytes = Geometry::kSpanRowBytes;  // INT8 Q and K rows (of one span)
+    if constexpr (Geometry::kRowSpans > 1) {
+      const int span = byte / kRowBytes;
+      byte %= kRowBytes;
+      const int chunk = byte / 16;
+      return span * 64 * kRowBytes + row * kRowBytes + (chunk ^ (row & 7)) * 16 + byte % 16;
+    }
     const int chunk = byte / 16;
     const int mixed = kRowBytes == 128 ? chunk ^ (row & 7) : chunk ^ ((row >> 1) & 3);
     return row * kRowBytes + mixed * 16 + byte % 16;
@@ -41,8 +48,10 @@ struct WgmmaQQuantizer {
   // Copies rows r0 and r0 + 8 of item w's Q (channels {32s + 4t .. +3, 32s + 16 + 4t .. +3}, the
   // thread's part of the A fragment layout) into the thread's own staging slots; rows past q_len
   // come out as zeros. Only this thread reads them back, so cp.async.wait_group is all the sync.
+  // Without staging (head_dim 256) nothing happens here: quantize() reads the rows itself.
   __device__ static void stage(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int64_t r0, int t,
-                               uint2 (&slots)[kQChunks][32], int lane) {
+                               uint2 (&slots)[kQSlots][32], int lane) {
+    if constexpr (!Geometry::kStageQ) return;
     const T* q_head = static_cast<const T*>(p.q) + w.b * p.q_stride_b + w.h * p.q_stride_h;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -65,8 +74,10 @@ struct WgmmaQQuantizer {
   // thread's two rows apart anyway (row max, bias), so it dequantizes with one scale per row
   // nearly as cheaply as with one per thread. It is what brings the outliers family (large
   // channels that vary per token) within the official kernel's accuracy (docs/DECISIONS.md#d3).
+  // r0: the thread's first row in the item, as stage() takes it.
   __device__ static WgmmaQRows quantize(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int slab_row, int t,
-                                        const uint2 (&slots)[kQChunks][32], int lane, uint8_t* q_tile) {
+                                        const uint2 (&slots)[kQSlots][32], int lane, uint8_t* q_tile, int64_t r0) {
+    if constexpr (!Geometry::kStageQ) return quantize_unstaged(p, w, slab_row, t, q_tile, r0);
     float x[2][kQkSteps][2][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -117,6 +128,60 @@ struct WgmmaQQuantizer {
             for (int i = 0; i < 4; ++i) dot = fmaf(x[r][s][half][i], __ldg(km + 32 * s + 16 * half + i), dot);
         info.k_mean_dot[r] = quad_sum(dot);
       }
+    }
+    return info;
+  }
+
+  // quantize() without staging (head_dim 256): the same arithmetic and codes, each row read from
+  // global memory (the same 8-byte pieces stage() would copy; rows past q_len read as zeros) and
+  // finished before the next, its 16-bit values kept packed: 128 floats of two rows at once,
+  // with K's means for the LSE beside them, made ptxas spill the item's state.
+  __device__ static WgmmaQRows quantize_unstaged(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int slab_row,
+                                                 int t, uint8_t* q_tile, int64_t r0) {
+    const T* q_head = static_cast<const T*>(p.q) + w.b * p.q_stride_b + w.h * p.q_stride_h + 4 * t;
+    const bool lse_dot = p.lse != nullptr && p.k_mean != nullptr;
+    const float* km = lse_dot ? p.k_mean + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * kHeadDim + 4 * t : nullptr;
+    WgmmaQRows info;
+#pragma unroll 1
+    for (int r = 0; r < 2; ++r) {
+      const int64_t row = w.q0 + r0 + 8 * r;
+      uint2 raw[kQkSteps][2];
+#pragma unroll
+      for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+          raw[s][half] = row < p.q_len ? __ldg(reinterpret_cast<const uint2*>(q_head + row * p.q_stride_n + 32 * s + 16 * half))
+                                       : make_uint2(0u, 0u);
+      auto value = [&](int s, int half, int i) { return widen1<T>(reinterpret_cast<const T*>(&raw[s][half])[i]); };
+      float amax = 0.0f;
+#pragma unroll
+      for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) amax = ptx::max_nan(amax, fabsf(value(s, half, i)));
+      const float scale = quant_scale(quad_max(amax), kInt8Max);
+      const float inv = quant_inverse(scale);
+      float dot = 0.0f;
+#pragma unroll
+      for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          uint32_t word = 0;
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            word |= static_cast<uint32_t>(quantize_to_int(value(s, half, i), inv, 127) & 0xFF) << (8 * i);
+          *reinterpret_cast<uint32_t*>(q_tile + swizzled(slab_row + 8 * r, 32 * s + 16 * half + 4 * t)) = word;
+          if (lse_dot) {
+            const float4 m4 = __ldg(reinterpret_cast<const float4*>(km + 32 * s + 16 * half));
+            dot = fmaf(value(s, half, 0), m4.x, dot);
+            dot = fmaf(value(s, half, 1), m4.y, dot);
+            dot = fmaf(value(s, half, 2), m4.z, dot);
+            dot = fmaf(value(s, half, 3), m4.w, dot);
+          }
+        }
+      info.scale[r] = scale * (p.sm_scale * 1.4426950408889634f);
+      info.k_mean_dot[r] = lse_dot ? quad_sum(dot) : 0.0f;
     }
     return info;
   }

@@ -12,7 +12,7 @@
 
 namespace sageattention2 {
 
-// The head_dim of a view: kHeadDim where the launch compiled it in (64, 128: the loops below then
+// The head_dim of a view: kHeadDim where the launch compiled it in (64, 128, 256: the loops below then
 // index with shifts, not divisions), else the view's.
 template <int kHeadDim>
 __device__ __forceinline__ int head_dim_of(const BhndView& view) {

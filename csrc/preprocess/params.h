@@ -81,7 +81,8 @@ struct QuantizeKVParams {
 // from a tile staged in shared memory.
 inline constexpr int kRegisterKBlock = 128;
 constexpr bool k_block_in_registers(const QuantizeKVParams& p) {
-  return p.block_k == kRegisterKBlock && p.q_mean == nullptr && (p.k.head_dim == 64 || p.k.head_dim == 128);
+  return p.block_k == kRegisterKBlock && p.q_mean == nullptr &&
+         (p.k.head_dim == 64 || p.k.head_dim == 128 || p.k.head_dim == 256);
 }
 
 // Shared-memory rows are padded by one 16-byte vector so that threads reading 16 bytes of

@@ -21,7 +21,7 @@
 namespace sageattention2 {
 
 // Grid: x = KV blocks (times 2 with V: K and V CTAs of a block adjacent), y = kv heads, z = batch.
-// kHeadDim: the head_dim at compile time (64, 128) or 0 (any other, read from the views).
+// kHeadDim: the head_dim at compile time (64, 128, 256) or 0 (any other, read from the views).
 // sageattn's Hopper path launches it as a programmatic dependent of smoothing_stats, and the
 // attention kernel as one of it, so that each launch's start and first loads overlap the tail
 // of the one before (launch_quantize_kv). Before griddepcontrol.wait a tile function only

@@ -32,6 +32,7 @@ cudaError_t QuantizeKvVariant<T>::launch(const QuantizeKVParams& p, bool int4, c
     switch (p.k.head_dim) {
       case 64: return quantize_kv_kernel<T, kInt4, 64>;
       case 128: return quantize_kv_kernel<T, kInt4, 128>;
+      case 256: return quantize_kv_kernel<T, kInt4, 256>;  // the Hopper kernel's largest
       default: return quantize_kv_kernel<T, kInt4, 0>;
     }
   };

@@ -121,7 +121,11 @@ AttentionOutputs allocate_attention_wgmma(const at::Tensor& q, const at::Tensor&
   const c10::SymInt batch = q.sym_size(0), q_heads = q.sym_size(1), q_len = q.sym_size(2);
   const c10::SymInt kv_heads = k_codes.sym_size(1), k_padded = k_codes.sym_size(2);
   const int64_t head_dim = q.sym_size(3).guard_int(__FILE__, __LINE__);
-  TORCH_CHECK(head_dim == 64 || head_dim == 128, "head_dim must be 64 or 128 for attention_wgmma, got ", head_dim);
+  TORCH_CHECK(head_dim == 64 || head_dim == 128 || head_dim == 256,
+              "head_dim must be 64, 128 or 256 for attention_wgmma, got ", head_dim);
+  TORCH_CHECK(head_dim != 256 || v.scalar_type() == at::kFloat8_e4m3fn,
+              "head_dim 256 runs attention_wgmma with FP8 V only (v float8_e4m3fn from quantize_kv), got v of ",
+              v.scalar_type());
   TORCH_CHECK(q_len > 0, "q must have at least one token");
   TORCH_CHECK(k_codes.sym_size(0) == batch && k_codes.sym_size(3) == head_dim,
               "k_codes must be [batch, kv_heads, padded_kv_len, head_dim] with q's batch and head_dim");
