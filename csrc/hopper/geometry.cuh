@@ -30,7 +30,7 @@ struct WgmmaGeometry {
   // 240 KB of the 227 KB a CTA may have, three take 192 KB.
   static constexpr int kStages = kHeadDim == 64 ? 6 : kHeadDim == 256 ? 2 : kFp8Pv ? 4 : 3;
   // K-major INT8 rows in shared memory: one swizzle span (64 or 128 bytes); a 256-byte row is
-  // split into kRowSpans tiles of 128-byte rows, each tile kSpanBytes = rows x 128 after the last.
+  // split into kRowSpans tiles of 128-byte rows (rows x 128 bytes each), one after the other.
   static constexpr int kSpanRowBytes = kHeadDim < 128 ? kHeadDim : 128;
   static constexpr int kRowSpans = kHeadDim / kSpanRowBytes;
   static constexpr bool kStageQ = kHeadDim <= 128;          // the next item's Q staged in shared memory
