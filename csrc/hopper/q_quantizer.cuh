@@ -45,6 +45,33 @@ struct WgmmaQQuantizer {
     return row * kRowBytes + mixed * 16 + byte % 16;
   }
 
+  // One row's codes: the max |x| over the quad that shares the row, the INT8 codes (the arithmetic
+  // of docs/DESIGN.md#quantizer-arithmetic) into the warpgroup's Q tile at `row`; returns the
+  // row's scale. value(s, half, i) is the row's channel 32 s + 16 half + 4 t + i.
+  template <typename Value>
+  __device__ static float quantize_row(const Value& value, int row, int t, uint8_t* q_tile) {
+    float amax = 0.0f;
+#pragma unroll
+    for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) amax = ptx::max_nan(amax, fabsf(value(s, half, i)));
+    const float scale = quant_scale(quad_max(amax), kInt8Max);
+    const float inv = quant_inverse(scale);
+#pragma unroll
+    for (int s = 0; s < kQkSteps; ++s)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        uint32_t word = 0;
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          word |= static_cast<uint32_t>(quantize_to_int(value(s, half, i), inv, 127) & 0xFF) << (8 * i);
+        *reinterpret_cast<uint32_t*>(q_tile + swizzled(row, 32 * s + 16 * half + 4 * t)) = word;
+      }
+    return scale;
+  }
+
   // Copies rows r0 and r0 + 8 of item w's Q (channels {32s + 4t .. +3, 32s + 16 + 4t .. +3}, the
   // thread's part of the A fragment layout) into the thread's own staging slots; rows past q_len
   // come out as zeros. Only this thread reads them back, so cp.async.wait_group is all the sync.
@@ -77,7 +104,12 @@ struct WgmmaQQuantizer {
   // r0: the thread's first row in the item, as stage() takes it.
   __device__ static WgmmaQRows quantize(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int slab_row, int t,
                                         const uint2 (&slots)[kQSlots][32], int lane, uint8_t* q_tile, int64_t r0) {
-    if constexpr (!Geometry::kStageQ) return quantize_unstaged(p, w, slab_row, t, q_tile, r0);
+    if constexpr (Geometry::kStageQ) return quantize_staged(p, w, slab_row, t, slots, lane, q_tile);
+    else return quantize_unstaged(p, w, slab_row, t, q_tile, r0);
+  }
+
+  __device__ static WgmmaQRows quantize_staged(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int slab_row,
+                                               int t, const uint2 (&slots)[kQSlots][32], int lane, uint8_t* q_tile) {
     float x[2][kQkSteps][2][4];
 #pragma unroll
     for (int r = 0; r < 2; ++r)
@@ -93,26 +125,8 @@ struct WgmmaQQuantizer {
     WgmmaQRows info;
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      float amax = 0.0f;
-#pragma unroll
-      for (int s = 0; s < kQkSteps; ++s)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) amax = ptx::max_nan(amax, fabsf(x[r][s][half][i]));
-      const float scale = quant_scale(quad_max(amax), kInt8Max);
-      const float inv = quant_inverse(scale);
-#pragma unroll
-      for (int s = 0; s < kQkSteps; ++s)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t word = 0;
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            word |= static_cast<uint32_t>(quantize_to_int(x[r][s][half][i], inv, 127) & 0xFF) << (8 * i);
-          *reinterpret_cast<uint32_t*>(q_tile + swizzled(slab_row + 8 * r, 32 * s + 16 * half + 4 * t)) = word;
-        }
-      info.scale[r] = scale * (p.sm_scale * 1.4426950408889634f);
+      const auto value = [&](int s, int half, int i) { return x[r][s][half][i]; };
+      info.scale[r] = quantize_row(value, slab_row + 8 * r, t, q_tile) * (p.sm_scale * 1.4426950408889634f);
     }
     info.k_mean_dot[0] = info.k_mean_dot[1] = 0.0f;
     if (p.lse != nullptr && p.k_mean != nullptr) {
@@ -152,35 +166,23 @@ struct WgmmaQQuantizer {
         for (int half = 0; half < 2; ++half)
           raw[s][half] = row < p.q_len ? __ldg(reinterpret_cast<const uint2*>(q_head + row * p.q_stride_n + 32 * s + 16 * half))
                                        : make_uint2(0u, 0u);
-      auto value = [&](int s, int half, int i) { return widen1<T>(reinterpret_cast<const T*>(&raw[s][half])[i]); };
-      float amax = 0.0f;
-#pragma unroll
-      for (int s = 0; s < kQkSteps; ++s)
-#pragma unroll
-        for (int half = 0; half < 2; ++half)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) amax = ptx::max_nan(amax, fabsf(value(s, half, i)));
-      const float scale = quant_scale(quad_max(amax), kInt8Max);
-      const float inv = quant_inverse(scale);
+      const auto value = [&](int s, int half, int i) {
+        return widen1<T>(reinterpret_cast<const T*>(&raw[s][half])[i]);
+      };
+      info.scale[r] = quantize_row(value, slab_row + 8 * r, t, q_tile) * (p.sm_scale * 1.4426950408889634f);
       float dot = 0.0f;
+      if (lse_dot) {
 #pragma unroll
-      for (int s = 0; s < kQkSteps; ++s)
+        for (int s = 0; s < kQkSteps; ++s)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          uint32_t word = 0;
-#pragma unroll
-          for (int i = 0; i < 4; ++i)
-            word |= static_cast<uint32_t>(quantize_to_int(value(s, half, i), inv, 127) & 0xFF) << (8 * i);
-          *reinterpret_cast<uint32_t*>(q_tile + swizzled(slab_row + 8 * r, 32 * s + 16 * half + 4 * t)) = word;
-          if (lse_dot) {
+          for (int half = 0; half < 2; ++half) {
             const float4 m4 = __ldg(reinterpret_cast<const float4*>(km + 32 * s + 16 * half));
             dot = fmaf(value(s, half, 0), m4.x, dot);
             dot = fmaf(value(s, half, 1), m4.y, dot);
             dot = fmaf(value(s, half, 2), m4.z, dot);
             dot = fmaf(value(s, half, 3), m4.w, dot);
           }
-        }
-      info.scale[r] = scale * (p.sm_scale * 1.4426950408889634f);
+      }
       info.k_mean_dot[r] = lse_dot ? quad_sum(dot) : 0.0f;
     }
     return info;

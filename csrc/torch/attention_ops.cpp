@@ -8,7 +8,7 @@
 #include "hopper/params.h"
 #include "mma/params.h"
 #include "torch/attention.h"
-#include "torch/preprocess.h"  // check_launchable
+#include "torch/preprocess.h"  // check_launchable, int8_heads_pointer
 
 namespace sageattention2 {
 namespace {
@@ -74,10 +74,7 @@ void launch_attention_mma_into(const AttentionOutputs& out, const at::Tensor& q,
   p.causal = is_causal;
   p.after_quantize_kv = after_quantize_kv;
   if (int8_heads) {
-    TORCH_CHECK(int8_heads->scalar_type() == at::kByte && int8_heads->is_contiguous() &&
-                    int8_heads->numel() == q.size(0) * k_codes.size(1),
-                "attention_mma: int8_heads must be a contiguous uint8 [B, H_kv] tensor");
-    p.int8_heads = int8_heads->data_ptr<uint8_t>();
+    p.int8_heads = int8_heads_pointer(*int8_heads, q.size(0), k_codes.size(1), "attention_mma");
     p.int8_heads_run = int8_heads_run ? 1 : 0;
   }
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;

@@ -7,6 +7,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <cstdint>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -38,6 +39,9 @@ QuantizeKVOutputs allocate_quantize_kv(const at::Tensor& k, const std::optional<
 // Checks that only a real (non-meta) CUDA launch needs: device and 16-byte alignment of every
 // row, since the kernels move 16-byte vectors.
 void check_launchable(const at::Tensor& t, const char* name);
+// The INT4 guard's per-head flags (docs/DECISIONS.md#d38) as the kernels read them: `op`'s
+// int8_heads must be a contiguous uint8 [B, H_kv] tensor (batch x kv_heads elements).
+const uint8_t* int8_heads_pointer(const at::Tensor& int8_heads, int64_t batch, int64_t kv_heads, const char* op);
 
 // CUDA implementations (preprocess_ops.cpp). They validate through the allocate_* functions above.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(

@@ -177,10 +177,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, q_mean, block_k, delta_s_multiplier, out);
   p.v_overlaps_prior_grid = after_smoothing_stats;
   if (int8_heads) {
-    TORCH_CHECK(int8_heads->scalar_type() == at::kByte && int8_heads->is_contiguous() &&
-                    int8_heads->numel() == k.size(0) * k.size(1),
-                "quantize_kv: int8_heads must be a contiguous uint8 [B, H_kv] tensor");
-    p.int8_heads = int8_heads->data_ptr<uint8_t>();
+    p.int8_heads = int8_heads_pointer(*int8_heads, k.size(0), k.size(1), "quantize_kv");
     p.int8_heads_run = int8_heads_run ? 1 : 0;
   }
   const bool int4 = parse_qk_dtype(qk_dtype) == QkDtype::kInt4;

@@ -68,6 +68,13 @@ void check_launchable(const at::Tensor& t, const char* name) {
               "elements)");
 }
 
+const uint8_t* int8_heads_pointer(const at::Tensor& int8_heads, int64_t batch, int64_t kv_heads, const char* op) {
+  TORCH_CHECK(int8_heads.scalar_type() == at::kByte && int8_heads.is_contiguous() &&
+                  int8_heads.numel() == batch * kv_heads,
+              op, ": int8_heads must be a contiguous uint8 [B, H_kv] tensor");
+  return int8_heads.data_ptr<uint8_t>();
+}
+
 SmoothingStatsOutputs allocate_smoothing_stats(const std::optional<at::Tensor>& q,
                                                const std::optional<at::Tensor>& k,
                                                const std::optional<at::Tensor>& v, bool smooth_v) {
