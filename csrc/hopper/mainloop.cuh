@@ -113,8 +113,7 @@ struct WgmmaMainloop {
   // rows 64 c on, N 64; the last chunk also the 8 rows of ones after them, N 72, the row sums in
   // racc[32 ..]), then folded into O's quarter (paper 3.4, factor = alpha * s_O / s_tile).
   template <int kChunk>
-  __device__ static void pv_chunk(float (&o)[kORegs], float (&racc)[kRaccRegs], uint32_t (&pa)[kPvSteps][4],
-                                  uint64_t v_desc, const float (&factor)[2]) {
+  __device__ static void issue_pv_chunk(float (&racc)[kRaccRegs], uint32_t (&pa)[kPvSteps][4], uint64_t v_desc) {
     static_assert(kFp8Pv && kRaccRegs == 36 && kORegs == 128, "head_dim 256 with FP8 PV");
     constexpr bool kLast = kChunk == Geometry::kPvChunks - 1;
     const uint64_t desc = v_desc + kChunk * (64 * kBlockK / 16);
@@ -131,7 +130,10 @@ struct WgmmaMainloop {
       }
     }
     ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
+  }
+  template <int kChunk, int kPending>
+  __device__ static void fold_chunk(float (&o)[kORegs], float (&racc)[kRaccRegs], const float (&factor)[2]) {
+    ptx::wgmma_wait<kPending>();
 #pragma unroll
     for (int j = 0; j < kRaccRegs; ++j) ptx::register_fence(racc[j]);
 #pragma unroll
@@ -414,16 +416,16 @@ struct WgmmaMainloop {
     float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f}, alpha[2];
     int32_t sacc[kSRegs];
     float x[kSRegs];
-    float racc[kRaccRegs];
+    float racc[2][kRaccRegs];  // two chunks' accumulators: one computes while the other is folded
     uint32_t pa[kPvSteps][4];
     const float* v_tile_scale = p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
     float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do
     const int last = __shfl_sync(0xffffffffu, w.kv_tiles - 1, 0);  // warp-uniform (see run())
     seq = __shfl_sync(0xffffffffu, seq, 0);
     const TileMask unmasked{false, kBlockK, 0};
-#pragma unroll 1
-    for (int i = 0; i <= last; ++i) {
-      const int it = __shfl_sync(0xffffffffu, i, 0);
+    // One tile; only the last can need a mask.
+    auto tile = [&](int it, const TileMask& mask, auto masked) {
+      constexpr bool kMasked = decltype(masked)::value;
       const uint32_t pos = seq + it;
       const int stage = pos % kStages;
       const uint32_t phase = (pos / kStages) & 1;
@@ -434,9 +436,7 @@ struct WgmmaMainloop {
       ptx::wgmma_wait<0>();
 #pragma unroll
       for (int j = 0; j < kSRegs; ++j) ptx::register_fence(sacc[j]);
-      const TileMask mask = it == last ? TileMask::of(p, w, it, row_in_item) : unmasked;
-      if (mask.masked) scores_to_p<true>(s, stage, s.k_scale[stage][t], q, mask, lane, t, sacc, x, m, alpha);
-      else scores_to_p<false>(s, stage, s.k_scale[stage][t], q, mask, lane, t, sacc, x, m, alpha);
+      scores_to_p<kMasked>(s, stage, s.k_scale[stage][t], q, mask, lane, t, sacc, x, m, alpha);
       pack_p(x, pa);
       if (it == 0 && consumer == 0) ptx::named_barrier_sync<3, 256>();
       if (it == last) before_last_pv();
@@ -445,10 +445,16 @@ struct WgmmaMainloop {
       o_scale = tile_scale;
       const uint64_t v_desc = ptx::kmajor_descriptor<128>(s.v[stage]);
       ptx::mbarrier_wait(&s.full_v[stage], phase);
-      pv_chunk<0>(o, racc, pa, v_desc, factor);
-      pv_chunk<1>(o, racc, pa, v_desc, factor);
-      pv_chunk<2>(o, racc, pa, v_desc, factor);
-      pv_chunk<3>(o, racc, pa, v_desc, factor);
+      // Two accumulators: chunk c + 1 computes while chunk c is folded (full call +2-5 % over
+      // one accumulator and a wait per chunk, A/B/A on the H100).
+      issue_pv_chunk<0>(racc[0], pa, v_desc);
+      issue_pv_chunk<1>(racc[1], pa, v_desc);
+      fold_chunk<0, 1>(o, racc[0], factor);
+      issue_pv_chunk<2>(racc[0], pa, v_desc);
+      fold_chunk<1, 1>(o, racc[1], factor);
+      issue_pv_chunk<3>(racc[1], pa, v_desc);
+      fold_chunk<2, 1>(o, racc[0], factor);
+      fold_chunk<3, 0>(o, racc[1], factor);
 #pragma unroll
       for (int c = 0; c < kPvSteps; ++c)
 #pragma unroll
@@ -456,7 +462,25 @@ struct WgmmaMainloop {
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(&s.empty_v[stage]);
 #pragma unroll
-      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha[r], racc[32 + 2 * r]);
+      for (int r = 0; r < 2; ++r) l[r] = fmaf(l[r], alpha[r], racc[1][32 + 2 * r]);
+    };
+    // Causal, the masked last tile runs after the loop (8 spill accesses per tile in the loop
+    // instead of 13, +2-7 %); non-causal, the loop keeps it (after the loop: -6-8 %, though
+    // spill-free). A/B/A on the H100, docs/DECISIONS.md#d39.
+    if constexpr (kCausal) {
+#pragma unroll 1
+      for (int i = 0; i < last; ++i) tile(__shfl_sync(0xffffffffu, i, 0), unmasked, std::false_type{});
+      const TileMask mask = TileMask::of(p, w, last, row_in_item);
+      if (mask.masked) tile(last, mask, std::true_type{});
+      else tile(last, unmasked, std::false_type{});
+    } else {
+#pragma unroll 1
+      for (int i = 0; i <= last; ++i) {
+        const int it = __shfl_sync(0xffffffffu, i, 0);
+        const TileMask mask = it == last ? TileMask::of(p, w, it, row_in_item) : unmasked;
+        if (mask.masked) tile(it, mask, std::true_type{});
+        else tile(it, mask, std::false_type{});
+      }
     }
     finish(o, m, l, o_scale);
   }
