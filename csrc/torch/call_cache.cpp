@@ -13,6 +13,8 @@
 #include <torch/csrc/autograd/python_variable.h>
 #include <torch/extension.h>
 
+#include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <optional>
@@ -29,12 +31,26 @@ namespace py = pybind11;
 constexpr Py_ssize_t kOptions = 13;
 constexpr size_t kMaxKinds = 1024;  // as _execute._MAX_RUNNERS: beyond, the cache starts afresh
 
-using Key = std::vector<int64_t>;
+// The kind of a call as a fixed array (no heap allocation per lookup): per tensor its rank, sizes,
+// dtype and device (at most 4 dimensions each: a higher rank is not remembered, the Python path
+// validates it), the mask's or -1, and the autograd flag.
+constexpr size_t kMaxRank = 4, kKeyCapacity = 4 * (kMaxRank + 4) + 1;
+
+struct Key {
+  std::array<int64_t, kKeyCapacity> values{};
+  size_t size = 0;
+
+  void push_back(int64_t x) { values[size++] = x; }
+  bool operator==(const Key& other) const {
+    return size == other.size && std::equal(values.begin(), values.begin() + size, other.values.begin());
+  }
+};
 
 struct KeyHash {
   size_t operator()(const Key& key) const {
-    size_t h = key.size();
-    for (const int64_t x : key) h ^= static_cast<size_t>(x) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
+    size_t h = key.size;
+    for (size_t i = 0; i < key.size; ++i)
+      h ^= static_cast<size_t>(key.values[i]) + 0x9e3779b97f4a7c15ull + (h << 6) + (h >> 2);
     return h;
   }
 };
@@ -60,6 +76,7 @@ size_t& entry_count() {
   return count;
 }
 
+// (The caller checked t.dim() <= kMaxRank.)
 void append_tensor(Key& key, const at::Tensor& t) {
   key.push_back(t.dim());
   for (const int64_t s : t.sizes()) key.push_back(s);
@@ -78,15 +95,17 @@ std::optional<Key> call_kind(py::handle q, py::handle k, py::handle v, py::handl
   const at::Tensor& tq = THPVariable_Unpack(q.ptr());
   const at::Tensor& tk = THPVariable_Unpack(k.ptr());
   const at::Tensor& tv = THPVariable_Unpack(v.ptr());
+  const at::Tensor* tmask = mask.is_none() ? nullptr : &THPVariable_Unpack(mask.ptr());
+  for (const at::Tensor* t : {&tq, &tk, &tv, tmask})
+    if (t != nullptr && t->dim() > static_cast<int64_t>(kMaxRank)) return std::nullopt;
   Key key;
-  key.reserve(24);
   append_tensor(key, tq);
   append_tensor(key, tk);
   append_tensor(key, tv);
-  if (mask.is_none()) {
+  if (tmask == nullptr) {
     key.push_back(-1);
   } else {
-    append_tensor(key, THPVariable_Unpack(mask.ptr()));
+    append_tensor(key, *tmask);
   }
   key.push_back(at::GradMode::is_enabled() && (tq.requires_grad() || tk.requires_grad() || tv.requires_grad()));
   return key;
