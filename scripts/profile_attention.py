@@ -3,6 +3,7 @@ randn, HND; benchmarks/timing.py):
 
     python3 scripts/profile_attention.py launch [--mma] [--kernel] [--n 4096] [--d 128] [--causal]
     python3 scripts/profile_attention.py breakdown [--mma] [--n 1024 4096 16384] [--d 128] [--causal]
+    python3 scripts/profile_attention.py breakdown --shape 2,8,1024,1024,128 [--shape ...] [--causal]
 
 launch: a few calls of one path for Nsight Compute to pick a launch from (scripts/device_check.sh
 --ncu "REGEX ARGS" runs it under ncu), e.g.
@@ -18,7 +19,9 @@ breakdown: where the time of one full call goes (issue 4: the full call within 1
 kernel; at most 0.75x the bytes of q, k and v of extra memory): per-kernel CUDA time of one call
 (torch.profiler, mean of 20 calls), the call's wall time from CUDA events (launch gaps show as
 the difference), the kernel alone (do_bench median), and the peak memory the call allocates
-beyond its inputs and output.
+beyond its inputs and output. With --shape B,H,NQ,NK,D (repeatable) the inputs are randn of those
+shapes instead of the protocol's, and the call's host time (CPU us per call, queued without a
+sync) and SDPA's cuDNN backend on the same inputs are printed beside.
 
 (Not named profile.py: run as a script, that would shadow the standard library's profile module,
 which cProfile, and so torch._dynamo, imports.)
@@ -31,6 +34,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import timing  # noqa: E402
@@ -62,8 +66,10 @@ def launch(args: argparse.Namespace) -> None:
 def breakdown(args: argparse.Namespace) -> None:
     from torch.profiler import ProfilerActivity, profile
 
-    for n in args.n:
-        q, k, v = timing.anchors_inputs(n, args.d)
+    cases = args.shape or [(timing.BATCH, timing.HEADS, n, n, args.d) for n in args.n]
+    for b, h, n_q, n_k, d in cases:
+        q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, h, n_k, d, device="cuda", dtype=torch.float16) for _ in range(2))
         call, alone = calls(args, q, k, v)
         for _ in range(5):
             out = call()
@@ -86,13 +92,43 @@ def breakdown(args: argparse.Namespace) -> None:
         torch.cuda.synchronize()
         extra = torch.cuda.max_memory_allocated() - base - out.numel() * out.element_size()
         qkv = 3 * q.numel() * q.element_size()
-        print(f"N={n} D={args.d} causal={args.causal}: call {wall_us:.1f} us (CUDA events, back to back), "
-              f"kernels {gpu_us:.1f} us, kernel alone {kernel_us:.1f} us (call / kernel "
+        print(f"B={b} H={h} Nq={n_q} Nk={n_k} D={d} causal={args.causal}: call {wall_us:.1f} us (CUDA events, "
+              f"back to back), kernels {gpu_us:.1f} us, kernel alone {kernel_us:.1f} us (call / kernel "
               f"{wall_us / kernel_us:.3f}); extra memory {extra / 2**20:.1f} MiB = {extra / qkv:.3f}x q+k+v")
+        if args.shape:
+            cudnn_ms = timing.sdpa_ms("cudnn", q, k, v, args.causal)
+            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)  # noqa: E731
+            print(f"    call do_bench {timing.median_ms(call) * 1e3:.1f} us, SDPA cuDNN "
+                  f"{'-' if cudnn_ms is None else f'{cudnn_ms * 1e3:.1f}'} us; host: call {host_us(call):.1f} us, "
+                  f"SDPA {host_us(sdpa):.1f} us")
         for name, t in rows:
             print(f"    {t:9.1f} us  {100 * t / gpu_us:5.1f} %  {name[:110]}")
         del q, k, v, out
         torch.cuda.empty_cache()
+
+
+def _shape(text: str) -> tuple[int, int, int, int, int]:
+    parts = tuple(int(x) for x in text.split(","))
+    if len(parts) != 5:
+        raise argparse.ArgumentTypeError(f"--shape takes B,H,NQ,NK,D, got {text!r}")
+    return parts  # type: ignore[return-value]
+
+
+def host_us(fn: Callable[[], object], calls: int = 50, repeats: int = 11) -> float:
+    """The best of ``repeats`` of fn's CPU time per call over ``calls`` calls queued without a sync."""
+    import time
+
+    for _ in range(10):
+        fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return best
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -105,6 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, nargs="+", help="sequence lengths (launch: the first; default 4096, "
                         "breakdown: 1024 4096 16384)")
     parser.add_argument("--d", type=int, default=128, help="head_dim")
+    parser.add_argument("--shape", type=_shape, action="append", help="breakdown: B,H,NQ,NK,D (repeatable)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--calls", type=int, default=4, help="launch: calls to make")
     args = parser.parse_args(argv)
