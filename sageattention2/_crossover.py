@@ -142,11 +142,11 @@ class CrossoverTable:
         """The measured class that stands for a call: same causal flag, the dtype (else the other
         half-precision one: the kernels and SDPA run both alike), and the head_dim itself, else
         the nearest measured one that the kernel runs the same way (the same kernel head_dim,
-        zero-padded or not: hd 48 takes hd 40's points, hd 96 takes hd 80's). A kernel head_dim
-        above every measured one (256, in tables from before it was built) takes the largest
-        measured head_dim's points: at 256 the Hopper kernel's speedup over cuDNN runs like
-        128's (0.72x at 1K, 1.19x at 4K; docs/DECISIONS.md#d39), closer than running it at
-        every length."""
+        zero-padded or not: hd 48 takes hd 40's points, hd 96 takes hd 80's, hd 192 and 248 the
+        H100 table's hd 160, which pads to 256 too). A kernel head_dim above every measured one
+        (256, in a table from before it was built) takes the largest measured head_dim's points:
+        at 256 the Hopper kernel's speedup over cuDNN runs like 128's (0.72x at 1K, 1.19x at 4K;
+        docs/DECISIONS.md#d39), closer than running it at every length."""
         built = head_dims_of(self.kernel)
         padded = kernel_head_dim(head_dim, built)
         if padded is None:
