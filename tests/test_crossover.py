@@ -266,7 +266,7 @@ def test_tune_keeps_the_base_tables_other_classes(monkeypatch: pytest.MonkeyPatc
     assert set(new) == {key(c) for c in base["classes"]}
     assert {x for row in new[(64, False, "float16")]["speedup"] for cell in row for x in cell} == {1.5}
     assert all(new[key(c)] == c for c in base["classes"] if key(c) != (64, False, "float16"))
-    assert "14 classes kept" in merged["measured"]
+    assert f"{len(base['classes']) - 1} classes kept" in merged["measured"]
     with pytest.raises(ValueError, match="nothing to keep"):
         _tune.tune(axes=_tune.QUICK_AXES, head_dims=(64,), dtypes=("float16",), causal=(False,),
                    out=tmp_path / "other.json", base=shipped)
@@ -300,8 +300,10 @@ def test_shipped_table(path: Path) -> None:
         long = table.speedup(head_dim, causal, getattr(torch, dtype), 32768, 32768, 64)
         tiny = table.speedup(head_dim, causal, getattr(torch, dtype), 64, 128, 4)
         # (The accurate tier pays hd40's padding to 64 with 16-bit PV: its causal 32K calls
-        # measured 0.96x there.)
-        wins_long = table.kernel == _plan.WGMMA or _plan.kernel_head_dim(head_dim) == head_dim
+        # measured 0.96x there; and hd160 padded to 256 does 1.6x the work, more than the FP8
+        # tier gains at 256: 0.95x at 32K, docs/DECISIONS.md#d40.)
+        padded = _plan.kernel_head_dim(head_dim, _plan.head_dims_of(table.kernel))
+        wins_long = padded == head_dim or (table.kernel == _plan.WGMMA and padded is not None and padded <= 128)
         assert (long > 1.0 or not wins_long) and tiny < 1.0, (key, long, tiny)
 
 
