@@ -20,8 +20,9 @@ kernel; at most 0.75x the bytes of q, k and v of extra memory): per-kernel CUDA 
 (torch.profiler, mean of 20 calls), the call's wall time from CUDA events (launch gaps show as
 the difference), the kernel alone (do_bench median), and the peak memory the call allocates
 beyond its inputs and output. With --shape B,H,NQ,NK,D (repeatable) the inputs are randn of those
-shapes instead of the protocol's, and the call's host time (CPU us per call, queued without a
-sync) and SDPA's cuDNN backend on the same inputs are printed beside.
+shapes instead of the protocol's, and the call's do_bench time and SDPA's cuDNN backend on the
+same inputs are printed beside. (Host time: benchmarks/host_overhead.py; after the profiler has
+run, a process's host times read ~2x.)
 
 (Not named profile.py: run as a script, that would shadow the standard library's profile module,
 which cProfile, and so torch._dynamo, imports.)
@@ -34,7 +35,6 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import timing  # noqa: E402
@@ -97,10 +97,8 @@ def breakdown(args: argparse.Namespace) -> None:
               f"{wall_us / kernel_us:.3f}); extra memory {extra / 2**20:.1f} MiB = {extra / qkv:.3f}x q+k+v")
         if args.shape:
             cudnn_ms = timing.sdpa_ms("cudnn", q, k, v, args.causal)
-            sdpa = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=args.causal)  # noqa: E731
             print(f"    call do_bench {timing.median_ms(call) * 1e3:.1f} us, SDPA cuDNN "
-                  f"{'-' if cudnn_ms is None else f'{cudnn_ms * 1e3:.1f}'} us; host: call {host_us(call):.1f} us, "
-                  f"SDPA {host_us(sdpa):.1f} us")
+                  f"{'-' if cudnn_ms is None else f'{cudnn_ms * 1e3:.1f}'} us")
         for name, t in rows:
             print(f"    {t:9.1f} us  {100 * t / gpu_us:5.1f} %  {name[:110]}")
         del q, k, v, out
@@ -112,23 +110,6 @@ def _shape(text: str) -> tuple[int, int, int, int, int]:
     if len(parts) != 5:
         raise argparse.ArgumentTypeError(f"--shape takes B,H,NQ,NK,D, got {text!r}")
     return parts  # type: ignore[return-value]
-
-
-def host_us(fn: Callable[[], object], calls: int = 50, repeats: int = 11) -> float:
-    """The best of ``repeats`` of fn's CPU time per call over ``calls`` calls queued without a sync."""
-    import time
-
-    for _ in range(10):
-        fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / calls * 1e6)
-        torch.cuda.synchronize()
-    return best
 
 
 def main(argv: list[str] | None = None) -> None:
