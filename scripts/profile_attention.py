@@ -3,7 +3,7 @@ randn, HND; benchmarks/timing.py):
 
     python3 scripts/profile_attention.py launch [--mma] [--kernel] [--n 4096] [--d 128] [--causal]
     python3 scripts/profile_attention.py breakdown [--mma] [--n 1024 4096 16384] [--d 128] [--causal]
-    python3 scripts/profile_attention.py breakdown --shape 2,8,1024,1024,128 [--shape ...] [--causal]
+    python3 scripts/profile_attention.py breakdown --shape 2,8,1024,1024,128 [--shape ...] [--causal] [--smooth-v]
 
 launch: a few calls of one path for Nsight Compute to pick a launch from (scripts/device_check.sh
 --ncu "REGEX ARGS" runs it under ncu), e.g.
@@ -50,7 +50,8 @@ def calls(args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor,
         qk = args.qk or "int8"
         full = lambda: sageattn(q, k, v, is_causal=args.causal, qk_quant=qk, pv_quant=pv, strict=True)  # noqa: E731
         return full, timing.mma_kernel_call(q, k, v, args.causal, qk, pv == "fp8")
-    full = lambda: sageattn(q, k, v, is_causal=args.causal, qk_quant="int8", strict=True)  # noqa: E731
+    full = lambda: sageattn(q, k, v, is_causal=args.causal, qk_quant="int8", smooth_v=args.smooth_v,  # noqa: E731
+                            strict=True)
     return full, timing.kernel_call(q, k, v, args.causal)
 
 
@@ -124,6 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--d", type=int, default=128, help="head_dim")
     parser.add_argument("--shape", type=_shape, action="append", help="breakdown: B,H,NQ,NK,D (repeatable)")
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--smooth-v", action="store_true",
+                        help="the full call with smooth_v=True (the kernel alone runs without V's means)")
     parser.add_argument("--calls", type=int, default=4, help="launch: calls to make")
     args = parser.parse_args(argv)
     if args.mode == "launch":
