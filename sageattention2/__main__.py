@@ -102,7 +102,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                      "(the crossover of qk_quant='auto'; about two minutes on an H100)")
     tune.add_argument("--quick", action="store_true", help="a coarser grid (a few seconds)")
     tune.add_argument("--head-dims", type=_ints, default=None,
-                      help="comma-separated head_dims (default: 40,64,80,128)")
+                      help="comma-separated head_dims (default: 40,64,80,128,160,256)")
     tune.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
     tune.add_argument("--causal", choices=("both", "yes", "no"), default="both",
                       help="the causal classes, the others, or both (default)")

@@ -38,8 +38,10 @@ QUICK_AXES: dict[str, tuple[int, ...]] = {
     "n_k": (77, 512, 2048, 8192, 32768),
     "heads": (4, 32, 256),
 }
-# head_dims the kernels run as they are (64, 128) and zero-padded (40 -> 64, 80 -> 128: SD1.5's).
-HEAD_DIMS = (40, 64, 80, 128)
+# head_dims the kernels run as they are (64, 128, 256) and zero-padded (40 -> 64, 80 -> 128:
+# SD1.5's; 160 -> 256, which stands for 136-248: docs/DECISIONS.md#d40). A kernel choice that
+# does not run one (the accurate tier above 128) is not measured there.
+HEAD_DIMS = (40, 64, 80, 128, 160, 256)
 DTYPES = ("float16", "bfloat16")
 # 4 * Nq * Nk * B*H * D above this (about 3 ms of attention on an H100) is not timed: the same
 # lengths with fewer heads stand for it (4 heads of 32K x 32K are timed: 1024 CTAs, the GPU full).
@@ -123,6 +125,14 @@ def tune(axes: dict[str, Sequence[int]] | None = None,
     name = torch.cuda.get_device_name()
     capability = torch.cuda.get_device_capability()
     choice = _kernel_choice(getattr(torch, dtypes[0]), pv_quant)
+    skipped = [h for h in head_dims if _plan.kernel_head_dim(h, _plan.head_dims_of(choice)) is None]
+    head_dims = [h for h in head_dims if h not in skipped]
+    if skipped:
+        log(f"not measured: head_dim {', '.join(map(str, skipped))} (the {'/'.join(choice)} kernel "
+            f"does not run it)")
+    if not head_dims:
+        raise ValueError(f"nothing to tune: the {'/'.join(choice)} kernel runs none of head_dim "
+                         f"{', '.join(map(str, skipped))}")
     measuring = {(h, c, d) for h in head_dims for c in causal for d in dtypes}
     classes: list[dict] = [] if base is None else [
         c for c in _base_classes(Path(base), name, {"n_q": list(n_q), "n_k": list(n_k),

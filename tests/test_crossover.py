@@ -290,7 +290,10 @@ def test_shipped_table(path: Path) -> None:
     assert table.kernel in (_plan.WGMMA, _plan.WGMMA_INPUT) and table.capability == (9, 0)
     slug = _crossover.gpu_slug(table.gpu)
     assert path.name == _crossover.table_file(slug, None if table.kernel == _plan.WGMMA else table.kernel)
-    for head_dim in _tune.HEAD_DIMS:
+    runs = [h for h in _tune.HEAD_DIMS
+            if _plan.kernel_head_dim(h, _plan.head_dims_of(table.kernel)) is not None]
+    assert runs and (table.kernel != _plan.WGMMA or runs == list(_tune.HEAD_DIMS))
+    for head_dim in runs:
         for causal in (False, True):
             for dtype in _tune.DTYPES:
                 key = table.class_for(head_dim, causal, getattr(torch, dtype))
@@ -348,9 +351,11 @@ def test_tune_measures_and_sageattn_follows(attention_kernel: None, tmp_path: Pa
 
 
 def test_tune_of_the_accurate_tier_writes_its_own_table(monkeypatch: pytest.MonkeyPatch,
-                                                        tmp_path: Path) -> None:
+                                                        tmp_path: Path,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
     """tune --pv-quant none measures the calls with pv_quant="none" and writes the table beside
-    the default one (its own file), where sageattn looks it up for that choice."""
+    the default one (its own file), where sageattn looks it up for that choice; a head_dim that
+    tier does not run (256) is not measured."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA Pretend GPU")
@@ -367,12 +372,14 @@ def test_tune_of_the_accurate_tier_writes_its_own_table(monkeypatch: pytest.Monk
     monkeypatch.setattr(_tune, "_point", lambda *a: points.append(a[-1]) or 0.5)
     from sageattention2.__main__ import main
 
-    assert main(["tune", "--quick", "--head-dims", "64", "--dtypes", "float16", "--causal", "no",
+    assert main(["tune", "--quick", "--head-dims", "64,256", "--dtypes", "float16", "--causal", "no",
                  "--pv-quant", "none"]) == 0
+    assert "not measured: head_dim 256" in capsys.readouterr().out  # 16-bit PV stops at 128
     written = _crossover.user_dir() / "nvidia-pretend-gpu-wgmma-int8-input.json"
     assert asked == ["none"] and set(points) == {"none"}
     table = CrossoverTable.load(written)
     assert table.kernel == _plan.WGMMA_INPUT
+    assert {key[0] for key in table.speedups} == {64}
     assert not (_crossover.user_dir() / "nvidia-pretend-gpu.json").exists()
     _crossover.clear_cache()
     assert _crossover._table_for(None, "NVIDIA Pretend GPU", (9, 0), _plan.WGMMA_INPUT) == table
