@@ -19,6 +19,7 @@ __all__ = [
     "PV_QUANTS",
     "QK_QUANTS",
     "SMOOTH_Q_MODES",
+    "SMOOTH_V_AUTO_ABOVE",
     "TENSOR_LAYOUTS",
     "AttentionCall",
     "CAUSAL_ALIGNMENTS",
@@ -26,7 +27,9 @@ __all__ = [
     "PVQuant",
     "QKQuant",
     "SmoothQ",
+    "SmoothV",
     "TensorLayout",
+    "smooth_v_flag",
     "validate",
 ]
 
@@ -34,6 +37,7 @@ TensorLayout = Literal["HND", "NHD"]
 QKQuant = Literal["auto", "int8", "int4"]
 PVQuant = Literal["auto", "fp8", "none"]
 SmoothQ = Union[bool, Literal["auto", "head", "block"]]
+SmoothV = Union[bool, Literal["auto"]]
 CausalAlignment = Literal["top_left", "bottom_right"]
 
 TENSOR_LAYOUTS: tuple[str, ...] = ("HND", "NHD")
@@ -121,6 +125,22 @@ def _choice(name: str, value: object, allowed: tuple[str, ...]) -> str:
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}; got {value!r}")
     return value
+
+
+# smooth_v="auto" is on above this head_dim: there only the Hopper kernel's FP8 tier runs (padded
+# to 256), whose one FP8 scale per V tile spans 256 channels, and V's channel offsets cost
+# accuracy (bias4 CosSim 0.99987 without, 0.99999 with) for 0.3-1.6 % of the call
+# (docs/DECISIONS.md#d42). At 128 and below the scale spans few enough channels: off.
+SMOOTH_V_AUTO_ABOVE = 128
+
+
+def smooth_v_flag(value: object, head_dim: int) -> bool:
+    """Resolve smooth_v: True, False, or "auto" (on above SMOOTH_V_AUTO_ABOVE channels)."""
+    if isinstance(value, bool):
+        return value
+    if value == "auto":
+        return head_dim > SMOOTH_V_AUTO_ABOVE
+    raise ValueError(f"smooth_v must be True, False or 'auto'; got {value!r}")
 
 
 def _smooth_q_mode(value: object) -> Literal["auto", "head", "block", "none"]:
@@ -250,7 +270,7 @@ def validate(
         qk_quant=cast(Literal["int8", "int4"], "int8" if qk == "auto" else qk),
         qk_quant_auto=qk == "auto", pv_quant=pv,
         smooth_q=smooth_q_mode, smooth_k=_flag("smooth_k", smooth_k),
-        smooth_v=_flag("smooth_v", smooth_v), return_lse=_flag("return_lse", return_lse),
+        smooth_v=smooth_v_flag(smooth_v, vc.shape[-1]), return_lse=_flag("return_lse", return_lse),
         strict=_flag("strict", strict),
         bottom_right=causal and alignment == "bottom_right" and n_q != n_kv,
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._call import SmoothQ, validate
+from ._call import SmoothQ, SmoothV, smooth_v_flag, validate
 from ._execute import heads_inner, run
 
 __all__ = ["graph_call", "tracks_grad"]
@@ -32,15 +32,17 @@ def tracks_grad(*tensors: object) -> bool:
 
 def graph_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                is_causal: bool, scale: float | None, enable_gqa: bool, tensor_layout: str,
-               qk_quant: str, pv_quant: str, smooth_k: bool, smooth_q: SmoothQ, smooth_v: bool,
+               qk_quant: str, pv_quant: str, smooth_k: bool, smooth_q: SmoothQ, smooth_v: SmoothV,
                return_lse: bool, strict: bool,
                causal_alignment: str = "top_left") -> Tensor | tuple[Tensor, Tensor]:
     """What torch.compile traces for a sageattn call (sageattn's arguments, unchecked): the graph
     op, with no graph break."""
     smooth_q_arg = _SMOOTH_Q_BOOL[smooth_q] if isinstance(smooth_q, bool) else smooth_q
+    # (the op's schema takes smooth_v as a bool: "auto" is resolved here, by v's head_dim)
+    smooth_v_arg = smooth_v_flag(smooth_v, v.shape[-1]) if isinstance(v, Tensor) and v.dim() else smooth_v
     out, lse = torch.ops.sageattention2.sageattn(
         q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant,
-        pv_quant, smooth_k, smooth_q_arg, smooth_v, return_lse, strict, causal_alignment)
+        pv_quant, smooth_k, smooth_q_arg, smooth_v_arg, return_lse, strict, causal_alignment)
     return (out, lse) if return_lse else out
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ._call import QK_QUANTS, PV_QUANTS
+from ._call import PV_QUANTS, QK_QUANTS, SmoothV, smooth_v_flag
 from ._tensor_memo import MISSING, TensorMemo
 from .api import sageattn
 
@@ -87,7 +87,7 @@ def sageattn_varlen(
     pv_quant: str = "auto",
     smooth_k: bool = True,
     smooth_q: bool | str = "auto",
-    smooth_v: bool = False,
+    smooth_v: SmoothV = "auto",
     return_lse: bool = False,
     strict: bool = False,
     causal_alignment: str = "top_left",
@@ -120,8 +120,8 @@ def sageattn_varlen(
     if torch.compiler.is_compiling():  # the boundaries are data: the op's eager call checks them
         out, lse = torch.ops.sageattention2.sageattn_varlen(
             q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, is_causal, scale,
-            qk_quant, pv_quant, smooth_k, str(smooth_q), smooth_v, return_lse, strict,
-            causal_alignment)
+            qk_quant, pv_quant, smooth_k, str(smooth_q), smooth_v_flag(smooth_v, v.shape[-1]),
+            return_lse, strict, causal_alignment)
         return (out, lse) if return_lse else out
     bounds_q = _bounds("cu_seqlens_q", cu_seqlens_q, q.shape[0])
     bounds_k = _bounds("cu_seqlens_k", cu_seqlens_k, k.shape[0])

@@ -164,7 +164,7 @@ def test_exact_calls_run_from_the_cache(validations: list[int]) -> None:
     """A kind the Python path decided to run as exact SDPA on the caller's tensors runs from the
     cache: SDPA's result bit for bit, with the call's own arguments, without validation."""
     q, k, v = qkv(nq=11, nk=13)
-    options = (0.0, True, 0.25, False, "HND", "auto", "auto", True, "auto", False, False, False,
+    options = (0.0, True, 0.25, False, "HND", "auto", "auto", True, "auto", "auto", False, False,
                "top_left")
     assert _execute.native_calls is not None
     _execute.native_calls.remember(q, k, v, None, options, None, True)

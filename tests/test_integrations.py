@@ -98,7 +98,7 @@ def test_public_api() -> None:
         "'float' = 0.0, is_causal: 'bool' = False, scale: 'float | None' = None, enable_gqa: "
         "'bool' = False, *, tensor_layout: 'TensorLayout' = 'HND', qk_quant: 'QKQuant' = "
         "'auto', pv_quant: 'PVQuant' = 'auto', smooth_k: 'bool' = True, smooth_q: 'SmoothQ' = "
-        "'auto', smooth_v: 'bool' = False, return_lse: 'bool' = False, strict: 'bool' = False, "
+        "'auto', smooth_v: 'SmoothV' = 'auto', return_lse: 'bool' = False, strict: 'bool' = False, "
         "causal_alignment: 'CausalAlignment' = 'top_left') -> 'Tensor | tuple[Tensor, Tensor]'")
     # The graph op that torch.compile traces (graphs saved by torch.export name it).
     assert str(torch.ops.sageattention2.sageattn.default._schema) == (

@@ -82,7 +82,8 @@ META_V = torch.empty(V.shape, device="meta")
         ((Q, K, V), {"is_causal": 1}, TypeError, r"^is_causal must be a bool, got int"),
         ((Q, K, V), {"enable_gqa": "yes"}, TypeError, r"^enable_gqa must be a bool"),
         ((Q, K, V), {"smooth_k": None}, TypeError, r"^smooth_k must be a bool"),
-        ((Q, K, V), {"smooth_v": 0}, TypeError, r"^smooth_v must be a bool"),
+        ((Q, K, V), {"smooth_v": 0}, ValueError, r"^smooth_v must be True, False or 'auto'; got 0"),
+        ((Q, K, V), {"smooth_v": "on"}, ValueError, r"^smooth_v must be True, False or 'auto'"),
         ((Q, K, V), {"return_lse": "no"}, TypeError, r"^return_lse must be a bool"),
         ((Q, K, V), {"strict": 1.0}, TypeError, r"^strict must be a bool"),
     ],
@@ -151,3 +152,19 @@ def test_empty_inputs(layout: str, shape: dict[str, Any], is_causal: bool) -> No
     q4 = hnd(q, layout)
     assert lse.shape == q4.shape[:-1] and lse.dtype == torch.float32
     assert torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("head_dim,want", [(64, False), (128, False), (136, True), (256, True)])
+def test_smooth_v_auto_is_on_above_head_dim_128(head_dim: int, want: bool) -> None:
+    """smooth_v="auto" (the default) subtracts V's mean where the Hopper kernel's one FP8 scale
+    per V tile spans 256 channels (head_dim above 128, padded to 256; docs/DECISIONS.md#d42),
+    not at 128 and below; True and False are kept as given, and the kernel call gets the
+    resolved flag."""
+    from sageattention2 import _execute, _plan
+
+    q = torch.zeros(1, 2, 16, head_dim, dtype=torch.float16)
+    call = validated(q, q, q)
+    assert call.smooth_v is want
+    assert _execute.KernelCall.of(call, _plan.WGMMA).smooth_v is want
+    for given in (False, True):
+        assert validated(q, q, q, smooth_v=given).smooth_v is given
