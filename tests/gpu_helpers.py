@@ -253,23 +253,25 @@ def sageattn_kernel(*args: Any, **kwargs: Any) -> KernelChoice:
 
 
 def assert_first_query_sees_first_key(out4: torch.Tensor, v4: torch.Tensor,
-                                      kernel: KernelChoice) -> None:
+                                      kernel: KernelChoice, smooth_v: bool = False) -> None:
     """Causal query 0 attends key 0 alone: its output is v[0], to an ulp of the output dtype
-    (PV in the input dtype), or to v's E4M3 rounding (FP8 PV without smooth_v: at most 2^-4 |v|
-    in E4M3's normal range, half a subnormal step, 2^-10 * scale, below it; the scale is
+    (PV in the input dtype), or to the E4M3 rounding of what PV codes (FP8 PV: at most 2^-4 of
+    it in E4M3's normal range, half a subnormal step, 2^-10 * scale, below it; the scale is
     max_n |v_c| / 448 per channel (attention_mma), or attention_wgmma's per-tile one, at most
-    2 * max |v| / 448 over the first 128 keys; P~ of the lone key is 448, exact in E4M3)."""
+    2 * max |v| / 448 over the first 128 keys; P~ of the lone key is 448, exact in E4M3). What
+    PV codes is v, or with smooth_v v minus its mean over the keys (added back in FP32)."""
     v = v4.repeat_interleave(out4.shape[1] // v4.shape[1], dim=1)
     v0, got = v[:, :, 0], out4[:, :, 0]
     eps = torch.finfo(out4.dtype).eps
     if kernel.pv == "input":
         torch.testing.assert_close(got, v0, rtol=eps, atol=1e-6)
         return
+    coded = v.double() - v.double().mean(dim=2, keepdim=True) if smooth_v else v.double()
     if kernel.kernel == "wgmma":
-        scale = 2 * v[:, :, :ops.WGMMA_BLOCK_K].double().abs().amax(dim=(2, 3))[..., None] / 448
+        scale = 2 * coded[:, :, :ops.WGMMA_BLOCK_K].abs().amax(dim=(2, 3))[..., None] / 448
     else:
-        scale = v.double().abs().amax(dim=2) / 448
-    tol = (2 ** -4 + 2 * eps) * v0.double().abs() + 2 ** -10 * scale + 1e-6
+        scale = coded.abs().amax(dim=2) / 448
+    tol = 2 ** -4 * coded[:, :, 0].abs() + 2 * eps * v0.double().abs() + 2 ** -10 * scale + 1e-6
     err = (got.double() - v0.double()).abs()
     assert (err <= tol).all(), f"query 0 differs from v[0] by up to {(err / tol).max():.2f} x tol"
 
