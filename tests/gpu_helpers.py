@@ -51,7 +51,7 @@ from typing import Any
 import pytest
 import torch
 
-from sageattention2 import SageAttentionFallbackWarning, _plan, api, ops, sageattn
+from sageattention2 import SageAttentionFallbackWarning, _execute, _plan, api, ops, sageattn
 from sageattention2 import reference as ref
 from sageattention2._plan import KernelChoice
 from sageattention2.testing import poison_cuda_allocator, relative_l1
@@ -259,21 +259,27 @@ def assert_first_query_sees_first_key(out4: torch.Tensor, v4: torch.Tensor,
     it in E4M3's normal range, half a subnormal step, 2^-10 * scale, below it; the scale is
     max_n |v_c| / 448 per channel (attention_mma), or attention_wgmma's per-tile one, at most
     2 * max |v| / 448 over the first 128 keys; P~ of the lone key is 448, exact in E4M3). What
-    PV codes is v, or with smooth_v v minus its mean over the keys (added back in FP32)."""
+    PV codes is v, or with smooth_v v minus its mean over the keys' sample (added back in FP32)."""
     v = v4.repeat_interleave(out4.shape[1] // v4.shape[1], dim=1)
     v0, got = v[:, :, 0], out4[:, :, 0]
     eps = torch.finfo(out4.dtype).eps
     if kernel.pv == "input":
         torch.testing.assert_close(got, v0, rtol=eps, atol=1e-6)
         return
-    coded = v.double() - v.double().mean(dim=2, keepdim=True) if smooth_v else v.double()
+    # (smooth_v's mean is over the smoothing sample, every stride-th key: _execute)
+    stride = _execute.smoothing_sample_stride(v.shape[2])
+    coded = v.double() - v.double()[:, :, ::stride].mean(dim=2, keepdim=True) if smooth_v else v.double()
     if kernel.kernel == "wgmma":
         scale = 2 * coded[:, :, :ops.WGMMA_BLOCK_K].abs().amax(dim=(2, 3))[..., None] / 448
     else:
         scale = coded.abs().amax(dim=2) / 448
     tol = 2 ** -4 * coded[:, :, 0].abs() + 2 * eps * v0.double().abs() + 2 ** -10 * scale + 1e-6
     err = (got.double() - v0.double()).abs()
-    assert (err <= tol).all(), f"query 0 differs from v[0] by up to {(err / tol).max():.2f} x tol"
+    worst = int((err / tol).argmax())
+    at = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), err.shape))
+    assert (err <= tol).all(), (
+        f"query 0 differs from v[0] by up to {(err / tol).max():.2f} x tol at {at}: got {got[at].item()}, "
+        f"v0 {v0[at].item()}, coded {coded[:, :, 0][at].item()}, tol {tol[at].item()}")
 
 
 def run_op(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, causal: bool, *,
