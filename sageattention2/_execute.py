@@ -18,6 +18,7 @@ from torch import Tensor
 from . import _crossover, _key_ranges, _plan, ops
 from ._call import AttentionCall
 from ._key_ranges import KeyRanges
+from ._tensor_memo import MISSING as MISSING_RANGES
 from ._plan import KernelChoice
 
 __all__ = [
@@ -126,18 +127,28 @@ def _range_calls(call: AttentionCall, ranges: KeyRanges) -> list[tuple[int, int,
             for b0, b1, start, end in _key_ranges.runs(ranges)]
 
 
-def decide(call: AttentionCall) -> Decision:
+def decide(call: AttentionCall, ranges: Any = MISSING_RANGES) -> Decision:
     """The :class:`Decision` for ``call`` (made once per kind of call, and for a call with a
-    key-padding mask once per mask: the call cache)."""
+    key-padding mask once per mask: the call cache); ``ranges``: its mask's key ranges where
+    known (else the mask is examined)."""
     choice, fallback = _plan.route(call)
     if fallback is not None:
         return Decision(choice, fallback, None)
     capability = _plan.cuda_capability(call.q.device)
     if call.attn_mask is None:
         return Decision(choice, None, _crossover.exact_is_faster(call, choice, capability))
-    ranges = _key_ranges.key_ranges(call.attn_mask, call.q.shape[0], call.k.shape[2],
-                                    call.q.shape[2])
-    assert ranges is not None  # else the mask's fallback rule applied
+    if ranges is MISSING_RANGES:
+        ranges = _key_ranges.key_ranges(call.attn_mask, call.q.shape[0], call.k.shape[2],
+                                        call.q.shape[2])
+    if ranges is None:  # (the route examined it as a key-padding mask before: modified since)
+        return Decision(choice, _plan.MASK_RULE.reason, None)
+    if one_launch(call, choice):
+        # Against SDPA without the mask over all keys: the kernel runs each item's keys alone (at
+        # most that call's work), and SDPA with the mask took 1.5-2.3x its unmasked time, but a
+        # short call is host-bound inside a model (docs/DECISIONS.md#d43).
+        faster = _crossover.exact_is_faster(dataclasses.replace(call, attn_mask=None), choice,
+                                            capability)
+        return Decision(choice, None, faster, None if faster is not None else ranges)
     for *_, sub in _range_calls(call, ranges):
         faster = _crossover.exact_is_faster(sub, choice, capability)
         if faster is not None:
@@ -295,17 +306,21 @@ class KernelCall:
             smoothing_sample_stride(call.k.shape[2]), call.is_causal, call.tensor_layout == "NHD",
             call.return_lse, int4_guard() if choice.qk == "int4" else 0.0)
 
-    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor, key_ranges: Tensor | None = None,
+                 key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """(out ``[B, H, Nq, D]``; lse, empty unless return_lse). The output's memory is NHD
         with ``out_nhd`` or where q's is (a ``[B, H, N, D]`` view of ``[B, N, H, D]`` memory, as
         diffusers' dispatcher passes), as SDPA's flash and cuDNN backends do: the caller's
-        transpose back to ``[B, N, H * D]`` is then free, not a copy of the output."""
+        transpose back to ``[B, N, H * D]`` is then free, not a copy of the output.
+        ``key_ranges`` or ``key_mask``: the Hopper kernel's key ranges, or the mask it reads
+        them from (:class:`KeyRangeKernel`)."""
         out_nhd = self.out_nhd or heads_inner(q)
         q, k, v = (_kernel_input(t, self.padded_head_dim) for t in (q, k, v))
         if self.choice.kernel == "wgmma":
             out, lse = ops.sageattn_wgmma(
                 q, k, v, self.choice.pv, self.smooth_k, self.smooth_v, self.sample_stride, self.sm_scale,
-                self.is_causal, out_nhd, self.return_lse)
+                self.is_causal, out_nhd, self.return_lse, key_ranges, key_mask,
+                SMOOTHING_SAMPLE_TOKENS if key_mask is not None else 0)
         else:
             out, lse = ops.sageattn_mma(
                 q, k, v, self.choice.qk, self.choice.pv, self.smooth_q, self.smooth_k,
@@ -329,19 +344,54 @@ def quantized(call: AttentionCall, choice: KernelChoice,
     return call.result(out, lse if call.return_lse else None)
 
 
+@dataclass(frozen=True)
+class KeyRangeKernel:
+    """A key-padding mask's batch items on the Hopper kernel in one launch (docs/DECISIONS.md#d43):
+    each item attends its own range of keys, its K and V groups and means over them alone, its
+    smoothing sample as an unmasked call on its range would take (so each item's output is that
+    call's, bit for bit). With ``key_mask`` (a 4-D view of the mask) the launch reads the ranges
+    from the mask on the GPU instead: an inference tensor's, which may have changed in place
+    since it was examined."""
+
+    kernel: KernelCall  # (sample_stride 1: each item's is in ranges)
+    ranges: Tensor  # int32 [B, 3] on the inputs' device: each item's first and end key, sample stride
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor,
+                 key_mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if key_mask is not None:
+            return self.kernel(q, k, v, key_mask=key_mask)
+        return self.kernel(q, k, v, self.ranges)
+
+
 RangeKernels = list[tuple[int, int, int, int, "KernelCall"]]
 
 
-def _range_kernels(call: AttentionCall, choice: KernelChoice, ranges: KeyRanges) -> RangeKernels:
-    """The kernel call of each run of batch items that share a range of keys (its smoothing
-    sample is of the range's length)."""
+def one_launch(call: AttentionCall, choice: KernelChoice) -> bool:
+    """Whether a key-padding mask's ranges run in one launch: on the Hopper kernel, without
+    is_causal (the warp-level kernel runs one call per run of items that share a range)."""
+    return choice.kernel == "wgmma" and not call.is_causal
+
+
+def _range_kernels(call: AttentionCall, choice: KernelChoice,
+                   ranges: KeyRanges) -> RangeKernels | KeyRangeKernel:
+    """The kernel call of a key-padding mask's ranges: one launch over all of them
+    (:func:`one_launch`), or one kernel call per run of batch items that share a range (its
+    smoothing sample of the range's length)."""
+    if one_launch(call, choice):
+        kernel = dataclasses.replace(KernelCall.of(call, choice), sample_stride=1)
+        rows = [(start, end, smoothing_sample_stride(end - start)) for start, end in ranges]
+        return KeyRangeKernel(kernel, torch.tensor(rows, dtype=torch.int32).to(call.q.device))
     return [(b0, b1, start, end, KernelCall.of(sub, choice))
             for b0, b1, start, end, sub in _range_calls(call, ranges)]
 
 
-def _run_ranges(q: Tensor, k: Tensor, v: Tensor, kernels: RangeKernels) -> tuple[Tensor, Tensor]:
+def _run_ranges(q: Tensor, k: Tensor, v: Tensor,
+                kernels: RangeKernels | KeyRangeKernel) -> tuple[Tensor, Tensor]:
     """(out, lse) of ``[B, H, N, D]`` views run per range of keys: one kernel call where one
-    range serves the whole batch (no copy), else each run's output copied into its items."""
+    range serves the whole batch (no copy) or the Hopper kernel takes the ranges, else each
+    run's output copied into its items."""
+    if isinstance(kernels, KeyRangeKernel):
+        return kernels(q, k, v)
     batch = q.shape[0]
     if len(kernels) == 1:
         _, _, start, end, kernel = kernels[0]
@@ -508,7 +558,7 @@ def _mask_runner(call: AttentionCall) -> Runner:
     options = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)
                if f.name not in ("q", "k", "v", "attn_mask")}  # not the tensors: kept alive
     batch, n_q, n_k = call.q.shape[0], call.q.shape[2], call.k.shape[2]
-    plans: dict[KeyRanges, RangeKernels | Decision] = {}
+    plans: dict[KeyRanges, RangeKernels | KeyRangeKernel | Decision] = {}
 
     def views(q: Tensor, k: Tensor, v: Tensor) -> list[Tensor]:
         found = [_in_bhnd(t, nhd) for t in (q, k, v)]
@@ -517,17 +567,28 @@ def _mask_runner(call: AttentionCall) -> Runner:
     def mask_runner(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
                     is_causal: bool, scale: float | None, enable_gqa: bool) -> Any:
         assert attn_mask is not None
-        ranges = _key_ranges.key_ranges(attn_mask, batch, n_k, n_q)
-        plan = None if ranges is None else plans.get(ranges)
-        if ranges is not None and plan is None:
-            this = AttentionCall(*views(q, k, v), attn_mask, **options)  # type: ignore[misc]
-            decision = decide(this)
-            plan = (_range_kernels(this, decision.choice, decision.ranges)
-                    if decision.quantized and decision.ranges is not None else decision)
-            if len(plans) >= _MAX_MASK_PLANS:
-                plans.clear()
-            plans[ranges] = plan
-        if not isinstance(plan, list):  # exact SDPA: not a key-padding mask, or faster here
+        def plan_of(ranges: KeyRanges | None) -> RangeKernels | KeyRangeKernel | Decision | None:
+            plan = None if ranges is None else plans.get(ranges)
+            if ranges is not None and plan is None:
+                this = AttentionCall(*views(q, k, v), attn_mask, **options)  # type: ignore[misc]
+                decision = decide(this, ranges)
+                plan = (_range_kernels(this, decision.choice, decision.ranges)
+                        if decision.quantized and decision.ranges is not None else decision)
+                if len(plans) >= _MAX_MASK_PLANS:
+                    plans.clear()
+                plans[ranges] = plan
+            return plan
+
+        # An inference tensor seen before: its ranges then, which the one launch reads again on
+        # the GPU (or exact SDPA takes the mask itself); else examined here (_key_ranges), as
+        # also where the plan would use the ranges as they were (one call per run of items).
+        ranges = _key_ranges.remembered_unverified(attn_mask, batch, n_k, n_q)
+        read_on_gpu = ranges is not MISSING_RANGES
+        plan = plan_of(ranges) if read_on_gpu else None
+        if not read_on_gpu or isinstance(plan, list):
+            read_on_gpu = False
+            plan = plan_of(_key_ranges.key_ranges(attn_mask, batch, n_k, n_q))
+        if plan is None or isinstance(plan, Decision):  # exact SDPA: not a key-padding mask, or faster here
             reason = _plan.MASK_RULE.reason if plan is None else plan.fallback
             if reason is not None:
                 _fall_back(reason, options["strict"], stacklevel=3)  # sageattn's caller: sageattn, this
@@ -535,7 +596,10 @@ def _mask_runner(call: AttentionCall) -> Runner:
                 return exact(AttentionCall(*views(q, k, v), attn_mask, **options))  # type: ignore[misc]
             return _exact_in_layout(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                     nhd)
-        out, lse = _run_ranges(*views(q, k, v), plan)
+        if read_on_gpu and isinstance(plan, KeyRangeKernel):
+            out, lse = plan(*views(q, k, v), key_mask=attn_mask[(None,) * (4 - attn_mask.dim())])
+        else:
+            out, lse = _run_ranges(*views(q, k, v), plan)
         out = _in_bhnd(out, nhd)
         if rank3:
             out, lse = out.squeeze(0), lse.squeeze(0)

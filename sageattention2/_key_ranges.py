@@ -13,9 +13,13 @@ dimension) are examined, and ``[..., 1, N_q, N_kv]`` ones (what transformers mat
 padded encoder), which qualify when every query's row is the same; a mask of any other shape
 costs nothing. Examining one reads it once on the GPU and waits for the result (one
 synchronisation), and the answer is kept for that mask tensor while it is alive and unmodified
-(models pass the same mask to every layer; ``_tensor_memo``: an inference tensor is examined on
-every call). ``_execute`` does not examine masks where exact SDPA is faster at the call's full
-key length anyway (``qk_quant="auto"``).
+(models pass the same mask to every layer; ``_tensor_memo``). An inference tensor (no version
+counter) is examined the first time it is seen; the answer is kept for it unverified
+(:func:`remembered_unverified`), and the Hopper kernel's calls then read its key ranges again
+on the GPU, with no synchronisation (NaN for the items of a mask modified in place into one that
+is not a key-padding mask: docs/DECISIONS.md#d43); the other kernels' calls examine it again.
+``_execute`` weighs the kernel against SDPA's masked call (``_crossover.masked_sdpa_factor``)
+and does not examine masks where exact SDPA is faster anyway (``qk_quant="auto"``).
 During a CUDA graph capture a mask not examined before is not examined (the call is captured as
 exact SDPA).
 Bool masks (True: attend) and additive masks whose values are 0 (attend) or -inf / the dtype's
@@ -24,17 +28,19 @@ lowest value (masked) qualify; an item left with no key does not (SDPA gives it 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ._tensor_memo import MISSING, TensorMemo
 
-__all__ = ["KeyRanges", "clear_cache", "could_be_key_mask", "key_ranges", "runs"]
+__all__ = ["KeyRanges", "clear_cache", "could_be_key_mask", "key_ranges", "remembered_unverified", "runs"]
 
 KeyRanges = tuple[tuple[int, int], ...]  # (first key, end) per batch item
 
 _examined = TensorMemo()
+_seen_inference = TensorMemo(identity=True)
 
 
 # Per-query masks above this many elements are not examined (the comparison of their rows
@@ -93,7 +99,14 @@ def key_ranges(mask: Tensor, batch: int, n_k: int, n_q: int = 1) -> KeyRanges | 
         return None  # reading the mask would end a CUDA graph capture: exact SDPA, not remembered
     ranges = _examine(mask, batch, n_k, n_q)
     _examined.put(mask, ranges, (batch, n_k, n_q))
+    _seen_inference.put(mask, ranges, (batch, n_k, n_q))  # (inference tensors only)
     return ranges
+
+
+def remembered_unverified(mask: Tensor, batch: int, n_k: int, n_q: int = 1) -> Any:
+    """What :func:`key_ranges` found for this inference tensor before (MISSING if it was not
+    examined): unverified, as it may have been written in place since."""
+    return _seen_inference.get(mask, (batch, n_k, n_q)) if mask.is_inference() else MISSING
 
 
 def runs(ranges: KeyRanges) -> list[tuple[int, int, int, int]]:
@@ -109,3 +122,4 @@ def runs(ranges: KeyRanges) -> list[tuple[int, int, int, int]]:
 
 def clear_cache() -> None:
     _examined.clear()
+    _seen_inference.clear()

@@ -27,6 +27,7 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from . import _key_ranges, ops
+from ._tensor_memo import MISSING
 from ._call import AttentionCall, validate
 
 __all__ = [
@@ -297,14 +298,25 @@ DEVICE_RULES: tuple[Fallback, ...] = (
              f"{MIN_CAPABILITY[1]} or newer, got {{arch}}",
              lambda target: {"arch": _arch(target.capability)}),
 )
+def _not_a_key_padding_mask(call: AttentionCall) -> bool:
+    """The mask rule's test. An inference tensor examined before is judged by what was found then
+    (its key ranges are read again where they are used: _execute)."""
+    if call.attn_mask is None:
+        return False
+    shape = (call.attn_mask, call.q.shape[0], call.k.shape[2], call.q.shape[2])
+    ranges = _key_ranges.remembered_unverified(*shape)
+    if ranges is MISSING:
+        ranges = _key_ranges.key_ranges(*shape)
+    return ranges is None
+
+
 # Its own name: a call's mask decides it (and a later call's mask may not), so the call cache
 # examines each new mask (_execute).
 MASK_RULE = Fallback(
     "an `attn_mask` other than a key-padding mask (one that leaves each batch item a contiguous "
     "range of keys, the same for all its heads and queries: `[B, 1, 1, N_kv]`, or `[B, 1, N_q, "
     "N_kv]` with equal rows)",
-    lambda call: call.attn_mask is not None and _key_ranges.key_ranges(
-        call.attn_mask, call.q.shape[0], call.k.shape[2], call.q.shape[2]) is None,
+    _not_a_key_padding_mask,
     "the quantized kernels take no attn_mask other than a key-padding mask (one that leaves each "
     "batch item a contiguous range of keys, the same for all heads and queries: [B, 1, 1, N_kv], "
     "or [B, 1, N_q, N_kv] with equal rows)")

@@ -294,17 +294,51 @@ def sageattn_wgmma(
     is_causal: bool,
     out_nhd: bool,
     return_lse: bool,
+    key_ranges: Tensor | None = None,
+    key_mask: Tensor | None = None,
+    sample_tokens: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """The Hopper path of sageattn in one op (docs/DESIGN.md#composite-ops):
     :func:`sageattn_wgmma_chain`, run by the extension in C++, so that its intermediates are never
     returned to Python. ``q``, ``k``, ``v`` are the caller's fp16/bf16 ``[B, H, N, D]`` views (last
     dimension contiguous, other strides multiples of 8). ``pv_dtype``: "fp8" (P~ and V in E4M3)
     or "input" (the accurate tier: P and V in q's dtype; ``smooth_v`` then does nothing).
+    ``key_ranges``: int32 ``[B, 3]`` on q's device, or None: batch item b attends keys
+    ``key_ranges[b, 0]`` to ``key_ranges[b, 1]`` (exclusive; at least one) alone, with K's and
+    V's groups over them and their means over every ``key_ranges[b, 2]``-th of them (then
+    ``sample_stride`` 1): a key-padding mask in one launch; not with ``is_causal``. Or
+    ``key_mask`` (``[1 or B, 1, 1 or Nq, Nk]``, bool or additive): the key ranges read from it on
+    the GPU, each item's sample stride ``ceil(count / sample_tokens) | 1``; an item whose mask is
+    not a key-padding mask gets NaN rows.
     Returns attention_wgmma's ``(out, lse)``."""
     out, lse = _op("sageattn_wgmma")(
-        q, k, v, pv_dtype, smooth_k, smooth_v, sample_stride, sm_scale, is_causal, out_nhd, return_lse
+        q, k, v, pv_dtype, smooth_k, smooth_v, sample_stride, sm_scale, is_causal, out_nhd, return_lse,
+        key_ranges, key_mask, sample_tokens
     )
     return out, lse
+
+
+def key_ranges_of_mask(key_mask: Tensor, batch: int, sample_tokens: int) -> tuple[Tensor, Tensor]:
+    """What ``sageattn_wgmma`` reads from a ``key_mask`` (its CPU implementation, in Python): int32
+    ``[batch, 3]`` (first key, end key, sample stride) and int32 ``[batch]`` valid (0 where the
+    item's mask is not a key-padding mask with one non-empty range; its range is then every key)."""
+    n_k = key_mask.shape[-1]
+    rows = key_mask.expand(batch, 1, key_mask.shape[2], n_k)[:, 0]
+    if rows.dtype == torch.bool:
+        keep, values_ok = rows[:, 0], torch.ones(batch, dtype=torch.bool)
+    else:
+        low = torch.finfo(rows.dtype).min
+        keep = rows[:, 0] == 0
+        values_ok = ((rows[:, 0] == 0) | (rows[:, 0] == -math.inf) | (rows[:, 0] == low)).all(-1)
+    values_ok = values_ok.cpu() & (rows == rows[:, :1]).all(-1).all(-1).cpu()
+    ranges, valid = [], []
+    for b in range(batch):
+        kept = keep[b].nonzero().flatten().tolist()
+        ok = bool(values_ok[b]) and bool(kept) and kept[-1] - kept[0] + 1 == len(kept)
+        first, end = (kept[0], kept[-1] + 1) if ok else (0, n_k)
+        ranges.append((first, end, -(-(end - first) // sample_tokens) | 1))
+        valid.append(int(ok))
+    return torch.tensor(ranges, dtype=torch.int32), torch.tensor(valid, dtype=torch.int32)
 
 
 def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, pv_dtype: str, smooth_k: bool,
@@ -316,9 +350,27 @@ def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, pv_dtype: str, smooth_
     PV-MMA order; with ``pv_dtype`` "input", K only, V as it is), then attention_wgmma, which
     quantizes Q itself and returns the complete LSE (it adds the row constant of K smoothing).
     ``attention`` is the rest of sageattn_wgmma's arguments, ``(sm_scale, is_causal, out_nhd,
-    return_lse)``, which attention_wgmma takes as they are."""
+    return_lse[, key_ranges, key_mask, sample_tokens])``: attention_wgmma takes the first four as
+    they are; with ``key_ranges`` (or those of ``key_mask``: :func:`key_ranges_of_mask`) each
+    batch item runs this chain on its own range of keys (what the one launch computes)."""
     if pv_dtype not in ("fp8", "input"):
         raise RuntimeError(f"pv_dtype must be 'fp8' or 'input', got '{pv_dtype}'")
+    key_ranges, key_mask, sample_tokens = (*attention[4:], None, None, 0)[:3]
+    attention = attention[:4]
+    valid = None
+    if key_mask is not None:
+        key_ranges, valid = key_ranges_of_mask(key_mask, q.shape[0], sample_tokens)
+    if key_ranges is not None:
+        parts = [sageattn_wgmma_chain(q[b:b + 1], k[b:b + 1, :, first:end], v[b:b + 1, :, first:end],
+                                      pv_dtype, smooth_k, smooth_v, stride, *attention)
+                 for b, (first, end, stride) in enumerate(key_ranges.tolist())]
+        out, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+        if valid is not None:
+            for b in (valid == 0).nonzero().flatten().tolist():
+                out[b] = math.nan
+                if lse.numel():
+                    lse[b] = math.nan
+        return out, lse
     fp8 = pv_dtype == "fp8"
     smooth_v = smooth_v and fp8
     k_mean = v_mean = None

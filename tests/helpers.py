@@ -2,6 +2,7 @@
 to pretend for the routing tests, and the inputs and error of the reference tests."""
 from __future__ import annotations
 
+import math
 import warnings
 from pathlib import Path
 from typing import Any, Callable
@@ -113,11 +114,27 @@ def stand_in_kernel(monkeypatch: pytest.MonkeyPatch,
     pretend_gpu(monkeypatch, (9, 0), DEFAULT_BUILD)
     seen: list[tuple[Any, ...]] = []
 
-    def kernel(self: _execute.KernelCall, q: torch.Tensor, k: torch.Tensor,
-               v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seen.append(record(self, q, k))
-        out, lse = ref.exact_attention(q, k, v, is_causal=self.is_causal, scale=self.sm_scale,
-                                       enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+    def exact(self: _execute.KernelCall, q: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return ref.exact_attention(q, k, v, is_causal=self.is_causal, scale=self.sm_scale,
+                                   enable_gqa=q.shape[1] != k.shape[1], return_lse=True)
+
+    def kernel(self: _execute.KernelCall, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+               key_ranges: torch.Tensor | None = None,
+               key_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(record(self, q, k) if key_mask is None else ("key_mask", *record(self, q, k)))
+        valid = None
+        if key_mask is not None:  # the ranges read from the mask (sageattn_wgmma's CPU chain)
+            key_ranges, valid = ops.key_ranges_of_mask(key_mask, q.shape[0], _execute.SMOOTHING_SAMPLE_TOKENS)
+        if key_ranges is None:
+            out, lse = exact(self, q, k, v)
+        else:  # the one launch of a key-padding mask: each item on its range of keys
+            parts = [exact(self, q[b:b + 1], k[b:b + 1, :, first:end], v[b:b + 1, :, first:end])
+                     for b, (first, end, _) in enumerate(key_ranges.tolist())]
+            out, lse = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+            if valid is not None:  # NaN for the items whose mask is not a key-padding mask
+                out[valid == 0] = math.nan
+                lse[valid == 0] = math.nan
         out = out.to(q.dtype)
         if self.out_nhd:
             out = out.transpose(1, 2).contiguous().transpose(1, 2)

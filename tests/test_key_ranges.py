@@ -115,7 +115,7 @@ def kernel_stand_in(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, ...]]:
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("ranges", [[(0, 37), (0, 37)], [(0, 20), (5, 40), (5, 40)], [(3, 40)]],
                          ids=["one range", "three items, two runs", "one item"])
-def test_masked_call_runs_per_key_range(kernel_stand_in: list[tuple[int, ...]], layout: str,
+def test_masked_call_runs_on_each_items_key_range(kernel_stand_in: list[tuple[int, ...]], layout: str,
                                         ranges: list[tuple[int, int]]) -> None:
     b = len(ranges)
     q, k, v = qkv(b=b, hq=4, hkv=2, nq=23, nk=40, d=64, dtype=torch.float32, layout=layout)
@@ -133,8 +133,7 @@ def test_masked_call_runs_per_key_range(kernel_stand_in: list[tuple[int, ...]], 
             out, lse = sageattn(q, k, v, mask, enable_gqa=True, tensor_layout=layout, return_lse=True)
         torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=0)
         assert out.shape == q.shape and out.is_contiguous()
-        runs = _key_ranges.runs(tuple(ranges))
-        assert kernel_stand_in == [(b1 - b0, 2, e - s, 64) for b0, b1, s, e in runs]
+        assert kernel_stand_in == [(b, 2, 40, 64)]  # the Hopper kernel takes the ranges: one launch
         scores = torch.einsum("bhnd,bhmd->bhnm", hnd(q).double(), hnd(k).double().repeat_interleave(2, 1)) / 8
         scores = scores.masked_fill(~mask, -math.inf)
         torch.testing.assert_close(lse, torch.logsumexp(scores, -1).float(), atol=1e-3, rtol=0)
@@ -156,8 +155,8 @@ def test_a_new_mask_of_the_same_shape_is_examined(kernel_stand_in: list[tuple[in
         if mask is holes:  # not a key-padding mask: exact SDPA, the mask rule's warning
             assert kernel_stand_in == [] and torch.equal(out, ORIGINAL_SDPA(q, k, v, attn_mask=mask))
             assert any("key-padding mask" in m for m in fallback_warnings(record))
-        else:
-            assert len(kernel_stand_in) == 2 and not fallback_warnings(record)
+        else:  # one launch (the Hopper kernel takes the items' ranges)
+            assert len(kernel_stand_in) == 1 and not fallback_warnings(record)
     with pytest.raises(NotImplementedError, match="key-padding mask"):
         sageattn(q, k, v, holes, strict=True)
 
@@ -173,7 +172,7 @@ def test_per_query_masks(kernel_stand_in: list[tuple[int, ...]]) -> None:
         out = sageattn(q, k, v, mask)
     torch.testing.assert_close(out.float(), ORIGINAL_SDPA(q.float(), k.float(), v.float(), attn_mask=mask),
                                atol=2e-3, rtol=0)
-    assert kernel_stand_in == [(1, 2, 10, 64), (1, 2, 16, 64)]
+    assert kernel_stand_in == [(2, 2, 16, 64)]  # one launch on the items' ranges
     mask[0, 0, 3, 12] = True
     reason = explain(q, k, v, mask).reason
     assert reason is not None and "key-padding mask" in reason
@@ -202,40 +201,57 @@ def test_masks_are_not_examined_where_exact_wins_at_full_length(
     examined.clear()
     for _ in range(2):
         sageattn(q, k, v, key_mask([(0, 10), (0, 16)], 16), qk_quant="int8")
-    assert len(examined) == 2 and len(kernel_stand_in) == 4
+    assert len(examined) == 2 and len(kernel_stand_in) == 2
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d,pv_quant,dtype", [(64, "auto", torch.bfloat16), (128, "auto", torch.float16),
+                                              (256, "auto", torch.bfloat16), (64, "none", torch.float16),
+                                              (128, "none", torch.bfloat16)])
 @pytest.mark.parametrize("per_query", [False, True], ids=["[B,1,1,Nk]", "[B,1,Nq,Nk]"])
-def test_key_padding_mask_on_the_gpu(attention_kernel: None, layout: str, d: int,
-                                     per_query: bool) -> None:
-    """On the GPU a key-padding mask (also as equal rows per query) runs the kernel: each item's
-    output is bit for bit the unmasked call on its range of keys, and within the 8-bit bound of
-    float64 masked attention."""
+def test_key_padding_mask_on_the_gpu(attention_kernel: None, monkeypatch: pytest.MonkeyPatch, layout: str,
+                                     d: int, pv_quant: str, dtype: torch.dtype, per_query: bool) -> None:
+    """On the GPU a key-padding mask (also as equal rows per query) runs the kernel: on the
+    Hopper kernel in one launch over every item's range (on poisoned memory), each item's output
+    bit for bit the unmasked call on its range of keys, and within the 8-bit bound of float64
+    masked attention; the padding's values (here huge) never reach an output."""
+    from sageattention2 import ops
+    from sageattention2.testing import poison_cuda_allocator, relative_l1
+
     g = torch.Generator(device="cuda").manual_seed(d)
-    ranges = [(0, 1000), (0, 1000), (37, 1537), (0, 1537)]
-    shape = (4, 300, 8, d) if layout == "NHD" else (4, 8, 300, d)
-    kv_shape = (4, 1537, 2, d) if layout == "NHD" else (4, 2, 1537, d)
-    q = torch.randn(shape, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(kv_shape, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    ranges = [(0, 1000), (0, 1000), (37, 1537), (0, 1537), (1400, 1401)]
+    b = len(ranges)
+    shape = (b, 300, 8, d) if layout == "NHD" else (b, 8, 300, d)
+    kv_shape = (b, 1537, 2, d) if layout == "NHD" else (b, 2, 1537, d)
+    q = torch.randn(shape, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(kv_shape, device="cuda", dtype=dtype, generator=g) for _ in range(2))
     mask = key_mask(ranges, 1537).cuda()
-    if per_query:
-        mask = mask.expand(4, 1, 300, 1537).contiguous()
-    kw = dict(enable_gqa=True, tensor_layout=layout, qk_quant="int8")
-    assert explain(q, k, v, mask, **kw).quantized
-    out = sageattn(q, k, v, mask, **kw)
     n_axis = 1 if layout == "NHD" else 2
-    for b, (s, e) in enumerate(ranges):
-        alone = sageattn(q[b:b + 1], k[b:b + 1].narrow(n_axis, s, e - s),
-                         v[b:b + 1].narrow(n_axis, s, e - s), **kw)
-        assert torch.equal(out[b:b + 1], alone), b
+    for t in (k, v):  # the padding: huge values that would dominate any mean or scale they joined
+        for i, (s, e) in enumerate(ranges):
+            t[i].narrow(n_axis - 1, 0, s).fill_(3e4)
+            t[i].narrow(n_axis - 1, e, 1537 - e).fill_(-3e4)
+    if per_query:
+        mask = mask.expand(b, 1, 300, 1537).contiguous()
+    kw = dict(enable_gqa=True, tensor_layout=layout, qk_quant="int8", pv_quant=pv_quant)
+    decision = explain(q, k, v, mask, **kw)
+    if not decision.quantized:
+        pytest.skip(f"not on this GPU: {decision.reason}")
+    launches: list[int] = []
+    real = ops.sageattn_wgmma
+    monkeypatch.setattr(ops, "sageattn_wgmma", lambda *a, **kwa: launches.append(1) or real(*a, **kwa))
+    poison_cuda_allocator()
+    out = sageattn(q, k, v, mask, **kw)
+    if decision.kernel == "attention_wgmma":
+        assert len(launches) == 1
+    for i, (s, e) in enumerate(ranges):
+        alone = sageattn(q[i:i + 1], k[i:i + 1].narrow(n_axis, s, e - s),
+                         v[i:i + 1].narrow(n_axis, s, e - s), **kw)
+        assert torch.equal(out[i:i + 1], alone), i
     hnd = (lambda t: t.transpose(1, 2)) if layout == "NHD" else (lambda t: t)
     want = ref.exact_attention(hnd(q), hnd(k), hnd(v), attn_mask=mask, enable_gqa=True)
-    from sageattention2.testing import relative_l1
-
-    assert torch.isfinite(out).all() and relative_l1(hnd(out), want) < 0.05
+    assert torch.isfinite(out).all() and relative_l1(hnd(out), want) < (0.05 if pv_quant == "auto" else 0.02)
 
 
 def test_hunyuan_video_masks_run_the_kernel(kernel_stand_in: list[tuple[int, ...]]) -> None:
@@ -255,3 +271,108 @@ def test_hunyuan_video_masks_run_the_kernel(kernel_stand_in: list[tuple[int, ...
             got = model(**inputs)[0]
     assert len(kernel_stand_in) >= 2  # the joint calls
     assert torch.nn.functional.cosine_similarity(got.flatten().float(), want.flatten().float(), 0) > 0.999
+
+
+def test_an_inference_mask_seen_before_is_read_on_the_gpu(kernel_stand_in: list[tuple[int, ...]],
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torch.inference_mode a mask tensor has no version counter: the first call examines
+    it (one synchronisation), the next calls with the same tensor hand it to the Hopper kernel's
+    launch, which reads the key ranges again on the GPU (none); a mask changed in place since
+    into one that is not a key-padding mask gives NaN rows to the items it breaks, never
+    another mask's attention."""
+    examined: list[int] = []
+    real = _key_ranges._examine
+    monkeypatch.setattr(_key_ranges, "_examine", lambda *a: examined.append(1) or real(*a))
+    q, k, v = qkv(b=2, hq=2, nq=8, nk=16, d=64, dtype=torch.float16)
+    with torch.inference_mode():
+        mask = key_mask([(0, 10), (3, 16)], 16).expand(2, 1, 8, 16).contiguous()
+        for call in range(3):
+            out = sageattn(q, k, v, mask)
+            want = ORIGINAL_SDPA(q.float(), k.float(), v.float(), attn_mask=mask)
+            torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=0)
+        assert len(examined) == 2  # the first call's route and decision
+        assert kernel_stand_in == [(2, 2, 16, 64)] + [("key_mask", 2, 2, 16, 64)] * 2
+        mask[1, 0, :, 12:14] = False  # now a hole in item 1's keys
+        out = sageattn(q, k, v, mask)
+    assert len(examined) == 2
+    assert torch.isnan(out[1]).all() and not torch.isnan(out[0]).any()
+    torch.testing.assert_close(out[0].float(), want[0], atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,mask_dtype,one_row", [
+    (torch.float16, torch.bool, False), (torch.bfloat16, torch.float32, False),
+    (torch.float16, torch.float16, True), (torch.bfloat16, torch.bfloat16, False)])
+def test_key_ranges_read_from_the_mask_on_the_gpu(wgmma_kernel: None, dtype: torch.dtype,
+                                                  mask_dtype: torch.dtype, one_row: bool) -> None:
+    """sageattn_wgmma with key_mask reads each item's key range from the mask on the GPU: the
+    same output and LSE, bit for bit, as with the ranges given (on poisoned memory); an item
+    whose mask is not a key-padding mask (a row that differs, a hole) gets NaN rows and LSE,
+    the others are unchanged."""
+    from sageattention2 import _execute, ops
+    from sageattention2.testing import poison_cuda_allocator
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    ranges = [(0, 1000), (37, 1537), (0, 1537), (1400, 1401)]
+    b, n_q, n_k = len(ranges), 1 if one_row else 300, 1537
+    q = torch.randn(b, 8, 300, 128, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(b, 2, n_k, 128, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    keep = key_mask(ranges, n_k).cuda().expand(b, 1, n_q, n_k).contiguous()
+    if mask_dtype == torch.bool:
+        mask = keep
+    else:
+        low = -math.inf if mask_dtype == torch.float32 else torch.finfo(mask_dtype).min
+        mask = torch.zeros(keep.shape, device="cuda", dtype=mask_dtype).masked_fill(~keep, low)
+    stride = _execute.smoothing_sample_stride
+    given = torch.tensor([(s, e, stride(e - s)) for s, e in ranges], dtype=torch.int32, device="cuda")
+    args = (q, k, v, "fp8", True, False, 1, 128 ** -0.5, False, False, True)
+    poison_cuda_allocator()
+    want, want_lse = ops.sageattn_wgmma(*args, key_ranges=given)
+    poison_cuda_allocator()
+    got, got_lse = ops.sageattn_wgmma(*args, key_mask=mask, sample_tokens=_execute.SMOOTHING_SAMPLE_TOKENS)
+    assert torch.isfinite(want).all() and torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    broken = mask.clone()
+    if one_row:  # a hole in item 1's range
+        broken[1, 0, 0, 500] = ~broken[1, 0, 0, 500] if mask_dtype == torch.bool else low
+    else:  # one query row of item 1 differs from the others
+        broken[1, 0, 5, 40] = ~broken[1, 0, 5, 40] if mask_dtype == torch.bool else low
+    got, got_lse = ops.sageattn_wgmma(*args, key_mask=broken, sample_tokens=_execute.SMOOTHING_SAMPLE_TOKENS)
+    assert torch.isnan(got[1]).all() and torch.isnan(got_lse[1]).all()
+    others = [0, 2, 3]
+    assert torch.equal(got[others], want[others]) and torch.equal(got_lse[others], want_lse[others])
+
+
+def test_sageattn_wgmma_checks_its_key_range_arguments() -> None:
+    """The op names the argument and what it allows (its Meta implementation validates as the
+    CUDA one does)."""
+    from sageattention2 import ops
+
+    if not ops.has_op("sageattn_wgmma"):
+        pytest.skip("no extension")
+    op = torch.ops.sageattention2.sageattn_wgmma
+
+    def meta(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        return torch.empty(shape, device="meta", dtype=dtype)
+
+    q, k, v = meta(2, 4, 8, 64), meta(2, 2, 16, 64), meta(2, 2, 16, 64)
+    args = [q, k, v, "fp8", True, False, 1, 0.125, False, False, False]
+    ranges, mask = meta(2, 3, dtype=torch.int32), meta(2, 1, 8, 16, dtype=torch.bool)
+    out, _ = op(*args, key_ranges=ranges)
+    assert out.shape == q.shape
+    out, _ = op(*args, key_mask=mask, sample_tokens=256)
+    assert out.shape == q.shape
+    bad = [
+        (dict(key_ranges=meta(2, 2, dtype=torch.int32)), r"key_ranges must be an int32 \[batch, 3\]"),
+        (dict(key_ranges=meta(2, 3, dtype=torch.int64)), r"key_ranges must be an int32"),
+        (dict(key_mask=meta(2, 1, 3, 16, dtype=torch.bool), sample_tokens=256), r"key_mask must be \[1 or batch"),
+        (dict(key_mask=meta(2, 1, 8, 16, dtype=torch.int64), sample_tokens=256), "key_mask must be bool, float16"),
+        (dict(key_mask=mask, key_ranges=ranges, sample_tokens=256), "cannot both be given"),
+        (dict(key_mask=mask), "sample_tokens must be >= 1"),
+    ]
+    for kwargs, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            op(*args, **kwargs)
+    with pytest.raises(RuntimeError, match="sample_stride must be 1"):
+        op(*args[:6], 3, *args[7:], key_ranges=ranges)
+    with pytest.raises(RuntimeError, match="cannot be combined with is_causal"):
+        op(*args[:8], True, *args[9:], key_ranges=ranges)

@@ -258,7 +258,7 @@ struct WgmmaMainloop {
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-    const TileMask mask0 = last == 0 ? TileMask::of(p, w, 0, row_in_item) : unmasked;
+    const TileMask mask0 = last == 0 ? TileMask::template of<kItemKeys<kHeadDim, kCausal>>(p, w, 0, row_in_item) : unmasked;
     if (mask0.masked) scores_to_p<true>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
     else scores_to_p<false>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
     if constexpr (!kFp8Pv) rescale_to_tile(alpha_prev);
@@ -363,7 +363,7 @@ struct WgmmaMainloop {
       }
     }
     if (last > 0) {
-      const TileMask mask = TileMask::of(p, w, last, row_in_item);
+      const TileMask mask = TileMask::template of<kItemKeys<kHeadDim, kCausal>>(p, w, last, row_in_item);
       if (mask.masked) step(last, slot(last), mask, std::true_type{});
       else step(last, slot(last), unmasked, std::false_type{});
     }
@@ -470,14 +470,14 @@ struct WgmmaMainloop {
     if constexpr (kCausal) {
 #pragma unroll 1
       for (int i = 0; i < last; ++i) tile(__shfl_sync(0xffffffffu, i, 0), unmasked, std::false_type{});
-      const TileMask mask = TileMask::of(p, w, last, row_in_item);
+      const TileMask mask = TileMask::template of<kItemKeys<kHeadDim, kCausal>>(p, w, last, row_in_item);
       if (mask.masked) tile(last, mask, std::true_type{});
       else tile(last, unmasked, std::false_type{});
     } else {
 #pragma unroll 1
       for (int i = 0; i <= last; ++i) {
         const int it = __shfl_sync(0xffffffffu, i, 0);
-        const TileMask mask = it == last ? TileMask::of(p, w, it, row_in_item) : unmasked;
+        const TileMask mask = it == last ? TileMask::template of<kItemKeys<kHeadDim, kCausal>>(p, w, it, row_in_item) : unmasked;
         if (mask.masked) tile(it, mask, std::true_type{});
         else tile(it, mask, std::false_type{});
       }

@@ -22,13 +22,17 @@ struct WgmmaTileMask {
   int key_limit;   // keys of the tile that exist
   int rows_ahead;  // the thread's first row minus the tile's first key
 
+  // kItemKeyCount: the item's keys are item_kv_len's (its key range), else kv_len (a kernel that
+  // never sees key ranges; hopper/tile_scheduler.cuh's kItemKeys).
+  template <bool kItemKeyCount>
   __device__ static WgmmaTileMask of(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int it, int row_in_item) {
     WgmmaTileMask mask;
     // Item-relative 32-bit offsets: the query block is w.qb, the key tile it.
     mask.rows_ahead = (w.qb - it) * kBlockK + row_in_item;
     const int warp_rows_ahead = mask.rows_ahead - row_in_item % 16;  // the warp's first row
-    const bool tail = static_cast<int64_t>(it + 1) * kBlockK > p.kv_len;
-    mask.key_limit = tail ? static_cast<int>(p.kv_len - static_cast<int64_t>(it) * kBlockK) : kBlockK;
+    const int64_t kv_len = kItemKeyCount ? item_kv_len(p, w.b) : p.kv_len;
+    const bool tail = static_cast<int64_t>(it + 1) * kBlockK > kv_len;
+    mask.key_limit = tail ? static_cast<int>(kv_len - static_cast<int64_t>(it) * kBlockK) : kBlockK;
     mask.masked = tail || (kCausal && kBlockK - 1 > warp_rows_ahead);
     return mask;
   }

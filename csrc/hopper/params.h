@@ -38,6 +38,11 @@ struct AttentionWgmmaParams {
   float* lse = nullptr;              // [B, Hq, q_len] or null
   int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   int64_t q_len = 0, kv_len = 0, k_padded = 0;
+  // Key ranges (a key-padding mask in one launch, docs/DECISIONS.md#d43): [batch][3] int32, the
+  // first and end key of each batch item (and its smoothing sample's stride), or null (every
+  // item has kv_len keys). Item b's K codes (and FP8 V) start at row 0 with its first key
+  // (quantize_kv over the same ranges); the caller's 16-bit V is read from its first key on.
+  const int* key_ranges = nullptr;
   float sm_scale = 1.0f;             // softmax scale (natural units)
   bool causal = false;
   int unit_items = 2;                // Q blocks per work unit (hopper/tile_scheduler.cuh; set by the launch)

@@ -20,7 +20,7 @@ namespace sageattention2 {
 template <int kHeadDim, bool kCausal, bool kFp8Pv>
 struct WgmmaProducer {
   using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
-  using Scheduler = WgmmaTileScheduler<kCausal>;
+  using Scheduler = WgmmaTileScheduler<kCausal, kItemKeys<kHeadDim, kCausal>>;
   static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages;
   static constexpr int kKBytes = Geometry::kKBytes, kVBytes = Geometry::kVBytes;
 
@@ -39,6 +39,9 @@ struct WgmmaProducer {
     for (; Scheduler::seek(p, sc, unit, half, w); ++half) {
       const int bhk = w.b * p.kv_heads + w.hk;
       const float* k_scale = p.k_scale + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) * 4;
+      // The caller's 16-bit V from the item's first key; a key range's keys past its end are
+      // the masked keys of the same item, which the mask weights by 0.
+      const int first_key = kFp8Pv || kCausal ? 0 : item_first_key(p, w.b);
       for (int it = 0; it < w.kv_tiles; ++it, ++seq) {
         const int stage = seq % kStages;
         const uint32_t phase = (seq / kStages) & 1;
@@ -57,8 +60,8 @@ struct WgmmaProducer {
         } else {  // 128 keys x 64 channels per copy; keys past kv_len land as zeros
 #pragma unroll
           for (int chunk = 0; chunk < kHeadDim / 64; ++chunk)
-            ptx::tma_load_4d(s.v[stage] + chunk * Geometry::kVChunkBytes, v_map, chunk * 64, it * kBlockK, w.hk, w.b,
-                             &s.full_v[stage]);
+            ptx::tma_load_4d(s.v[stage] + chunk * Geometry::kVChunkBytes, v_map, chunk * 64,
+                             first_key + it * kBlockK, w.hk, w.b, &s.full_v[stage]);
         }
       }
     }

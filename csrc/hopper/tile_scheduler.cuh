@@ -9,13 +9,31 @@
 
 namespace sageattention2 {
 
+// The keys batch item b attends: kv_len, or its key range's length (AttentionWgmmaParams::key_ranges).
+__device__ __forceinline__ int64_t item_kv_len(const AttentionWgmmaParams& p, int b) {
+  return p.key_ranges == nullptr ? p.kv_len : __ldg(p.key_ranges + 3 * b + 1) - __ldg(p.key_ranges + 3 * b);
+}
+
+// Its first key in the caller's K and V (0 without key ranges).
+__device__ __forceinline__ int item_first_key(const AttentionWgmmaParams& p, int b) {
+  return p.key_ranges == nullptr ? 0 : __ldg(p.key_ranges + 3 * b);
+}
+
 struct WgmmaWorkItem {  // one work item: a block of 128 queries of one head
   int qb, h, b, hk;
   int64_t q0;
   int kv_tiles;
 };
 
-template <bool kCausal>
+// Whether a kernel variant reads each item's key count through item_kv_len (key ranges come
+// only without is_causal: a causal kernel reads kv_len). The causal head_dim 256 kernel takes
+// item_kv_len's form too, whose value is kv_len there: with it ptxas keeps that kernel's KV loop
+// free of spills (8 local accesses per tile fewer), kernel +12-16 % (A/B/A on the H100,
+// docs/DECISIONS.md#d43); the causal head_dim 64 kernel in that form ran 2-6 % slower.
+template <int kHeadDim, bool kCausal>
+inline constexpr bool kItemKeys = !kCausal || kHeadDim == 256;
+
+template <bool kCausal, bool kItemKeyCount = !kCausal>
 struct WgmmaTileScheduler {
   static constexpr int kBlockQ = kWgmmaBlockQ, kBlockK = kWgmmaBlockK;
   // Work units: Q blocks q_blocks - 1 - k and k of one (batch, head), the longer first. Under
@@ -52,7 +70,7 @@ struct WgmmaTileScheduler {
     w.b = static_cast<int>(head / p.q_heads);
     w.hk = w.h / (p.q_heads / p.kv_heads);
     w.q0 = static_cast<int64_t>(w.qb) * kBlockQ;
-    int64_t tiles = (p.kv_len + kBlockK - 1) / kBlockK;
+    int64_t tiles = ((kItemKeyCount ? item_kv_len(p, w.b) : p.kv_len) + kBlockK - 1) / kBlockK;
     if constexpr (kCausal) {
       const int64_t last_query = (w.q0 + kBlockQ < p.q_len ? w.q0 + kBlockQ : p.q_len) - 1;
       const int64_t needed = last_query / kBlockK + 1;  // SDPA causal: key j visible to query i iff j <= i

@@ -23,6 +23,12 @@ struct BhndView {
   int batch = 0, heads = 0;
   int64_t tokens = 0;
   int head_dim = 0;
+  // Key ranges (a key-padding mask run in one launch: docs/DECISIONS.md#d43): [batch][3] int32,
+  // each batch item's first and end token and the stride of its smoothing sample, or null
+  // (every token). The view's rows are then the item's range, or with `sampled` every
+  // stride-th token of it, counted from its first (item_view in preprocess/rows.cuh).
+  const int* ranges = nullptr;
+  bool sampled = false;
 };
 
 struct StatsSource {
@@ -76,6 +82,32 @@ struct QuantizeKVParams {
   uint8_t int8_heads_run = 0;
 };
 
+// A key-padding mask read on the GPU (preprocess/key_ranges.cu): a [mask_batch, 1, rows, keys]
+// view (mask_batch 1 or the call's batch, rows 1 or the call's queries; element strides) of a
+// bool mask (True: attend) or an additive one (0: attend; -inf or `lowest`: masked).
+enum class KeyMaskDtype { kBool, kFloat16, kBFloat16, kFloat32 };
+struct KeyMaskParams {
+  const void* mask = nullptr;
+  int64_t stride_b = 0, stride_r = 0, stride_k = 1;
+  int mask_batch = 1, batch = 0, rows = 1, keys = 0;
+  float lowest = 0.0f;
+  int sample_tokens = 1;  // the smoothing sample's most keys (the stride: ceil(count / this) | 1)
+  int rows_per_chunk = 1, chunks = 1;  // the rows of each CTA (blockIdx.y) of an item
+  int* ranges = nullptr;  // out: [batch][3] first key, end key, sample stride
+  int* valid = nullptr;   // out: [batch][1 + chunks] 1 where the first row / each chunk's rows qualify
+};
+
+// The output rows of the items whose `valid` is 0 set to NaN.
+struct PoisonParams {
+  void* out = nullptr;  // [batch, heads, tokens, head_dim], element strides
+  int64_t stride_b = 0, stride_h = 0, stride_n = 0;
+  float* lse = nullptr;  // [batch, heads, tokens] contiguous, or null
+  const int* valid = nullptr;  // [batch][valid_per_item]: an item is valid where all are 1
+  int valid_per_item = 1;
+  int batch = 0, heads = 0, head_dim = 0;
+  int64_t tokens = 0;
+};
+
 // quantize_kv quantizes K from registers (quantize_k_block_in_registers) for the head_dims it has
 // compiled in and the attention kernels' 128-key blocks, when no Delta-S is asked for; otherwise
 // from a tile staged in shared memory.
@@ -94,6 +126,8 @@ cudaError_t launch_smoothing_stats(const StatsParams& p, int jobs, InputDtype dt
 // after_smoothing_stats: as a programmatic dependent of smoothing_stats, launched just before it
 // by the same call (quantize_kv_kernel); p.v_overlaps_prior_grid says what else the caller
 // guarantees.
+cudaError_t launch_key_ranges_of_mask(const KeyMaskParams& p, KeyMaskDtype dtype, cudaStream_t stream);
+cudaError_t launch_poison_invalid_items(const PoisonParams& p, InputDtype dtype, cudaStream_t stream);
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
                                bool after_smoothing_stats = false);
 

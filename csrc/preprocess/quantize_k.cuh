@@ -17,18 +17,19 @@ namespace sageattention2 {
 template <typename T, bool kInt4, int kHeadDim>
 __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* tile, KVTileSmem& sm, int kb, int h,
                                                 int b) {
+  const BhndView k = item_view<T>(p.k, b);  // (key ranges: the item's keys from row 0)
   using Codes = IntCodes<kInt4>;
   float* mean = sm.mean;
   unsigned* group_amax = reinterpret_cast<unsigned*>(sm.aux);
   float* group_inv = sm.aux + kKGroupsPerBlock;
-  const int head_dim = head_dim_of<kHeadDim>(p.k), vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
+  const int head_dim = head_dim_of<kHeadDim>(k), vecs = head_dim / kElemsPerVector, pitch = kv_tile_pitch(head_dim);
   const int block_k = p.block_k;
   const int64_t row0 = static_cast<int64_t>(kb) * block_k;
-  const int valid = static_cast<int>(p.k.tokens - row0 < block_k ? p.k.tokens - row0 : block_k);
-  const int64_t bh = static_cast<int64_t>(b) * p.k.heads + h;
+  const int valid = static_cast<int>(k.tokens - row0 < block_k ? k.tokens - row0 : block_k);
+  const int64_t bh = static_cast<int64_t>(b) * k.heads + h;
   const int64_t blocks = p.padded_tokens / block_k;
 
-  start_kv_tile_copy<T, kHeadDim>(tile, p.k, b, h, row0, valid);
+  start_kv_tile_copy<T, kHeadDim>(tile, k, b, h, row0, valid);
   ptx::griddepcontrol_wait();  // the means, and every write, after the kernel before (quantize_kv_kernel)
   for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads)
     mean[d] = p.k_mean != nullptr ? p.k_mean[bh * head_dim + d] : 0.0f;
@@ -66,7 +67,7 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
 
   if (p.q_mean != nullptr) {
     // Delta-S_j = q_mean . gamma(K_j) from the unquantized smoothed key: exact in float32.
-    const int group_size = p.q_heads / p.k.heads;
+    const int group_size = p.q_heads / k.heads;
     for (int i = threadIdx.x; i < group_size * block_k; i += kPreprocessThreads) {
       const int hq = h * group_size + i / block_k, r = i % block_k;
       float s = 0.0f;
@@ -97,6 +98,7 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
 template <typename T, bool kInt4, int kHeadDim>
 __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVParams& p, KVTileSmem& sm, int kb, int h,
                                                               int b) {
+  const BhndView k = item_view<T>(p.k, b);
   using Codes = IntCodes<kInt4>;
   constexpr int kBlockK = kRegisterKBlock, kWarps = kPreprocessThreads / 32, kWarpRows = kBlockK / kWarps;
   constexpr int kVecs = kHeadDim / kElemsPerVector, kRowsPerPass = 32 / kVecs, kPasses = kWarpRows / kRowsPerPass;
@@ -105,15 +107,15 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
   const int tid = threadIdx.x;
   const int warp = tid / 32, lane = tid % 32, c = lane % kVecs, sub = lane / kVecs;
   const int64_t row0 = static_cast<int64_t>(kb) * kBlockK;
-  const int valid = static_cast<int>(p.k.tokens - row0 < kBlockK ? p.k.tokens - row0 : kBlockK);
-  const int64_t bh = static_cast<int64_t>(b) * p.k.heads + h;
+  const int valid = static_cast<int>(k.tokens - row0 < kBlockK ? k.tokens - row0 : kBlockK);
+  const int64_t bh = static_cast<int64_t>(b) * k.heads + h;
   const int first_row = warp * kWarpRows + sub;  // the lane's row of pass 0; pass j adds j * kRowsPerPass
 
   uint4 raw[kPasses];
-  const T* src = row_ptr<T>(p.k, b, h, row0 + first_row) + c * kElemsPerVector;
+  const T* src = row_ptr<T>(k, b, h, row0 + first_row) + c * kElemsPerVector;
 #pragma unroll
   for (int j = 0; j < kPasses; ++j)
-    raw[j] = first_row + j * kRowsPerPass < valid ? ptx::ld_global_nc_v4(src + j * kRowsPerPass * p.k.stride_n)
+    raw[j] = first_row + j * kRowsPerPass < valid ? ptx::ld_global_nc_v4(src + j * kRowsPerPass * k.stride_n)
                                                   : make_uint4(0u, 0u, 0u, 0u);
   ptx::griddepcontrol_wait();  // the means, and every write, after the kernel before (quantize_kv_kernel)
   float mean[kElemsPerVector];

@@ -42,6 +42,9 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const int per_block = p.has_v ? 2 : 1;
   const int x = gridDim.x - 1 - blockIdx.x;
   const int kb = x / per_block, h = gridDim.y - 1 - blockIdx.y, b = gridDim.z - 1 - blockIdx.z;
+  // Key ranges: an item's blocks past its keys are never read (the attention kernel runs its
+  // ceil(keys / 128) tiles), so they are not written either.
+  if (p.k.ranges != nullptr && static_cast<int64_t>(kb) * p.block_k >= item_tokens(p.k, b)) return;
   if (x % per_block != 0) {
     quantize_v_tile<T, kHeadDim>(p, tile, sm, kb, h, b);
   } else if (p.int8_heads != nullptr && p.int8_heads[b * static_cast<int>(gridDim.y) + h] != p.int8_heads_run) {

@@ -19,16 +19,17 @@ namespace sageattention2 {
 template <typename T, int kHeadDim>
 __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_tile, KVTileSmem& sm, int kb, int h,
                                                 int b) {
+  const BhndView v = item_view<T>(p.v, b);  // (key ranges: the item's keys from row 0)
   const int tid = threadIdx.x;
   float* mean = sm.mean;
   float* channel_inv = sm.aux;
-  const int head_dim = head_dim_of<kHeadDim>(p.v), pitch = kv_tile_pitch(head_dim);
+  const int head_dim = head_dim_of<kHeadDim>(v), pitch = kv_tile_pitch(head_dim);
   const int block_k = p.block_k;
   const int64_t row0 = static_cast<int64_t>(kb) * block_k;
-  const int valid = static_cast<int>(p.v.tokens - row0 < block_k ? p.v.tokens - row0 : block_k);
-  const int64_t bh = static_cast<int64_t>(b) * p.v.heads + h;
+  const int valid = static_cast<int>(v.tokens - row0 < block_k ? v.tokens - row0 : block_k);
+  const int64_t bh = static_cast<int64_t>(b) * v.heads + h;
 
-  start_kv_tile_copy<T, kHeadDim>(v_tile, p.v, b, h, row0, valid);
+  start_kv_tile_copy<T, kHeadDim>(v_tile, v, b, h, row0, valid);
   // The means, and every write, after the kernel before (quantize_kv_kernel); a V tile that
   // needs nothing of it and writes only memory it never touches need not wait.
   if (!(p.v_overlaps_prior_grid && p.v_mean == nullptr && p.v_scale == nullptr)) ptx::griddepcontrol_wait();

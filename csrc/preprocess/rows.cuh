@@ -17,6 +17,28 @@ __device__ __forceinline__ const T* row_ptr(const BhndView& v, int b, int h, int
   return static_cast<const T*>(v.data) + b * v.stride_b + h * v.stride_h + n * v.stride_n;
 }
 
+// The rows of batch item b that a view has: with key ranges, its range's (sampled) count.
+__device__ __forceinline__ int64_t item_tokens(const BhndView& v, int b) {
+  if (v.ranges == nullptr) return v.tokens;
+  const int* range = v.ranges + 3 * b;
+  const int stride = v.sampled ? __ldg(range + 2) : 1;
+  return (__ldg(range + 1) - __ldg(range) + stride - 1) / stride;
+}
+
+// The view of batch item b's rows: with key ranges, narrowed to its range (row 0 its first
+// token, item_tokens rows), so that quantization groups and means never include a masked key;
+// else the view itself.
+template <typename T>
+__device__ __forceinline__ BhndView item_view(BhndView v, int b) {
+  if (v.ranges != nullptr) {
+    const int* range = v.ranges + 3 * b;
+    v.tokens = item_tokens(v, b);
+    v.data = static_cast<const T*>(v.data) + static_cast<int64_t>(__ldg(range)) * v.stride_n;
+    if (v.sampled) v.stride_n *= __ldg(range + 2);
+  }
+  return v;
+}
+
 // Non-negative floats order like their bit patterns, so a shared-memory atomicMax on the bits
 // is an exact (and order-independent, hence deterministic) max of |x|.
 __device__ __forceinline__ void atomic_max_abs(unsigned* slot, float abs_value) {

@@ -23,10 +23,11 @@ __device__ __forceinline__ int stats_source_of_job(const StatsParams& p, int job
   return s;
 }
 
-// Channel d of a job's results from its token sum and (V) channel max and min.
-__device__ __forceinline__ void write_stats(const StatsSource& src, int job, int d, float sum, float hi, float lo) {
+// Channel d of a job's results from its token sum over `tokens` rows and (V) channel max and min.
+__device__ __forceinline__ void write_stats(const StatsSource& src, int job, int d, float sum, float hi, float lo,
+                                            int64_t tokens) {
   const int64_t out_base = static_cast<int64_t>(job - src.first_job) * src.view.head_dim;
-  const float mean = sum / static_cast<float>(src.view.tokens);
+  const float mean = sum / static_cast<float>(tokens);
   if (src.mean_out != nullptr) src.mean_out[out_base + d] = mean;
   if (src.track_range) {
     // max_n |V[n] - m| == max(max_n V - m, m - min_n V) exactly: float subtraction of a
@@ -53,14 +54,15 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const StatsSource& src = p.sources[stats_source_of_job(p, job)];
   const int local = job - src.first_job;
   const int b = local / src.view.heads, h = local % src.view.heads;
-  const int head_dim = src.view.head_dim;
+  const BhndView view = item_view<T>(src.view, b);
+  const int head_dim = view.head_dim;
   const RowTiling tiling = row_tiling(head_dim);
   const int row_lane = threadIdx.x / tiling.threads_per_row;
   const int vec = threadIdx.x % tiling.threads_per_row;
   const bool active = row_lane < tiling.rows_per_pass;
 
   const int64_t row_begin = blockIdx.x * p.rows_per_chunk;
-  const int64_t row_end = row_begin + p.rows_per_chunk < src.view.tokens ? row_begin + p.rows_per_chunk : src.view.tokens;
+  const int64_t row_end = row_begin + p.rows_per_chunk < view.tokens ? row_begin + p.rows_per_chunk : view.tokens;
 
   float sum[8], mx[8], mn[8];
 #pragma unroll
@@ -76,7 +78,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const int64_t r = r0 + j * step;
-        raw[j] = r < row_end ? ptx::ld_global_nc_v4(row_ptr<T>(src.view, b, h, r) + vec * kElemsPerVector)
+        raw[j] = r < row_end ? ptx::ld_global_nc_v4(row_ptr<T>(view, b, h, r) + vec * kElemsPerVector)
                              : make_uint4(0u, 0u, 0u, 0u);
       }
 #pragma unroll
@@ -111,7 +113,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
       lo = fminf(lo, red_min[lane * head_dim + d]);
     }
     if (p.chunks == 1) {  // the whole job: no fold launch (the finalize kernel's 0 + s == s)
-      write_stats(src, job, d, s, hi, lo);
+      write_stats(src, job, d, s, hi, lo, view.tokens);
       continue;
     }
     p.partial_sum[out_base + d] = s;
@@ -128,8 +130,9 @@ __global__ void __launch_bounds__(kPreprocessThreads)
   const int job = blockIdx.x;
   const StatsSource& src = p.sources[stats_source_of_job(p, job)];
   const int head_dim = src.view.head_dim;
+  const int64_t tokens = item_tokens(src.view, (job - src.first_job) / src.view.heads);
   const int64_t in_base = static_cast<int64_t>(job) * p.chunks * kMaxHeadDim;
-  const int used_chunks = static_cast<int>(ceil_div(src.view.tokens, p.rows_per_chunk));
+  const int used_chunks = static_cast<int>(ceil_div(tokens, p.rows_per_chunk));
 
   for (int d = threadIdx.x; d < head_dim; d += kPreprocessThreads) {
     float s = 0.0f, hi = -INFINITY, lo = INFINITY;
@@ -140,7 +143,7 @@ __global__ void __launch_bounds__(kPreprocessThreads)
         lo = fminf(lo, p.partial_min[in_base + c * kMaxHeadDim + d]);
       }
     }
-    write_stats(src, job, d, s, hi, lo);
+    write_stats(src, job, d, s, hi, lo, tokens);
   }
 }
 

@@ -75,20 +75,33 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v,
     const std::optional<at::Tensor>& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
-    int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv);
+    int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv,
+    const int* key_ranges = nullptr);
 
 // The Hopper path of a sageattn call in one op (docs/DESIGN.md#composite-ops): smoothing_stats
 // over every sample_stride-th token (K's mean with smooth_k, V's with smooth_v and FP8 PV),
 // quantize_kv for block_k 128 (V with one scale per tile where pv_dtype is "fp8"; "input": K
 // only, V as it is), then attention_wgmma. The intermediates are never
 // returned: at short sequences a call is host-bound, and each op dispatched from Python cost
-// 15-37 us of host time (docs/DECISIONS.md#d20).
+// 15-37 us of host time (docs/DECISIONS.md#d20). key_ranges (int32 [B, 3] on q's device, or
+// none): batch item b attends its keys key_ranges[b, 0] to key_ranges[b, 1] (exclusive) alone,
+// with K's and V's quantization groups over them and their means over every key_ranges[b, 2]-th
+// of them (sample_stride then 1; a key-padding mask in one launch, docs/DECISIONS.md#d43); the
+// values are the caller's to keep within 0 <= first < end <= kv_len, stride >= 1 (sageattn's
+// Python layer derives them from the mask). Or key_mask ([1 or B, 1, 1 or Nq, Nk] bool or
+// additive): the key ranges are read from it on the GPU (key_ranges_of_mask_cuda, each item's
+// sample stride from sample_tokens), with no synchronisation; the output rows (and LSE) of an
+// item whose mask is not a key-padding mask are NaN (docs/DECISIONS.md#d43).
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const std::string& pv_dtype, bool smooth_k, bool smooth_v, int64_t sample_stride,
-                                                       double sm_scale, bool is_causal, bool out_nhd, bool return_lse);
+                                                       double sm_scale, bool is_causal, bool out_nhd, bool return_lse,
+                                                       const std::optional<at::Tensor>& key_ranges,
+                                                       const std::optional<at::Tensor>& key_mask, int64_t sample_tokens);
 AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const std::string& pv_dtype, bool smooth_k,
-                                         bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse);
+                                         bool smooth_v, int64_t sample_stride, bool out_nhd, bool return_lse,
+                                         const std::optional<at::Tensor>& key_ranges, bool is_causal,
+                                         const std::optional<at::Tensor>& key_mask, int64_t sample_tokens);
 
 // The warp-level path of a sageattn call in one op, for the same reason
 // (docs/DESIGN.md#composite-ops): at most one smoothing_stats launch (Q's mean with smooth_q; K's

@@ -135,7 +135,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(const at::Tensor& 
                                                 const std::optional<at::Tensor>& v_mean,
                                                 const std::optional<at::Tensor>& k_mean, int64_t kv_len,
                                                 double sm_scale, bool is_causal, bool out_nhd, bool return_lse,
-                                                bool after_quantize_kv) {
+                                                bool after_quantize_kv, const int* key_ranges) {
   AttentionOutputs out =
       allocate_attention_wgmma(q, k_codes, k_scale, v, v_tile_scale, v_mean, k_mean, kv_len, out_nhd, return_lse);
   check_launchable(q, "q");
@@ -164,6 +164,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(const at::Tensor& 
   p.sm_scale = static_cast<float>(sm_scale);
   p.causal = is_causal;
   p.after_quantize_kv = after_quantize_kv;
+  p.key_ranges = key_ranges;
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
   TORCH_CHECK(status != cudaErrorNotSupported,

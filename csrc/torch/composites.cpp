@@ -33,6 +33,43 @@ bool wgmma_fp8_pv(const std::string& pv_dtype) {
   return pv_dtype == "fp8";
 }
 
+// key_ranges of sageattn_wgmma: int32 [batch, 3], contiguous, on q's device, without is_causal
+// and with sample_stride 1 (each item's stride is its own).
+void check_key_ranges(const std::optional<at::Tensor>& key_ranges, const at::Tensor& q, bool is_causal,
+                      int64_t sample_stride) {
+  if (!key_ranges) return;
+  const at::Tensor& r = *key_ranges;
+  TORCH_CHECK(r.scalar_type() == at::kInt && r.dim() == 2 && r.sym_size(0) == q.sym_size(0) && r.sym_size(1) == 3,
+              "key_ranges must be an int32 [batch, 3] tensor (per batch item: first key, end key, smoothing "
+              "sample stride), got ", r.scalar_type(), " ", r.sym_sizes());
+  TORCH_CHECK(sample_stride == 1, "with key_ranges, sample_stride must be 1 (each item's is key_ranges[:, 2]), got ",
+              sample_stride);
+  TORCH_CHECK(r.device() == q.device(), "key_ranges must be on q's device (", q.device(), "), got ", r.device());
+  TORCH_CHECK(r.is_contiguous(), "key_ranges must be contiguous");
+  TORCH_CHECK(!is_causal, "key_ranges cannot be combined with is_causal (a key-padding mask, as SDPA's attn_mask)");
+}
+
+// key_mask of sageattn_wgmma: a [1 or batch, 1, 1 or q_len, kv_len] bool or float16/bfloat16/float32
+// mask on q's device, not with key_ranges or is_causal, with sample_tokens >= 1 and sample_stride 1.
+void check_key_mask(const std::optional<at::Tensor>& key_mask, const std::optional<at::Tensor>& key_ranges,
+                    const at::Tensor& q, const at::Tensor& k, bool is_causal, int64_t sample_stride,
+                    int64_t sample_tokens) {
+  if (!key_mask) return;
+  const at::Tensor& m = *key_mask;
+  TORCH_CHECK(!key_ranges, "key_mask and key_ranges cannot both be given");
+  TORCH_CHECK(m.dim() == 4 && (m.sym_size(0) == 1 || m.sym_size(0) == q.sym_size(0)) && m.sym_size(1) == 1 &&
+                  (m.sym_size(2) == 1 || m.sym_size(2) == q.sym_size(2)) && m.sym_size(3) == k.sym_size(2),
+              "key_mask must be [1 or batch, 1, 1 or q_len, kv_len], got ", m.sym_sizes());
+  const auto t = m.scalar_type();
+  TORCH_CHECK(t == at::kBool || t == at::kHalf || t == at::kBFloat16 || t == at::kFloat,
+              "key_mask must be bool, float16, bfloat16 or float32, got ", t);
+  TORCH_CHECK(m.device() == q.device(), "key_mask must be on q's device (", q.device(), "), got ", m.device());
+  TORCH_CHECK(!is_causal, "key_mask cannot be combined with is_causal (a key-padding mask, as SDPA's attn_mask)");
+  TORCH_CHECK(sample_tokens >= 1, "with key_mask, sample_tokens must be >= 1, got ", sample_tokens);
+  TORCH_CHECK(sample_stride == 1, "with key_mask, sample_stride must be 1 (each item's comes from sample_tokens), got ",
+              sample_stride);
+}
+
 // The tokens whose mean is a smoothing vector: every sample_stride-th one (a view), or none.
 std::optional<at::Tensor> token_sample(const at::Tensor& t, bool wanted, int64_t sample_stride) {
   if (!wanted) return std::nullopt;
@@ -43,8 +80,12 @@ std::optional<at::Tensor> token_sample(const at::Tensor& t, bool wanted, int64_t
 
 AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                          const std::string& pv_dtype, bool smooth_k, bool smooth_v,
-                                         int64_t sample_stride, bool out_nhd, bool return_lse) {
+                                         int64_t sample_stride, bool out_nhd, bool return_lse,
+                                         const std::optional<at::Tensor>& key_ranges, bool is_causal,
+                                         const std::optional<at::Tensor>& key_mask, int64_t sample_tokens) {
   check_chain_inputs(q, k, v, sample_stride);
+  check_key_ranges(key_ranges, q, is_causal, sample_stride);
+  check_key_mask(key_mask, key_ranges, q, k, is_causal, sample_stride, sample_tokens);
   const bool fp8 = wgmma_fp8_pv(pv_dtype);
   smooth_v = smooth_v && fp8;  // (16-bit V is not quantized: nothing to smooth)
   std::optional<at::Tensor> k_mean, v_mean;
@@ -64,8 +105,19 @@ AttentionOutputs allocate_sageattn_wgmma(const at::Tensor& q, const at::Tensor& 
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const std::string& pv_dtype, bool smooth_k, bool smooth_v,
                                                        int64_t sample_stride, double sm_scale, bool is_causal,
-                                                       bool out_nhd, bool return_lse) {
+                                                       bool out_nhd, bool return_lse,
+                                                       const std::optional<at::Tensor>& key_ranges,
+                                                       const std::optional<at::Tensor>& key_mask, int64_t sample_tokens) {
   check_chain_inputs(q, k, v, sample_stride);
+  check_key_ranges(key_ranges, q, is_causal, sample_stride);
+  check_key_mask(key_mask, key_ranges, q, k, is_causal, sample_stride, sample_tokens);
+  const int* ranges = key_ranges ? key_ranges->data_ptr<int>() : nullptr;
+  at::Tensor mask_valid;  // [B] 1 where key_mask is a key-padding mask (key_ranges_of_mask_cuda)
+  at::Tensor mask_ranges;
+  if (key_mask) {
+    std::tie(mask_ranges, mask_valid) = key_ranges_of_mask_cuda(*key_mask, q.size(0), sample_tokens);
+    ranges = mask_ranges.data_ptr<int>();
+  }
   const bool fp8 = wgmma_fp8_pv(pv_dtype);
   smooth_v = smooth_v && fp8;
   std::optional<at::Tensor> k_mean, v_mean;
@@ -74,17 +126,21 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
   // reuse memory of a tensor smoothing_stats still touches.
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats;
   if (smooth_k || smooth_v) {
-    stats = smoothing_stats_cuda(std::nullopt, token_sample(k, smooth_k, sample_stride),
-                                 token_sample(v, smooth_v, sample_stride), smooth_v);
+    stats = smoothing_stats_key_ranges_cuda(token_sample(k, smooth_k, sample_stride),
+                                            token_sample(v, smooth_v, sample_stride), smooth_v, ranges);
     if (smooth_k) k_mean = std::get<1>(stats);
     if (smooth_v) v_mean = std::get<2>(stats);
   }
   const bool programmatic = programmatic_launches();
-  auto kv = quantize_kv_after_cuda(k, fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean, v_mean, std::nullopt,
-                                   std::nullopt, kWgmmaBlockK, "int8", 1.0, programmatic && (smooth_k || smooth_v));
-  return attention_wgmma_after_cuda(q, std::get<0>(kv), std::get<1>(kv), fp8 ? std::get<2>(kv) : v,
-                                    fp8 ? std::optional<at::Tensor>(std::get<4>(kv)) : std::nullopt, v_mean, k_mean,
-                                    k.size(2), sm_scale, is_causal, out_nhd, return_lse, programmatic);
+  auto kv = quantize_kv_heads_cuda(k, fp8 ? std::optional<at::Tensor>(v) : std::nullopt, k_mean, v_mean, std::nullopt,
+                                   std::nullopt, kWgmmaBlockK, "int8", 1.0, programmatic && (smooth_k || smooth_v),
+                                   std::nullopt, false, ranges);
+  auto result = attention_wgmma_after_cuda(q, std::get<0>(kv), std::get<1>(kv), fp8 ? std::get<2>(kv) : v,
+                                           fp8 ? std::optional<at::Tensor>(std::get<4>(kv)) : std::nullopt, v_mean,
+                                           k_mean, k.size(2), sm_scale, is_causal, out_nhd, return_lse, programmatic,
+                                           ranges);
+  if (key_mask) poison_invalid_items_cuda(std::get<0>(result), std::get<1>(result), mask_valid);
+  return result;
 }
 
 namespace {

@@ -51,9 +51,11 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_meta(const at::Tensor& q, con
 
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                        const std::string& pv_dtype, bool smooth_k, bool smooth_v, int64_t sample_stride,
-                                                       double /*sm_scale*/, bool /*is_causal*/, bool out_nhd,
-                                                       bool return_lse) {
-  auto o = allocate_sageattn_wgmma(q, k, v, pv_dtype, smooth_k, smooth_v, sample_stride, out_nhd, return_lse);
+                                                       double /*sm_scale*/, bool is_causal, bool out_nhd,
+                                                       bool return_lse, const std::optional<at::Tensor>& key_ranges,
+                                                       const std::optional<at::Tensor>& key_mask, int64_t sample_tokens) {
+  auto o = allocate_sageattn_wgmma(q, k, v, pv_dtype, smooth_k, smooth_v, sample_stride, out_nhd, return_lse,
+                                   key_ranges, is_causal, key_mask, sample_tokens);
   return {o.out, o.lse};
 }
 
@@ -90,7 +92,8 @@ TORCH_LIBRARY(sageattention2, m) {
   m.def(
       "sageattn_wgmma(Tensor q, Tensor k, Tensor v, str pv_dtype, bool smooth_k, bool smooth_v, int sample_stride, "
       "float sm_scale, "
-      "bool is_causal, bool out_nhd, bool return_lse) -> (Tensor out, Tensor lse)");
+      "bool is_causal, bool out_nhd, bool return_lse, Tensor? key_ranges=None, Tensor? key_mask=None, "
+      "int sample_tokens=0) -> (Tensor out, Tensor lse)");
   m.def(
       "sageattn_mma(Tensor q, Tensor k, Tensor v, str qk_dtype, str pv_dtype, bool smooth_q, bool smooth_k, "
       "bool smooth_v, int sample_stride, float sm_scale, bool is_causal, bool out_nhd, bool return_lse, "

@@ -43,10 +43,29 @@ void check_launchable(const at::Tensor& t, const char* name);
 // int8_heads must be a contiguous uint8 [B, H_kv] tensor (batch x kv_heads elements).
 const uint8_t* int8_heads_pointer(const at::Tensor& int8_heads, int64_t batch, int64_t kv_heads, const char* op);
 
+// Key ranges: a key-padding mask run in one launch (docs/DECISIONS.md#d43): [B][3] int32 on
+// the device, each batch item's first and end key and the stride of its smoothing sample (the
+// caller's to keep within 0 <= first < end <= kv_len, stride >= 1).
+
 // CUDA implementations (preprocess_ops.cpp). They validate through the allocate_* functions above.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
     const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
     const std::optional<at::Tensor>& v, bool smooth_v);
+// The key ranges of a [1 or batch, 1, rows, keys] key-padding mask (docs/DESIGN.md#key-ranges), read
+// on the GPU: int32 [batch, 3] (first key, end key, sample stride ceil(count / sample_tokens) | 1)
+// and int32 [batch, 1 + chunks] valid (the item's mask is a key-padding mask with a non-empty
+// contiguous range where its whole row is 1; where its first row is not, its range is every
+// key).
+std::tuple<at::Tensor, at::Tensor> key_ranges_of_mask_cuda(const at::Tensor& key_mask, int64_t batch,
+                                                           int64_t sample_tokens);
+// The rows of out ([B, H, N, D] view) and lse ([B, H, N], or empty) of the items whose valid is 0
+// set to NaN.
+void poison_invalid_items_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& valid);
+
+// smoothing_stats of K and V (no Q) over every stride-th key of each batch item's key range,
+// one CTA per item and head.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_key_ranges_cuda(
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v, bool smooth_v, const int* key_ranges);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_cuda(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
@@ -72,6 +91,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier, bool after_smoothing_stats, const std::optional<at::Tensor>& int8_heads,
-    bool int8_heads_run);
+    bool int8_heads_run, const int* key_ranges = nullptr);
 
 }  // namespace sageattention2

@@ -66,7 +66,8 @@ QuantizeKVParams quantize_kv_params(const at::Tensor& k, const std::optional<at:
 // smoothing_stats; with `ranges`, also Q's and K's per-channel max |x - mean| / 448 into
 // ranges[0] and ranges[1] (allocated here, [B, H, D] float, where q and k are given).
 SmoothingStatsOutputs run_smoothing_stats(const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
-                                          const std::optional<at::Tensor>& v, bool smooth_v, at::Tensor* ranges) {
+                                          const std::optional<at::Tensor>& v, bool smooth_v, at::Tensor* ranges,
+                                          const int* key_ranges = nullptr) {
   SmoothingStatsOutputs out = allocate_smoothing_stats(q, k, v, smooth_v);
   check_optional_launchable(q, "q");
   check_optional_launchable(k, "k");
@@ -79,10 +80,13 @@ SmoothingStatsOutputs run_smoothing_stats(const std::optional<at::Tensor>& q, co
   int64_t max_rows = 0;
   // scale: the source's range is tracked into it (V's FP8 scale; Q's and K's with `ranges`);
   // smooth: around its mean.
-  auto add = [&](const std::optional<at::Tensor>& t, at::Tensor& mean, at::Tensor* scale, bool smooth) {
+  auto add = [&](const std::optional<at::Tensor>& t, at::Tensor& mean, at::Tensor* scale, bool smooth,
+                 const int* item_keys = nullptr) {
     if (!t) return;
     StatsSource& s = p.sources[p.num_sources++];
     s.view = make_view(*t);
+    s.view.ranges = item_keys;
+    s.view.sampled = item_keys != nullptr;
     s.first_job = jobs;
     s.track_range = scale != nullptr;
     s.smooth = scale != nullptr && smooth;
@@ -96,15 +100,17 @@ SmoothingStatsOutputs run_smoothing_stats(const std::optional<at::Tensor>& q, co
     if (k) ranges[1] = at::empty_like(out.k_mean);
   }
   add(q, out.q_mean, ranges != nullptr && q ? &ranges[0] : nullptr, true);
-  add(k, out.k_mean, ranges != nullptr && k ? &ranges[1] : nullptr, true);
-  add(v, out.v_mean, v ? &out.v_scale : nullptr, smooth_v);
+  add(k, out.k_mean, ranges != nullptr && k ? &ranges[1] : nullptr, true, key_ranges);
+  add(v, out.v_mean, v ? &out.v_scale : nullptr, smooth_v, key_ranges);
   bool equal_sources = true;
   for (int i = 0; i < p.num_sources; ++i)
     equal_sources = equal_sources && p.sources[i].view.batch * p.sources[i].view.heads * p.num_sources == jobs;
   p.jobs_per_source = equal_sources ? jobs / p.num_sources : 0;
 
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const StatsGrid grid = stats_grid(max_rows, jobs, sms);
+  // Key ranges: each item's sampled keys, at most kv_len, in one CTA per item and head (sageattn's
+  // samples are at most kStatsSingleChunkRows keys, as without ranges).
+  const StatsGrid grid = key_ranges != nullptr ? StatsGrid{1, max_rows} : stats_grid(max_rows, jobs, sms);
   p.chunks = grid.chunks;
   p.rows_per_chunk = grid.rows_per_chunk;
   // One chunk per job (sageattn's sampled means): its CTA writes the results, no partials, no
@@ -133,6 +139,63 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
     const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
     const std::optional<at::Tensor>& v, bool smooth_v) {
   const SmoothingStatsOutputs out = run_smoothing_stats(q, k, v, smooth_v, nullptr);
+  return {out.q_mean, out.k_mean, out.v_mean, out.v_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> key_ranges_of_mask_cuda(const at::Tensor& key_mask, int64_t batch,
+                                                           int64_t sample_tokens) {
+  const c10::cuda::CUDAGuard guard(key_mask.device());
+  KeyMaskParams p;
+  // The rows of a mask per query spread over about 4 CTAs per SM in all (each compares its rows
+  // with the first).
+  const int64_t rows = key_mask.size(2);
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t want = std::min<int64_t>(rows, std::max<int64_t>(1, (4 * sms + batch - 1) / batch));
+  p.rows_per_chunk = static_cast<int>((rows + want - 1) / want);
+  p.chunks = static_cast<int>((rows + p.rows_per_chunk - 1) / p.rows_per_chunk);
+  auto i32 = key_mask.options().dtype(at::kInt);
+  at::Tensor ranges = at::empty({batch, 3}, i32), valid = at::empty({batch, 1 + p.chunks}, i32);
+  p.mask = key_mask.data_ptr();
+  p.mask_batch = static_cast<int>(key_mask.size(0));
+  p.stride_b = key_mask.stride(0);
+  p.rows = static_cast<int>(key_mask.size(2));
+  p.stride_r = key_mask.stride(2);
+  p.keys = static_cast<int>(key_mask.size(3));
+  p.stride_k = key_mask.stride(3);
+  p.batch = static_cast<int>(batch);
+  p.sample_tokens = static_cast<int>(sample_tokens);
+  p.ranges = ranges.data_ptr<int>();
+  p.valid = valid.data_ptr<int>();
+  KeyMaskDtype dtype = KeyMaskDtype::kBool;
+  switch (key_mask.scalar_type()) {
+    case at::kHalf: dtype = KeyMaskDtype::kFloat16; p.lowest = -65504.0f; break;
+    case at::kBFloat16: dtype = KeyMaskDtype::kBFloat16; p.lowest = -3.38953139e38f; break;
+    case at::kFloat: dtype = KeyMaskDtype::kFloat32; p.lowest = -3.40282347e38f; break;
+    default: break;
+  }
+  C10_CUDA_CHECK(launch_key_ranges_of_mask(p, dtype, at::cuda::getCurrentCUDAStream()));
+  return {ranges, valid};
+}
+
+void poison_invalid_items_cuda(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& valid) {
+  PoisonParams p;
+  p.out = out.data_ptr();
+  p.stride_b = out.stride(0);
+  p.stride_h = out.stride(1);
+  p.stride_n = out.stride(2);
+  p.lse = lse.numel() > 0 ? lse.data_ptr<float>() : nullptr;
+  p.valid = valid.data_ptr<int>();
+  p.valid_per_item = static_cast<int>(valid.size(1));
+  p.batch = static_cast<int>(out.size(0));
+  p.heads = static_cast<int>(out.size(1));
+  p.tokens = out.size(2);
+  p.head_dim = static_cast<int>(out.size(3));
+  C10_CUDA_CHECK(launch_poison_invalid_items(p, input_dtype(out), at::cuda::getCurrentCUDAStream()));
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_key_ranges_cuda(
+    const std::optional<at::Tensor>& k, const std::optional<at::Tensor>& v, bool smooth_v, const int* key_ranges) {
+  const SmoothingStatsOutputs out = run_smoothing_stats(std::nullopt, k, v, smooth_v, nullptr, key_ranges);
   return {out.q_mean, out.k_mean, out.v_mean, out.v_scale};
 }
 
@@ -165,7 +228,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
     const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& v_scale,
     const std::optional<at::Tensor>& q_mean, int64_t block_k, const std::string& qk_dtype,
     double delta_s_multiplier, bool after_smoothing_stats, const std::optional<at::Tensor>& int8_heads,
-    bool int8_heads_run) {
+    bool int8_heads_run, const int* key_ranges) {
   QuantizeKVOutputs out = allocate_quantize_kv(k, v, k_mean, v_mean, v_scale, q_mean, block_k, qk_dtype);
   check_launchable(k, "k");
   check_optional_launchable(v, "v");
@@ -176,6 +239,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   const c10::cuda::CUDAGuard guard(k.device());
   QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, q_mean, block_k, delta_s_multiplier, out);
   p.v_overlaps_prior_grid = after_smoothing_stats;
+  p.k.ranges = p.v.ranges = key_ranges;
   if (int8_heads) {
     p.int8_heads = int8_heads_pointer(*int8_heads, k.size(0), k.size(1), "quantize_kv");
     p.int8_heads_run = int8_heads_run ? 1 : 0;
