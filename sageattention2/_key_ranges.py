@@ -99,7 +99,8 @@ def key_ranges(mask: Tensor, batch: int, n_k: int, n_q: int = 1) -> KeyRanges | 
         return None  # reading the mask would end a CUDA graph capture: exact SDPA, not remembered
     ranges = _examine(mask, batch, n_k, n_q)
     _examined.put(mask, ranges, (batch, n_k, n_q))
-    _seen_inference.put(mask, ranges, (batch, n_k, n_q))  # (inference tensors only)
+    if mask.is_inference():
+        _seen_inference.put(mask, ranges, (batch, n_k, n_q))
     return ranges
 
 
