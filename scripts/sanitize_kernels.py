@@ -85,19 +85,48 @@ def attention_wgmma() -> None:
 
 def sageattn_wgmma() -> None:
     """sageattn's Hopper path as one op: fewer queries than keys (causal: only the key blocks
-    the kernel reads matter), both head dims; and end to end through sageattn, its smoothing
-    means over a strided token sample (stride 5 at 1100 keys), smooth V, the LSE."""
+    the kernel reads matter), both head dims; key ranges (key_ranges()); and end to end through
+    sageattn, its smoothing means over a strided token sample (stride 5 at 1100 keys), smooth V,
+    the LSE."""
     for n, d in ((300, 128), (33, 64), (129, 256)):
         q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, 2, 3 * n + 7, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for causal in (False, True):
             for pv in ("fp8", "input") if d in ops.WGMMA_INPUT_PV_HEAD_DIMS else ("fp8",):
                 ops.sageattn_wgmma(q, k, v, pv, True, causal, 3, d ** -0.5, causal, causal, True)
+    key_ranges()
     q, k, v = (torch.randn(1, 2, 1100, 128, device="cuda", dtype=torch.float16) for _ in range(3))
     assert api.smoothing_sample_stride(1100) == 5
     sageattn(q, k, v, smooth_v=True, return_lse=True, qk_quant="int8", strict=True)  # the kernel
     torch.cuda.synchronize()
     print("sanitize: sageattn_wgmma and sageattn's Hopper path ran")
+
+
+def key_ranges() -> None:
+    """A key-padding mask in one launch (docs/DESIGN.md#key-ranges): items of one key, of a range
+    ending at the last key and starting past the first, both PV tiers; the ranges given, and
+    read from a bool mask per query and an additive one-row mask, one item's mask broken (the
+    poison launch writes its rows)."""
+    ranges = [(0, 200), (37, 263), (130, 131), (5, 6)]
+    b, n_k = len(ranges), 263
+    for d in (64, 128, 256):
+        q = torch.randn(b, 4, 70, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, 2, n_k, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        given = torch.tensor([(s, e, api.smoothing_sample_stride(e - s)) for s, e in ranges], dtype=torch.int32,
+                             device="cuda")
+        keep = torch.zeros(b, 1, 1, n_k, dtype=torch.bool, device="cuda")
+        for i, (s, e) in enumerate(ranges):
+            keep[i, ..., s:e] = True
+        per_query = keep.expand(b, 1, 70, n_k).contiguous()
+        per_query[3, 0, 9, 100] = True  # item 3's rows differ: NaN rows
+        additive = torch.zeros(keep.shape, device="cuda", dtype=torch.float16).masked_fill(~keep, -torch.inf)
+        for pv in ("fp8", "input") if d in ops.WGMMA_INPUT_PV_HEAD_DIMS else ("fp8",):
+            args = (q, k, v, pv, True, True, 1, d ** -0.5, False, False, True)
+            ops.sageattn_wgmma(*args, key_ranges=given)
+            for mask in (per_query, additive):
+                ops.sageattn_wgmma(*args, key_mask=mask, sample_tokens=256)
+    torch.cuda.synchronize()
+    print("sanitize: key ranges (given and read from masks) ran")
 
 
 def sageattn_mma(fp8: bool) -> None:
