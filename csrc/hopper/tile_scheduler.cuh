@@ -5,18 +5,19 @@
 
 #include <cstdint>
 
+#include "common/key_ranges.cuh"
 #include "hopper/params.h"
 
 namespace sageattention2 {
 
 // The keys batch item b attends: kv_len, or its key range's length (AttentionWgmmaParams::key_ranges).
 __device__ __forceinline__ int64_t item_kv_len(const AttentionWgmmaParams& p, int b) {
-  return p.key_ranges == nullptr ? p.kv_len : __ldg(p.key_ranges + 3 * b + 1) - __ldg(p.key_ranges + 3 * b);
+  return p.key_ranges == nullptr ? p.kv_len : key_range_end(p.key_ranges, b) - key_range_first(p.key_ranges, b);
 }
 
 // Its first key in the caller's K and V (0 without key ranges).
 __device__ __forceinline__ int item_first_key(const AttentionWgmmaParams& p, int b) {
-  return p.key_ranges == nullptr ? 0 : __ldg(p.key_ranges + 3 * b);
+  return p.key_ranges == nullptr ? 0 : key_range_first(p.key_ranges, b);
 }
 
 struct WgmmaWorkItem {  // one work item: a block of 128 queries of one head

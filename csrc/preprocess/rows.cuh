@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/convert.cuh"
+#include "common/key_ranges.cuh"
 #include "common/ptx.cuh"
 #include "preprocess/params.h"
 
@@ -20,9 +21,8 @@ __device__ __forceinline__ const T* row_ptr(const BhndView& v, int b, int h, int
 // The rows of batch item b that a view has: with key ranges, its range's (sampled) count.
 __device__ __forceinline__ int64_t item_tokens(const BhndView& v, int b) {
   if (v.ranges == nullptr) return v.tokens;
-  const int* range = v.ranges + 3 * b;
-  const int stride = v.sampled ? __ldg(range + 2) : 1;
-  return (__ldg(range + 1) - __ldg(range) + stride - 1) / stride;
+  const int stride = v.sampled ? key_range_stride(v.ranges, b) : 1;
+  return (key_range_end(v.ranges, b) - key_range_first(v.ranges, b) + stride - 1) / stride;
 }
 
 // The view of batch item b's rows: with key ranges, narrowed to its range (row 0 its first
@@ -31,10 +31,9 @@ __device__ __forceinline__ int64_t item_tokens(const BhndView& v, int b) {
 template <typename T>
 __device__ __forceinline__ BhndView item_view(BhndView v, int b) {
   if (v.ranges != nullptr) {
-    const int* range = v.ranges + 3 * b;
     v.tokens = item_tokens(v, b);
-    v.data = static_cast<const T*>(v.data) + static_cast<int64_t>(__ldg(range)) * v.stride_n;
-    if (v.sampled) v.stride_n *= __ldg(range + 2);
+    v.data = static_cast<const T*>(v.data) + static_cast<int64_t>(key_range_first(v.ranges, b)) * v.stride_n;
+    if (v.sampled) v.stride_n *= key_range_stride(v.ranges, b);
   }
   return v;
 }
