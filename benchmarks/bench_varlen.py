@@ -1,11 +1,15 @@
 """sageattn_varlen against padding to the longest sequence, side by side in one process: packed
-sequences of random lengths (1 to --max tokens, seeded) through ``sageattn_varlen``, against the
-same sequences padded to the longest as one batch through ``sageattn`` (the padding computed:
-what a caller without varlen runs) and through SDPA with the key-padding mask.
+sequences of random lengths (1 to --max tokens, seeded) through ``sageattn_varlen`` (in one
+launch where it runs so, and with one ``sageattn`` call per sequence), against the same
+sequences padded to the longest as one batch through ``sageattn`` (the padding computed: what a
+caller without varlen runs) and through SDPA with the key-padding mask.
 
-    python3 benchmarks/bench_varlen.py [--sequences 16] [--max 8192] [--heads 16] [--d 128]
+    python3 benchmarks/bench_varlen.py [--sequences 16] [--max 8192] [--heads 16] [--d 128] [--equal]
 
-GPU time per call, do_bench median (timing.py).
+--equal: every sequence --max tokens (no padding: the packed path against the batched call).
+
+Time per call, do_bench median (timing.py): the GPU's, or the host's where it is the longer
+(a call per sequence).
 """
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 
 import timing
 
-from sageattention2 import sageattn, sageattn_varlen
+from sageattention2 import _varlen, sageattn, sageattn_varlen
 
 
 def main() -> None:
@@ -27,10 +31,12 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
+    parser.add_argument("--equal", action="store_true", help="every sequence --max tokens")
     args = parser.parse_args()
     warnings.simplefilter("ignore")
     g = torch.Generator().manual_seed(0)
-    lengths = torch.randint(1, args.max + 1, (args.sequences,), generator=g).tolist()
+    lengths = ([args.max] * args.sequences if args.equal
+               else torch.randint(1, args.max + 1, (args.sequences,), generator=g).tolist())
     total, longest, h, d = sum(lengths), max(lengths), args.heads, args.d
     q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
@@ -41,8 +47,17 @@ def main() -> None:
             dst[i, : e - s] = src[s:e]
         mask[i, ..., : e - s] = True
     pq, pk, pv = padded
+
+    def per_sequence() -> torch.Tensor:
+        one_launch, _varlen._one_launch = _varlen._one_launch, lambda *_: False
+        try:
+            return sageattn_varlen(q, k, v, cu, cu, longest, longest, is_causal=args.causal)  # type: ignore[return-value]
+        finally:
+            _varlen._one_launch = one_launch
+
     rows = {
         "sageattn_varlen": lambda: sageattn_varlen(q, k, v, cu, cu, longest, longest, is_causal=args.causal),
+        "sageattn_varlen, a sageattn call per sequence": per_sequence,
         "sageattn, padded to the longest": lambda: sageattn(pq, pk, pv, is_causal=args.causal, tensor_layout="NHD"),
     }
     if not args.causal:  # SDPA takes a mask or is_causal, not both

@@ -3,13 +3,15 @@
 
 ``q`` is ``[total_q, H_q, D]``, ``k`` and ``v`` are ``[total_k, H_kv, D]``: the sequences one
 after another, sequence i's tokens at ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (and likewise for
-the keys). Each sequence is its own attention: it runs as one :func:`sageattn` call on views of
-its tokens (``tensor_layout="NHD"``, no copies of the inputs), so quantization groups and
-smoothing means never straddle sequences, and the result is bit for bit that of calling
-:func:`sageattn` on each sequence (the quantized kernel, or exact SDPA where the crossover says it
-is faster for that sequence's shape). A native varlen kernel, one launch for all the sequences,
-is future work; until then a batch of many short sequences pays one call's host time per
-sequence.
+the keys). Each sequence is its own attention, its quantization groups and smoothing means over
+its own tokens alone. On the Hopper kernel's FP8 tier (sm_90; ``qk_quant`` "auto"/"int8",
+``pv_quant`` "auto"/"fp8", head_dim 64 or 128; causal attention too, but bottom-right aligned
+only where every sequence has as many queries as keys) all the sequences run in one launch of
+each kernel (``ops.sageattn_wgmma_varlen``, docs/DESIGN.md#packed-sequences): each sequence's
+output is bit for bit what that kernel gives the sequence alone. Otherwise each runs as one
+:func:`sageattn` call on views of its tokens (``tensor_layout="NHD"``, no copies of the inputs):
+bit for bit that call's (the quantized kernel, or exact SDPA where the crossover says it is
+faster for that sequence's shape), one call's host time per sequence.
 
 The boundaries are read on the host once per ``cu_seqlens`` tensor (one synchronisation when
 they live on the GPU; models pass the same tensors to every layer; ``_tensor_memo``: inference
@@ -19,12 +21,16 @@ call is one graph op, ``sageattention2::sageattn_varlen``.
 """
 from __future__ import annotations
 
+import functools
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
 
+from . import _plan, ops
 from ._call import PV_QUANTS, QK_QUANTS, SmoothV, smooth_v_flag
+from ._execute import smoothing_sample_stride
 from ._tensor_memo import MISSING, TensorMemo
 from .api import sageattn
 
@@ -134,11 +140,71 @@ def sageattn_varlen(
         if isinstance(given, bool) or not isinstance(given, int) or given < longest:
             raise ValueError(f"{name} must be an int at least the longest sequence ({longest}), "
                              f"got {given!r}")
+    if _one_launch(q, k, v, qk_quant, pv_quant, smooth_q) and (
+            not is_causal or causal_alignment == "top_left" or bounds_q == bounds_k):
+        return _run_packed(q, k, v, bounds_q, bounds_k, max_seqlen_k, scale, smooth_k,
+                           smooth_v_flag(smooth_v, v.shape[-1]), is_causal, return_lse)
     return _run(q, k, v, bounds_q, bounds_k, dict(
         is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         tensor_layout="NHD", qk_quant=qk_quant, pv_quant=pv_quant, smooth_k=smooth_k,
         smooth_q=smooth_q, smooth_v=smooth_v, return_lse=return_lse, strict=strict,
         causal_alignment=causal_alignment))
+
+
+def _one_launch(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, pv_quant: str,
+                smooth_q: bool | str) -> bool:
+    """Whether the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``):
+    the Hopper kernel's FP8 tier, as :func:`sageattn` would route each sequence there (its
+    ``pv_quant="none"`` tier reads V in place, where an item's last tile would reach the next
+    sequence's keys; head_dim 256 runs per sequence). Causal attention with its queries aligned
+    to the bottom-right runs so where every sequence has as many queries as keys (the two rules
+    agree); the caller checks that."""
+    return (qk_quant in ("auto", "int8") and pv_quant in ("auto", "fp8")
+            and smooth_q in ("auto", False)
+            and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
+            and v.dtype == q.dtype and q.shape[-1] in (64, 128) and k.shape[-1] == q.shape[-1]
+            and v.shape[-1] == q.shape[-1] and q.is_cuda
+            and all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
+                    and t.data_ptr() % 16 == 0 for t in (q, k, v))
+            and _plan.target_of(q.device).wgmma and ops.has_op("sageattn_wgmma_varlen"))
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_items(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device: torch.device
+                  ) -> tuple[tuple[Tensor, Tensor] | None, int, tuple[tuple[int, int], ...]]:
+    """The kernel's items and Q blocks of the sequences with queries and keys
+    (``ops.packed_items``, on ``device``; None if there is none), their code rows, and the query
+    rows of the sequences with queries and no keys. Cached per boundaries: a model passes the
+    same to every layer."""
+    spans = list(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]))
+    runs = [s for s in spans if s[1] > s[0] and s[3] > s[2]]
+    keyless = tuple((q0, q1) for q0, q1, k0, k1 in spans if q1 > q0 and k1 == k0)
+    if not runs:
+        return None, 0, keyless
+    items, blocks, code_rows = ops.packed_items(runs, smoothing_sample_stride)
+    return (items.to(device), blocks.to(device)), code_rows, keyless
+
+
+def _run_packed(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...],
+                bounds_k: tuple[int, ...], max_seqlen_k: int,
+                scale: float | None, smooth_k: bool, smooth_v: bool, is_causal: bool,
+                return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """All the sequences in one launch of each kernel. A sequence with queries and no keys gets
+    zeros (LSE -inf), as :func:`sageattn` gives it; the kernel runs the others."""
+    tables, code_rows, keyless = _packed_items(bounds_q, bounds_k, q.device)
+    sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
+    if tables is None:
+        out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
+        lse = q.new_full((q.shape[1], q.shape[0]) if return_lse else (0,), -math.inf,
+                         dtype=torch.float32)
+    else:
+        out, lse = ops.sageattn_wgmma_varlen(q, k, v, *tables, max_seqlen_k, code_rows, smooth_k,
+                                             smooth_v, sm_scale, is_causal, return_lse)
+        for q0, q1 in keyless:
+            out[q0:q1] = 0
+            if return_lse:
+                lse[:, q0:q1] = -math.inf
+    return (out, lse) if return_lse else out
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...],

@@ -24,7 +24,7 @@ from __future__ import annotations
 import importlib
 import math
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -70,6 +70,7 @@ __all__ = [
     "quantize_kv",
     "sageattn_mma",
     "sageattn_wgmma",
+    "sageattn_wgmma_varlen",
     "smoothing_stats",
 ]
 
@@ -95,8 +96,10 @@ MMA_INPUT_PV_WARPS = 4
 MMA_INPUT_PV_TILE_K = 64
 MMA_LAZY_RESCALE_LOG2 = 8
 MMA_HEAD_DIMS = (64, 128)
-# The Hopper kernel (csrc/hopper/params.h: kWgmmaBlockK): K from quantize_kv(block_k=128).
+# The Hopper kernel (csrc/hopper/params.h: kWgmmaBlockK): K from quantize_kv(block_k=128); its
+# work items are blocks of kWgmmaBlockQ queries.
 WGMMA_BLOCK_K = 128
+WGMMA_BLOCK_Q = 128
 # head_dim 256 with FP8 PV only (csrc/hopper/geometry.cuh); the accurate tier (16-bit PV) at 64
 # and 128.
 WGMMA_HEAD_DIMS = (64, 128, 256)
@@ -150,7 +153,8 @@ _OP_HANDLES: dict[str, Any] = {}
 # Every op the extension has is looked up now, at import: the dict then never changes, so a
 # torch.compile'd caller (dynamo guards on it) is not recompiled when an op is first used.
 if HAS_EXTENSION:
-    for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma", "sageattn_mma"):
+    for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma", "sageattn_wgmma_varlen",
+                  "sageattn_mma"):
         if hasattr(getattr(torch.ops, NAMESPACE), _name):
             _OP_HANDLES[_name] = getattr(getattr(torch.ops, NAMESPACE), _name).default
 
@@ -385,6 +389,61 @@ def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, pv_dtype: str, smooth_
                            kv.v_tile_scale if fp8 else None, v_mean, k_mean, k.shape[2], *attention)
 
 
+def sageattn_wgmma_varlen(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks: Tensor,
+                          max_seqlen_k: int, code_rows: int, smooth_k: bool, smooth_v: bool,
+                          sm_scale: float, is_causal: bool, return_lse: bool) -> tuple[Tensor, Tensor]:
+    """The Hopper path over packed sequences in one op (docs/DESIGN.md#packed-sequences):
+    :func:`sageattn_wgmma_varlen_chain` in one launch per kernel. ``q`` ``[total_q, Hq, D]``,
+    ``k``, ``v`` ``[total_k, Hkv, D]`` (D 64 or 128); from :func:`packed_items`, on q's device:
+    ``items`` int32 ``[2, S, 3]``, each sequence's key range (first, end, sample stride) and its
+    first and end query and first code row, and ``blocks`` int32 ``[n, 2]``, every sequence's
+    blocks of 128 queries. FP8 PV; ``is_causal``: each sequence top-left aligned, as
+    :func:`sageattn_wgmma`. Returns ``out`` ``[total_q, Hq, D]`` and ``lse`` ``[Hq, total_q]``
+    (empty without ``return_lse``)."""
+    out, lse = _op("sageattn_wgmma_varlen")(q, k, v, items, blocks, max_seqlen_k, code_rows,
+                                            smooth_k, smooth_v, sm_scale, is_causal, return_lse)
+    return out, lse
+
+
+def packed_items(spans: Sequence[tuple[int, int, int, int]],
+                 sample_stride: Callable[[int], int]) -> tuple[Tensor, Tensor, int]:
+    """``sageattn_wgmma_varlen``'s ``items`` (int32 ``[2, S, 3]``), ``blocks`` (int32 ``[n, 2]``:
+    each block of 128 queries of each sequence, as (sequence, block)), on the CPU, and
+    ``code_rows``, for sequences whose queries and keys are the packed rows ``(q0, q1, k0, k1)``
+    of each span (at least one query and one key each), each sequence's smoothing sample stride
+    ``sample_stride(keys)``: its codes start at the sum of the earlier sequences' keys rounded
+    up to 128."""
+    ranges, rows, blocks, code_row = [], [], [], 0
+    for s, (q0, q1, k0, k1) in enumerate(spans):
+        ranges.append((k0, k1, sample_stride(k1 - k0)))
+        rows.append((q0, q1, code_row))
+        blocks.extend((s, b) for b in range(-(-(q1 - q0) // WGMMA_BLOCK_Q)))
+        code_row += -(-(k1 - k0) // WGMMA_BLOCK_K) * WGMMA_BLOCK_K
+    return (torch.tensor([ranges, rows], dtype=torch.int32),
+            torch.tensor(blocks, dtype=torch.int32).reshape(-1, 2), code_row)
+
+
+def sageattn_wgmma_varlen_chain(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks: Tensor,
+                                max_seqlen_k: int, code_rows: int, smooth_k: bool,
+                                smooth_v: bool, sm_scale: float, is_causal: bool,
+                                return_lse: bool) -> tuple[Tensor, Tensor]:
+    """What sageattn_wgmma_varlen computes (its CPU implementation, and what the GPU tests compare
+    it with bit for bit): each sequence's :func:`sageattn_wgmma_chain` on its own queries and
+    key range (FP8 PV), its sample stride its own."""
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse = (q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse
+           else q.new_empty(0, dtype=torch.float32))
+    for (k0, k1, stride), (q0, q1, _) in zip(*items.tolist()):
+        part, part_lse = sageattn_wgmma_chain(
+            q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
+            v[k0:k1].transpose(0, 1)[None], "fp8", smooth_k, smooth_v, stride, sm_scale, is_causal,
+            True, return_lse)
+        out[q0:q1] = part[0].transpose(0, 1)  # (out_nhd: a [1, H, n, D] view of [n, H, D] rows)
+        if return_lse:
+            lse[:, q0:q1] = part_lse[0]
+    return out, lse
+
+
 def sageattn_mma(
     q: Tensor,
     k: Tensor,
@@ -505,7 +564,7 @@ def _register_python_impls() -> None:
     # Each composite runs its chain of ops (sageattn_<kernel>_chain), each looked up in this
     # module at call time (tests stand in for the attention ops, which have no CPU
     # implementation).
-    for name in ("sageattn_wgmma", "sageattn_mma"):
+    for name in ("sageattn_wgmma", "sageattn_wgmma_varlen", "sageattn_mma"):
         qualname = f"{NAMESPACE}::{name}"
         if has_op(name) and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
             torch.library.register_kernel(

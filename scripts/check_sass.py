@@ -217,7 +217,11 @@ def demangled_short(name: str) -> str:
     if m.group(5) and m.group(1) == "attention_mma_kernel":  # (attention_wgmma's is its PV tier: variant())
         short += ", smooth-q" if m.group(6) == "1" else ", no-smooth-q"
     codes = variant(name)
-    return short + (codes[codes.index("<") + 1:-1].join([", ", ">"]) if "<" in codes else ">")
+    short += codes[codes.index("<") + 1:-1].join([", ", ""]) if "<" in codes else ""
+    # attention_wgmma's variant of packed items (<T, head_dim, causal, fp8 PV, packed>)
+    if m.group(1) == "attention_wgmma_kernel" and re.search(r"Li\d+ELb[01]ELb[01]ELb1E", name):
+        short += ", packed"
+    return short + ">"
 
 
 def parse_instruction(line: str) -> tuple[int, str] | None:

@@ -129,6 +129,30 @@ def key_ranges() -> None:
     print("sanitize: key ranges (given and read from masks) ran")
 
 
+def packed_sequences() -> None:
+    """sageattn_wgmma_varlen: packed sequences of 1 to 300 tokens (a keyless and a queryless one),
+    queries and keys of different lengths, GQA, d 64/128, with and without smoothing, causal or
+    not."""
+    from sageattention2 import _execute
+
+    lengths_q, lengths_k = [1, 300, 0, 129, 2, 77], [3, 257, 5, 128, 1, 0]
+    bq = [0]
+    bk = [0]
+    for nq, nk in zip(lengths_q, lengths_k):
+        bq.append(bq[-1] + nq)
+        bk.append(bk[-1] + nk)
+    spans = [s for s in zip(bq, bq[1:], bk, bk[1:]) if s[1] > s[0] and s[3] > s[2]]
+    items, blocks, code_rows = ops.packed_items(spans, _execute.smoothing_sample_stride)
+    for dtype, d, smooth in ((torch.float16, 64, True), (torch.bfloat16, 128, False)):
+        q = torch.randn(bq[-1], 4, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(bk[-1], 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        for causal in (False, True):
+            ops.sageattn_wgmma_varlen(q, k, v, items.cuda(), blocks.cuda(), 257, code_rows, smooth, smooth,
+                                      d ** -0.5, causal, True)
+    torch.cuda.synchronize()
+    print("sanitize: packed sequences (sageattn_wgmma_varlen) ran")
+
+
 def sageattn_mma(fp8: bool) -> None:
     """sageattn's warp-level path as one op (each launch a programmatic dependent of the one
     before), every variant, with and without a statistics launch before quantize_kv."""
@@ -158,6 +182,7 @@ def main(argv: list[str] | None = None) -> None:
     parts = [("attention_mma", lambda: attention_mma(fp8), True),
              ("attention_wgmma", attention_wgmma, hopper),
              ("sageattn_wgmma", sageattn_wgmma, hopper),
+             ("sageattn_wgmma_varlen", packed_sequences, hopper),
              ("sageattn_mma", lambda: sageattn_mma(fp8), True)]
     for op, run, runs_here in parts:
         if ops.has_op(op) and runs_here:

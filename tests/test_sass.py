@@ -63,8 +63,10 @@ def test_hopper_kernel_uses_wgmma_and_does_not_spill() -> None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton's copy)")
     kernels = [k for k in check.read_kernels(cuobjdump, ops._C.__file__)
                if "attention_wgmma_kernel" in k.name and k.arch == "sm_90"]
-    # 2 PV tiers x 2 dtypes x head_dim 64, 128 x causal on/off, and head_dim 256 with FP8 PV
-    assert len(kernels) == 20
+    # 2 PV tiers x 2 dtypes x head_dim 64, 128 x causal on/off, head_dim 256 with FP8 PV, and the
+    # packed-items variants (FP8 PV, head_dim 64 and 128, causal on/off)
+    assert len(kernels) == 28
+    assert sum(", packed>" in check.demangled_short(k.name) for k in kernels) == 8
     assert {check.variant(k.name) for k in kernels} == {"attention_wgmma_kernel<fp8>",
                                                          "attention_wgmma_kernel<input>"}
     for k in kernels:

@@ -1,9 +1,10 @@
-"""sageattn_varlen (sageattention2/_varlen.py): packed sequences, each its own sageattn call on
-views. On the CPU every sequence is exact SDPA: the result must equal SDPA per sequence bit for
-bit; on the GPU, sageattn per sequence bit for bit (the definition) and float64 within the 8-bit
-bound."""
+"""sageattn_varlen (sageattention2/_varlen.py): packed sequences, each its own attention. On the
+CPU every sequence is exact SDPA: the result must equal SDPA per sequence bit for bit; on the GPU,
+sageattn per sequence bit for bit (the definition) and float64 within the 8-bit bound; the one
+launch of the Hopper path (ops.sageattn_wgmma_varlen) bit for bit its chain of per-sequence ops."""
 from __future__ import annotations
 
+import itertools
 import math
 import warnings
 from collections.abc import Iterator
@@ -11,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from sageattention2 import _varlen, sageattn, sageattn_varlen
+from sageattention2 import _execute, _varlen, ops, sageattn, sageattn_varlen
 from sageattention2 import reference as ref
 
 
@@ -172,3 +173,151 @@ def test_inference_boundaries_are_read_on_every_call() -> None:
         cu_q[1] = 2
         out = sageattn_varlen(q, k, v, cu_q, cu_k, 5, 4)
     torch.testing.assert_close(out.double(), per_sequence(q, k, v, cu_q, cu_k, False)[0], atol=1e-6, rtol=0)
+
+
+def test_packed_items() -> None:
+    """The one launch's tables: each sequence's key range and sample stride, its queries, and its
+    first code row (the earlier sequences' keys rounded up to 128); each block of 128 queries."""
+    table, blocks, code_rows = ops.packed_items(
+        [(0, 5, 0, 130), (5, 262, 130, 131), (262, 266, 131, 400)], lambda n: n | 1)
+    assert code_rows == 256 + 128 + 384
+    assert table.dtype == torch.int32 and table.tolist() == [
+        [[0, 130, 131], [130, 131, 1], [131, 400, 269]], [[0, 5, 0], [5, 262, 256], [262, 266, 384]]]
+    assert blocks.dtype == torch.int32 and blocks.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]]
+
+
+def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Routed to the one launch (the op stood in for by exact attention per item of its table):
+    the op sees every sequence with queries and keys once, with its own sample stride; a
+    sequence with queries and no keys gets zeros and LSE -inf; the result is attention per
+    sequence."""
+    seen: list[tuple[object, ...]] = []
+
+    def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: torch.Tensor,
+                 blocks: torch.Tensor, max_k: int, code_rows: int, smooth_k: bool, smooth_v: bool,
+                 sm_scale: float, is_causal: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append((items.tolist(), blocks.tolist(), code_rows, max_k, smooth_k, smooth_v, is_causal))
+        out = torch.full((q.shape[0], q.shape[1], v.shape[2]), math.nan, dtype=q.dtype)
+        lse = torch.full((q.shape[1], q.shape[0]), math.nan)
+        for (k0, k1, _), (q0, q1, _) in zip(*items.tolist()):
+            o, l = ref.exact_attention(*(t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
+                                       is_causal=is_causal, scale=sm_scale, enable_gqa=True,
+                                       return_lse=True)
+            out[q0:q1] = o[0].transpose(0, 1).to(q.dtype)
+            lse[:, q0:q1] = l[0].float()
+        return out, lse if return_lse else q.new_empty(0)
+
+    monkeypatch.setattr(_varlen, "_one_launch", lambda *_: True)
+    monkeypatch.setattr(ops, "sageattn_wgmma_varlen", stand_in)
+    _varlen._packed_items.cache_clear()
+    lengths_q, lengths_k = [5, 1, 0, 13, 7, 300], [5, 3, 4, 13, 0, 260]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 8)
+    out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, return_lse=True)
+    stride = _execute.smoothing_sample_stride
+    assert seen == [([[[0, 5, stride(5)], [5, 8, stride(3)], [12, 25, stride(13)], [25, 285, stride(260)]],
+                      [[0, 5, 0], [5, 6, 128], [6, 19, 256], [26, 326, 384]]],
+                     [[0, 0], [1, 0], [2, 0], [3, 0], [3, 1], [3, 2]], 384 + 384, 260, True, False, False)]
+    want, want_lse = per_sequence(q, k, v, cu_q, cu_k, False)
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+    assert (out[19:26] == 0).all() and (lse[:, 19:26] == -math.inf).all()
+    out = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260)  # the same boundaries: the table is kept
+    assert _varlen._packed_items.cache_info().hits == 1 and out.shape == q.shape
+    # Causal, top-left per sequence (SDPA's rule), in the one launch; bottom-right only where
+    # every sequence has as many queries as keys (else one call per sequence: no op call).
+    out = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, is_causal=True)
+    assert seen[-1][-1] is True
+    torch.testing.assert_close(out.double(), per_sequence(q, k, v, cu_q, cu_k, True)[0], atol=1e-6, rtol=0)
+    calls = len(seen)
+    sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, is_causal=True, causal_alignment="bottom_right")
+    assert len(seen) == calls
+    sageattn_varlen(q, q, q, cu_q, cu_q, 300, 300, is_causal=True, causal_alignment="bottom_right")
+    assert len(seen) == calls + 1
+
+
+def test_one_launch_op_checks_its_arguments() -> None:
+    """The op names the argument and what it allows (its Meta implementation validates as the
+    CUDA one does)."""
+    if not ops.has_op("sageattn_wgmma_varlen"):
+        pytest.skip("no extension")
+    op = torch.ops.sageattention2.sageattn_wgmma_varlen
+
+    def meta(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+        return torch.empty(shape, device="meta", dtype=dtype)
+
+    q, k, items = meta(30, 4, 64), meta(20, 2, 64), meta(2, 3, 3, dtype=torch.int32)
+    blocks = meta(3, 2, dtype=torch.int32)
+    out, lse = op(q, k, k, items, blocks, 16, 384, True, False, 0.125, False, True)
+    assert out.shape == q.shape and lse.shape == (4, 30)
+    bad = [
+        ((meta(30, 4, 96), k, k, items, blocks, 16, 384), "head_dim 64 or 128"),
+        ((q, meta(20, 3, 64), meta(20, 3, 64), items, blocks, 16, 384), "multiple of kv_heads"),
+        ((q, k, k, meta(3, 3, dtype=torch.int32), blocks, 16, 384), r"int32 \[2, sequences, 3\]"),
+        ((q, k, k, items.long(), blocks, 16, 384), "int32"),
+        ((q, k, k, items, meta(3, 3, dtype=torch.int32), 16, 384), r"blocks must be a contiguous int32"),
+        ((q, k, k, items, blocks, 0, 384), "max_seqlen_k must be >= 1"),
+        ((q, k, k, items, blocks, 16, 100), "code_rows must be a positive multiple of 128"),
+        ((q.float(), k, k, items, blocks, 16, 384), "float16 or bfloat16"),
+        ((meta(30, 4, 1, 64), k, k, items, blocks, 16, 384), "must be 3-D"),
+    ]
+    for args, message in bad:
+        with pytest.raises(RuntimeError, match=message):
+            op(*args, True, False, 0.125, False, False)
+
+
+def _drawn(n: int, h: int, d: int, dtype: torch.dtype, g: torch.Generator) -> torch.Tensor:
+    """Tokens with a channel-wise offset and one outlier channel, as real Q/K/V have."""
+    x = torch.randn(n, h, d, device="cuda", generator=g)
+    x = x + 3 * torch.randn(1, h, d, device="cuda", generator=g)
+    x[:, :, 5] *= 20
+    return x.to(dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype,smooth_k,smooth_v,causal", [
+    (64, torch.float16, True, False, False), (128, torch.bfloat16, True, True, False),
+    (128, torch.float16, False, False, False), (64, torch.bfloat16, False, True, False),
+    (128, torch.bfloat16, True, False, True), (64, torch.float16, True, True, True)])
+def test_one_launch_is_each_sequence_alone(wgmma_kernel: None, d: int, dtype: torch.dtype,
+                                           smooth_k: bool, smooth_v: bool, causal: bool) -> None:
+    """ops.sageattn_wgmma_varlen: every sequence's output and LSE bit for bit what the Hopper path
+    computes for it alone (the chain: its own smoothing_stats, quantize_kv and attention_wgmma),
+    on poisoned memory; lengths from 1 to 8K, primes, queries and keys of different lengths,
+    grouped-query heads; causal: each sequence's diagonal top-left; every element written and
+    finite."""
+    from sageattention2.testing import poison_cuda_allocator
+
+    g = torch.Generator(device="cuda").manual_seed(d + smooth_k)
+    lengths_q = [1, 8192, 3, 1000, 4097, 77, 2, 513, 131, 127]
+    lengths_k = [1, 8192, 1, 999, 4097, 128, 300, 513, 2, 129]
+    q = _drawn(sum(lengths_q), 8, d, dtype, g)
+    k, v = (_drawn(sum(lengths_k), 2, d, dtype, g) for _ in range(2))
+    bq, bk = [0, *itertools.accumulate(lengths_q)], [0, *itertools.accumulate(lengths_k)]
+    items, blocks, code_rows = ops.packed_items(list(zip(bq, bq[1:], bk, bk[1:])),
+                                                _execute.smoothing_sample_stride)
+    args = (q, k, v, items.cuda(), blocks.cuda(), max(lengths_k), code_rows, smooth_k, smooth_v,
+            d ** -0.5, causal, True)
+    poison_cuda_allocator()
+    out, lse = ops.sageattn_wgmma_varlen(*args)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    want, want_lse = ops.sageattn_wgmma_varlen_chain(*args)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.gpu
+def test_one_launch_sequences_without_keys_or_queries(wgmma_kernel: None) -> None:
+    """sageattn_varlen's one launch on poisoned memory: a sequence with queries and no keys gets
+    zeros and LSE -inf, one with no queries nothing; the others within the 8-bit bound of
+    float64 attention per sequence."""
+    from sageattention2.testing import poison_cuda_allocator, relative_l1
+
+    lengths_q, lengths_k = [5, 0, 300, 7, 129, 1], [5, 4, 0, 200, 1, 77]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 64, torch.float16, "cuda", seed=3)
+    poison_cuda_allocator()
+    out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 200, return_lse=True, qk_quant="int8")
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    assert (out[5:305] == 0).all() and (lse[:, 5:305] == -math.inf).all()
+    want, want_lse = per_sequence(*(t.cpu() for t in (q, k, v, cu_q, cu_k)), False)
+    assert relative_l1(out.cpu().double()[None], want[None]) < 0.05
+    finite = torch.isfinite(want_lse)
+    assert (lse.cpu().double()[finite] - want_lse[finite]).abs().max() < 0.05

@@ -18,7 +18,7 @@
 namespace sageattention2 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = false>
 struct WgmmaEpilogue {
   static constexpr float kLog2PScale = kFp8Pv ? kLog2Fp8Max : 0.0f;  // P's scale (hopper/softmax.cuh)
   using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
@@ -37,6 +37,16 @@ struct WgmmaEpilogue {
   // (another register allocation), and the item's code its length (ptxas moves O's registers once
   // per item instead). Elsewhere the shared values cost nothing, and the code stays as it was.
   static constexpr bool kStagingAddressesPerItem = kHeadDim == 128 && kCausal;
+
+  // kPacked (packed items, hopper/params.h): the item's rows end at its end query, and out and
+  // lse hold every item's rows (lse [Hq, total rows]).
+  __device__ static int64_t query_end(const AttentionWgmmaParams& p, const WgmmaWorkItem& w) {
+    return item_query_end<kPacked>(p, w);
+  }
+  __device__ static int64_t lse_row(const AttentionWgmmaParams& p, const WgmmaWorkItem& w) {
+    if constexpr (kPacked) return w.h * p.lse_rows;
+    return (static_cast<int64_t>(w.b) * p.q_heads + w.h) * p.q_len;
+  }
 
   VChannelMeans<kHeadDim / 8> v_means;
   float inv[2];  // o_scale / l of the rows g and g + 8
@@ -61,11 +71,11 @@ struct WgmmaEpilogue {
       const float sum = l[r];  // the whole row's: every thread of the quad holds it
       inv[r] = sum > 0.0f ? o_scale / sum : 0.0f;
       const int64_t query = w.q0 + row_in_item + 8 * r;
-      if (p.lse != nullptr && t == 0 && query < p.q_len) {
+      if (p.lse != nullptr && t == 0 && query < query_end(p, w)) {
         constexpr float kLn2 = 0.6931471805599453f;
         // sum holds sum_j P~_j * 448 (16-bit P: x1) relative to the base-2 max m; K smoothing
         // dropped the row constant sm_scale * q . k_mean, which the LSE of the true scores includes.
-        p.lse[(static_cast<int64_t>(w.b) * p.q_heads + w.h) * p.q_len + query] =
+        p.lse[lse_row(p, w) + query] =
             sum > 0.0f ? (m[r] + __log2f(sum) - kLog2PScale) * kLn2 + p.sm_scale * q.k_mean_dot[r] : -INFINITY;
       }
     }
@@ -113,7 +123,7 @@ struct WgmmaEpilogue {
         const int idx = k * 32 + lane, row = idx / kChunks, chunk = idx % kChunks;
         const int64_t query = w.q0 + warp_row0 + row;
         const uint4 v = *reinterpret_cast<const uint4*>(staging + chunk_at(row, chunk));
-        if (query < p.q_len)
+        if (query < query_end(p, w))
           *reinterpret_cast<uint4*>(out + query * p.out_stride_n + (half * kChunks + chunk) * 8) = v;
       }
     }

@@ -42,20 +42,23 @@
 
 namespace sageattention2 {
 
-template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
+// kPacked: the variant that runs packed items (hopper/params.h; kPackedItems says which variants
+// have it): launched only with packed_items, which the others never read.
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = false>
 struct AttentionWgmmaKernel {
+  static_assert(!kPacked || kPackedItems<kHeadDim, kFp8Pv>, "no packed variant of this kernel");
   using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
   using Smem = typename Geometry::Smem;
-  using Scheduler = WgmmaTileScheduler<kCausal, kItemKeys<kHeadDim, kCausal>>;
+  using Scheduler = WgmmaTileScheduler<kCausal, kItemKeys<kHeadDim, kCausal> || kPacked, kPacked>;
   static constexpr int kThreads = Geometry::kThreads, kSmemBytes = Geometry::kSmemBytes;
   static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages, kVBytes = Geometry::kVBytes;
   static constexpr int kConsumers = Geometry::kConsumers, kQSlots = Geometry::kQSlots, kORegs = Geometry::kORegs;
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-  using Producer = WgmmaProducer<kHeadDim, kCausal, kFp8Pv>;
-  using QQuantizer = WgmmaQQuantizer<T, kHeadDim>;
-  using Mainloop = WgmmaMainloop<T, kHeadDim, kCausal, kFp8Pv>;
-  using Epilogue = WgmmaEpilogue<T, kHeadDim, kCausal, kFp8Pv>;
+  using Producer = WgmmaProducer<kHeadDim, kCausal, kFp8Pv, kPacked>;
+  using QQuantizer = WgmmaQQuantizer<T, kHeadDim, kPacked>;
+  using Mainloop = WgmmaMainloop<T, kHeadDim, kCausal, kFp8Pv, kPacked>;
+  using Epilogue = WgmmaEpilogue<T, kHeadDim, kCausal, kFp8Pv, kPacked>;
 
   // The consumer warpgroup's items in turn. Item i + 1's Q copy is issued as soon as item i's Q
   // is in registers, so it lands while item i's tiles compute.
@@ -154,12 +157,12 @@ struct AttentionWgmmaKernel {
 
 // One CTA per SM: 384 threads, registers rebalanced by setmaxnreg (24 for the producer, 240 for
 // the consumers: 128 * 24 + 256 * 240 = 64,512 of 65,536).
-template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = false>
 __global__ void __launch_bounds__(384, 1)
     attention_wgmma_kernel(const __grid_constant__ AttentionWgmmaParams p, const __grid_constant__ CUtensorMap k_map,
                            const __grid_constant__ CUtensorMap v_map) {
   extern __shared__ __align__(1024) unsigned char smem[];
-  AttentionWgmmaKernel<T, kHeadDim, kCausal, kFp8Pv>::run(p, &k_map, &v_map, smem);
+  AttentionWgmmaKernel<T, kHeadDim, kCausal, kFp8Pv, kPacked>::run(p, &k_map, &v_map, smem);
 }
 
 }  // namespace sageattention2

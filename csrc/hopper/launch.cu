@@ -72,7 +72,8 @@ cudaError_t encode_input_v_map(CUtensorMap* map, const AttentionWgmmaParams& p) 
 }  // namespace
 
 cudaError_t launch_attention_wgmma(const AttentionWgmmaParams& p, InputDtype dtype, cudaStream_t stream) {
-  const uint64_t heads = static_cast<uint64_t>(p.batch) * p.kv_heads;
+  // (Packed items: one slab of codes per KV head, every item's rows in it.)
+  const uint64_t heads = static_cast<uint64_t>(p.packed_items != nullptr ? 1 : p.batch) * p.kv_heads;
   const uint64_t d = static_cast<uint64_t>(p.head_dim), n = static_cast<uint64_t>(p.k_padded);
   CUtensorMap k_map, v_map;
   // K codes [B*Hkv][k_padded][D]: boxes of 128 keys x D bytes (head_dim 256: x 128 bytes, two

@@ -10,11 +10,11 @@
 namespace sageattention2 {
 namespace wgmma_launch {
 
-template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = false>
 cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
                    cudaStream_t stream) {
-  using Kernel = AttentionWgmmaKernel<T, kHeadDim, kCausal, kFp8Pv>;
-  constexpr auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal, kFp8Pv>;
+  using Kernel = AttentionWgmmaKernel<T, kHeadDim, kCausal, kFp8Pv, kPacked>;
+  constexpr auto kernel = attention_wgmma_kernel<T, kHeadDim, kCausal, kFp8Pv, kPacked>;
   int device = 0, sms = 0;
   cudaError_t status = cudaGetDevice(&device);
   if (status == cudaSuccess) status = allow_dynamic_smem_once<kernel>(device, Kernel::kSmemBytes);
@@ -47,6 +47,13 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
 template <typename T, int kHeadDim, bool kFp8Pv>
 cudaError_t launch_causal(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
                           cudaStream_t stream) {
+  if (p.packed_items != nullptr) {  // packed items: their own instantiations (validated by the op)
+    if constexpr (kPackedItems<kHeadDim, kFp8Pv>) {
+      return p.causal ? launch<T, kHeadDim, true, kFp8Pv, true>(p, k_map, v_map, stream)
+                      : launch<T, kHeadDim, false, kFp8Pv, true>(p, k_map, v_map, stream);
+    }
+    return cudaErrorInvalidValue;
+  }
   return p.causal ? launch<T, kHeadDim, true, kFp8Pv>(p, k_map, v_map, stream)
                   : launch<T, kHeadDim, false, kFp8Pv>(p, k_map, v_map, stream);
 }

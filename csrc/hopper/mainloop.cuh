@@ -34,7 +34,7 @@
 namespace sageattention2 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv>
+template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = false>
 struct WgmmaMainloop {
   using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
   using Smem = typename Geometry::Smem;
@@ -202,7 +202,7 @@ struct WgmmaMainloop {
     // Read through L2 (.cg). Nothing writes them while this grid runs any more, so the read-only
     // path would do as well; .cg keeps the KV loop's code as it was measured.
     const float* v_tile_scale =  // (FP8 only)
-        kFp8Pv ? p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK) : nullptr;
+        kFp8Pv ? p.v_tile_scale + item_first_tile<kPacked>(p, w) : nullptr;
     float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do
 
     // Once PV(it - 1) is done: free its V stage, then O = alpha O s_O / s_tile + R and
@@ -258,7 +258,7 @@ struct WgmmaMainloop {
     ptx::wgmma_wait<0>();
 #pragma unroll
     for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
-    const TileMask mask0 = last == 0 ? TileMask::template of<kItemKeys<kHeadDim, kCausal>>(p, w, 0, row_in_item) : unmasked;
+    const TileMask mask0 = last == 0 ? TileMask::template of<kItemKeys<kHeadDim, kCausal> || kPacked>(p, w, 0, row_in_item) : unmasked;
     if (mask0.masked) scores_to_p<true>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
     else scores_to_p<false>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
     if constexpr (!kFp8Pv) rescale_to_tile(alpha_prev);
@@ -363,7 +363,7 @@ struct WgmmaMainloop {
       }
     }
     if (last > 0) {
-      const TileMask mask = TileMask::template of<kItemKeys<kHeadDim, kCausal>>(p, w, last, row_in_item);
+      const TileMask mask = TileMask::template of<kItemKeys<kHeadDim, kCausal> || kPacked>(p, w, last, row_in_item);
       if (mask.masked) step(last, slot(last), mask, std::true_type{});
       else step(last, slot(last), unmasked, std::false_type{});
     }
@@ -418,7 +418,7 @@ struct WgmmaMainloop {
     float x[kSRegs];
     float racc[2][kRaccRegs];  // two chunks' accumulators: one computes while the other is folded
     uint32_t pa[kPvSteps][4];
-    const float* v_tile_scale = p.v_tile_scale + (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
+    const float* v_tile_scale = p.v_tile_scale + item_first_tile<kPacked>(p, w);
     float o_scale = 1.0f;  // O is 0 until tile 0 is folded, so any finite start will do
     const int last = __shfl_sync(0xffffffffu, w.kv_tiles - 1, 0);  // warp-uniform (see run())
     seq = __shfl_sync(0xffffffffu, seq, 0);
@@ -470,14 +470,14 @@ struct WgmmaMainloop {
     if constexpr (kCausal) {
 #pragma unroll 1
       for (int i = 0; i < last; ++i) tile(__shfl_sync(0xffffffffu, i, 0), unmasked, std::false_type{});
-      const TileMask mask = TileMask::template of<kItemKeys<kHeadDim, kCausal>>(p, w, last, row_in_item);
+      const TileMask mask = TileMask::template of<kItemKeys<kHeadDim, kCausal> || kPacked>(p, w, last, row_in_item);
       if (mask.masked) tile(last, mask, std::true_type{});
       else tile(last, unmasked, std::false_type{});
     } else {
 #pragma unroll 1
       for (int i = 0; i <= last; ++i) {
         const int it = __shfl_sync(0xffffffffu, i, 0);
-        const TileMask mask = it == last ? TileMask::template of<kItemKeys<kHeadDim, kCausal>>(p, w, it, row_in_item) : unmasked;
+        const TileMask mask = it == last ? TileMask::template of<kItemKeys<kHeadDim, kCausal> || kPacked>(p, w, it, row_in_item) : unmasked;
         if (mask.masked) tile(it, mask, std::true_type{});
         else tile(it, mask, std::false_type{});
       }

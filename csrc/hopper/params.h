@@ -35,7 +35,7 @@ struct AttentionWgmmaParams {
   const float* k_mean = nullptr;     // [B, Hkv, D] or null (smooth K: its row constant joins the LSE)
   void* out = nullptr;               // [B, Hq, q_len, D] in q's dtype, strides below
   int64_t out_stride_b = 0, out_stride_h = 0, out_stride_n = 0;
-  float* lse = nullptr;              // [B, Hq, q_len] or null
+  float* lse = nullptr;              // [B, Hq, q_len] or null (packed items: [Hq, lse_rows])
   int batch = 0, q_heads = 0, kv_heads = 0, head_dim = 0;
   int64_t q_len = 0, kv_len = 0, k_padded = 0;
   // Key ranges (a key-padding mask in one launch, docs/DECISIONS.md#d43): [batch][3] int32, the
@@ -43,6 +43,19 @@ struct AttentionWgmmaParams {
   // item has kv_len keys). Item b's K codes (and FP8 V) start at row 0 with its first key
   // (quantize_kv over the same ranges); the caller's 16-bit V is read from its first key on.
   const int* key_ranges = nullptr;
+  // Packed sequences (docs/DESIGN.md#packed-sequences; FP8 PV; causal: each item top-left): [items][3] int32,
+  // each item's first and end query and first code row (common/key_ranges.cuh), or null. Item b
+  // then reads its queries from those rows of q (q_stride_b 0: one tensor of all items' tokens)
+  // and writes the same rows of out (out_stride_b 0) and lse ([Hq, lse_rows]), its keys are its
+  // key range of the caller's K and V, and its codes lie from its code row on in one slab of
+  // k_padded rows per KV head ([1, Hkv, k_padded, D], quantize_kv's packed items). The schedule
+  // walks packed_blocks ([blocks][2] int32: each Q block's item and its block within the item,
+  // every block of every item once) as the Q blocks of one batch entry: batch 1 and q_len the
+  // blocks' count x 128. The kernel variants with a packed instantiation: kPackedItems
+  // (hopper/tile_scheduler.cuh).
+  const int* packed_items = nullptr;
+  const int* packed_blocks = nullptr;
+  int64_t lse_rows = 0;
   float sm_scale = 1.0f;             // softmax scale (natural units)
   bool causal = false;
   int unit_items = 2;                // Q blocks per work unit (hopper/tile_scheduler.cuh; set by the launch)

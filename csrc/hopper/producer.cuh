@@ -17,10 +17,10 @@
 namespace sageattention2 {
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <int kHeadDim, bool kCausal, bool kFp8Pv>
+template <int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = false>
 struct WgmmaProducer {
   using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
-  using Scheduler = WgmmaTileScheduler<kCausal, kItemKeys<kHeadDim, kCausal>>;
+  using Scheduler = WgmmaTileScheduler<kCausal, kItemKeys<kHeadDim, kCausal> || kPacked, kPacked>;
   static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages;
   static constexpr int kKBytes = Geometry::kKBytes, kVBytes = Geometry::kVBytes;
 
@@ -37,8 +37,10 @@ struct WgmmaProducer {
     int half = 0;
     WgmmaWorkItem w;
     for (; Scheduler::seek(p, sc, unit, half, w); ++half) {
-      const int bhk = w.b * p.kv_heads + w.hk;
-      const float* k_scale = p.k_scale + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) * 4;
+      // The item's slab of codes and its first row there (packed items: rows of one slab per head).
+      const int bhk = item_code_slab<kPacked>(p, w), code_row = item_code_row<kPacked>(p, w);
+      const float* k_scale = kPacked ? p.k_scale + item_first_tile<true>(p, w) * 4
+                                     : p.k_scale + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) * 4;
       // The caller's 16-bit V from the item's first key; a key range's keys past its end are
       // the masked keys of the same item, which the mask weights by 0.
       const int first_key = kFp8Pv || kCausal ? 0 : item_first_key(p, w.b);
@@ -51,12 +53,12 @@ struct WgmmaProducer {
 #pragma unroll
         for (int span = 0; span < Geometry::kRowSpans; ++span)
           ptx::tma_load_3d(s.k[stage] + span * kBlockK * Geometry::kSpanRowBytes, k_map,
-                           span * Geometry::kSpanRowBytes, it * kBlockK, bhk, &s.full_k[stage]);
+                           span * Geometry::kSpanRowBytes, code_row + it * kBlockK, bhk, &s.full_k[stage]);
         ptx::bulk_load(s.k_scale[stage], k_scale + it * 4, 16, &s.full_k[stage]);
         ptx::mbarrier_wait_sleeping(&s.empty_v[stage], phase ^ 1);
         ptx::mbarrier_arrive_expect_tx(&s.full_v[stage], kVBytes);
         if constexpr (kFp8Pv) {
-          ptx::tma_load_3d(s.v[stage], v_map, it * kBlockK, 0, bhk, &s.full_v[stage]);
+          ptx::tma_load_3d(s.v[stage], v_map, code_row + it * kBlockK, 0, bhk, &s.full_v[stage]);
         } else {  // 128 keys x 64 channels per copy; keys past kv_len land as zeros
 #pragma unroll
           for (int chunk = 0; chunk < kHeadDim / 64; ++chunk)

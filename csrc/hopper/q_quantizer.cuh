@@ -24,8 +24,14 @@ struct WgmmaQRows {
 };
 
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-template <typename T, int kHeadDim>
+// kPacked: the variant of packed items (hopper/tile_scheduler.cuh), whose queries end at their
+// item's end query.
+template <typename T, int kHeadDim, bool kPacked = false>
 struct WgmmaQQuantizer {
+  __device__ static int64_t query_end(const AttentionWgmmaParams& p, const WgmmaWorkItem& w) {
+    return item_query_end<kPacked>(p, w);
+  }
+
   using Geometry = WgmmaGeometry<kHeadDim>;
   static constexpr int kQkSteps = Geometry::kQkSteps, kQSlots = Geometry::kQSlots;
 
@@ -73,7 +79,7 @@ struct WgmmaQQuantizer {
   }
 
   // Copies rows r0 and r0 + 8 of item w's Q (channels {32s + 4t .. +3, 32s + 16 + 4t .. +3}, the
-  // thread's part of the A fragment layout) into the thread's own staging slots; rows past q_len
+  // thread's part of the A fragment layout) into the thread's own staging slots; rows past the end
   // come out as zeros. Only this thread reads them back, so cp.async.wait_group is all the sync.
   // Without staging (head_dim 256) nothing happens here: quantize() reads the rows itself.
   __device__ static void stage(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int64_t r0, int t,
@@ -83,7 +89,7 @@ struct WgmmaQQuantizer {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int64_t row = w.q0 + r0 + 8 * r;
-      const bool valid = row < p.q_len;
+      const bool valid = row < query_end(p, w);
       const T* src = q_head + (valid ? row : 0) * p.q_stride_n + 4 * t;
 #pragma unroll
       for (int s = 0; s < kQkSteps; ++s)
@@ -147,7 +153,7 @@ struct WgmmaQQuantizer {
   }
 
   // quantize() without staging (head_dim 256): the same arithmetic and codes, each row read from
-  // global memory (the same 8-byte pieces stage() would copy; rows past q_len read as zeros) and
+  // global memory (the same 8-byte pieces stage() would copy; rows past the end read as zeros) and
   // finished before the next, its 16-bit values kept packed: 128 floats of two rows at once,
   // with K's means for the LSE beside them, made ptxas spill the item's state.
   __device__ static WgmmaQRows quantize_unstaged(const AttentionWgmmaParams& p, const WgmmaWorkItem& w, int slab_row,
@@ -164,7 +170,7 @@ struct WgmmaQQuantizer {
       for (int s = 0; s < kQkSteps; ++s)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-          raw[s][half] = row < p.q_len ? __ldg(reinterpret_cast<const uint2*>(q_head + row * p.q_stride_n + 32 * s + 16 * half))
+          raw[s][half] = row < query_end(p, w) ? __ldg(reinterpret_cast<const uint2*>(q_head + row * p.q_stride_n + 32 * s + 16 * half))
                                        : make_uint2(0u, 0u);
       const auto value = [&](int s, int half, int i) {
         return widen1<T>(reinterpret_cast<const T*>(&raw[s][half])[i]);

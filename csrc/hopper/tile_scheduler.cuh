@@ -22,9 +22,39 @@ __device__ __forceinline__ int item_first_key(const AttentionWgmmaParams& p, int
 
 struct WgmmaWorkItem {  // one work item: a block of 128 queries of one head
   int qb, h, b, hk;
-  int64_t q0;
+  int64_t q0;  // the block's first query: its row in q, out and lse (packed items: from the item's first)
   int kv_tiles;
 };
+
+// What differs for packed items (hopper/params.h), in the kernel variant that runs them
+// (kPacked: the instantiation launched with packed_items, kPackedItems below; every other
+// variant reads none of them and keeps its code).
+// The row after item w's last query: q_len, or its end query, read where it is needed (its Q
+// rows, its output) rather than kept in registers across the KV loop.
+template <bool kPacked>
+__device__ __forceinline__ int64_t item_query_end(const AttentionWgmmaParams& p, const WgmmaWorkItem& w) {
+  if constexpr (kPacked) return packed_q_end(p.packed_items, w.b);
+  return p.q_len;
+}
+// Where item w's K codes (and FP8 V) are: its [B][Hkv] slab from row 0, or with packed items
+// row packed_code_row of its KV head's one slab.
+template <bool kPacked>
+__device__ __forceinline__ int item_code_slab(const AttentionWgmmaParams& p, const WgmmaWorkItem& w) {
+  return kPacked ? w.hk : w.b * p.kv_heads + w.hk;
+}
+template <bool kPacked>
+__device__ __forceinline__ int item_code_row(const AttentionWgmmaParams& p, const WgmmaWorkItem& w) {
+  if constexpr (kPacked) return packed_code_row(p.packed_items, w.b);
+  return 0;
+}
+// The index of the item's first 128-key tile among the per-tile scales (K's four group scales per
+// tile, V's tile scale).
+template <bool kPacked>
+__device__ __forceinline__ int64_t item_first_tile(const AttentionWgmmaParams& p, const WgmmaWorkItem& w) {
+  constexpr int kBlockK = kWgmmaBlockK;
+  if constexpr (!kPacked) return (static_cast<int64_t>(w.b) * p.kv_heads + w.hk) * (p.k_padded / kBlockK);
+  return static_cast<int64_t>(w.hk) * (p.k_padded / kBlockK) + item_code_row<true>(p, w) / kBlockK;
+}
 
 // Whether a kernel variant reads each item's key count through item_kv_len (key ranges come
 // only without is_causal: a causal kernel reads kv_len). The causal head_dim 256 kernel takes
@@ -34,7 +64,20 @@ struct WgmmaWorkItem {  // one work item: a block of 128 queries of one head
 template <int kHeadDim, bool kCausal>
 inline constexpr bool kItemKeys = !kCausal || kHeadDim == 256;
 
-template <bool kCausal, bool kItemKeyCount = !kCausal>
+// Which kernel variants have an instantiation for packed items (hopper/params.h): the FP8 PV
+// tier's kernels at head_dim 64 and 128, causal (each item top-left aligned) or not; they read
+// each item's key count (item_kv_len). Their schedule walks a table of the items'
+// Q blocks (packed_blocks) rather than skipping the blocks past each item's queries: with the
+// skip, a data-dependent loop in the consumers' seek, ptxas scheduled the KV loop's
+// exponentials as one run of 40 MUFUs (hopper/mainloop.cuh: the slow schedule), with the table
+// as before (2). At head_dim 256 the item setup they add
+// moved ptxas's allocation of the KV loop from 5 to 16 local accesses per tile; the accurate
+// tier's V, read in place, would reach into the next item's keys in an item's last tile, where
+// a NaN would reach the item's rows.
+template <int kHeadDim, bool kFp8Pv>
+inline constexpr bool kPackedItems = kFp8Pv && kHeadDim != 256;
+
+template <bool kCausal, bool kItemKeyCount = !kCausal, bool kPacked = false>
 struct WgmmaTileScheduler {
   static constexpr int kBlockQ = kWgmmaBlockQ, kBlockK = kWgmmaBlockK;
   // Work units: Q blocks q_blocks - 1 - k and k of one (batch, head), the longer first. Under
@@ -71,8 +114,23 @@ struct WgmmaTileScheduler {
     w.b = static_cast<int>(head / p.q_heads);
     w.hk = w.h / (p.q_heads / p.kv_heads);
     w.q0 = static_cast<int64_t>(w.qb) * kBlockQ;
+    // The block's first query and the queries of its item, counted from the item's first (the
+    // causal diagonal's coordinates).
+    [[maybe_unused]] int64_t item_q0 = 0, item_queries = 0;
+    if constexpr (kPacked) {  // block qb of the schedule is the packed_blocks entry's block of its item
+      w.b = __ldg(p.packed_blocks + 2 * w.qb);
+      w.qb = __ldg(p.packed_blocks + 2 * w.qb + 1);
+      const int first = packed_q_first(p.packed_items, w.b);
+      item_q0 = static_cast<int64_t>(w.qb) * kBlockQ;
+      w.q0 = item_q0 + first;
+      if constexpr (kCausal) item_queries = packed_q_end(p.packed_items, w.b) - first;
+    }
     int64_t tiles = ((kItemKeyCount ? item_kv_len(p, w.b) : p.kv_len) + kBlockK - 1) / kBlockK;
-    if constexpr (kCausal) {
+    if constexpr (kCausal && kPacked) {
+      const int64_t last_query = (item_q0 + kBlockQ < item_queries ? item_q0 + kBlockQ : item_queries) - 1;
+      const int64_t needed = last_query / kBlockK + 1;  // key j visible to query i of the item iff j <= i
+      tiles = needed < tiles ? needed : tiles;
+    } else if constexpr (kCausal) {
       const int64_t last_query = (w.q0 + kBlockQ < p.q_len ? w.q0 + kBlockQ : p.q_len) - 1;
       const int64_t needed = last_query / kBlockK + 1;  // SDPA causal: key j visible to query i iff j <= i
       tiles = needed < tiles ? needed : tiles;

@@ -80,6 +80,13 @@ struct QuantizeKVParams {
   // otherwise than `int8_heads_run` exits at once.
   const uint8_t* int8_heads = nullptr;
   uint8_t int8_heads_run = 0;
+  // Packed sequences (docs/DESIGN.md#packed-sequences): [batch][3] int32 (first query, end query,
+  // first code row of each item; common/key_ranges.cuh), with k.ranges and v.ranges the items'
+  // keys, or null. The items' codes then lie back to back in one slab of padded_tokens rows per
+  // head ([1, Hkv, padded_tokens, D], the scales and V alike), item b's from its code row, and
+  // the grid covers item_padded_tokens, the longest item's keys rounded up to whole blocks.
+  const int* packed_items = nullptr;
+  int64_t item_padded_tokens = 0;
 };
 
 // A key-padding mask read on the GPU (preprocess/key_ranges.cu): a [mask_batch, 1, rows, keys]

@@ -28,6 +28,10 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   const int valid = static_cast<int>(k.tokens - row0 < block_k ? k.tokens - row0 : block_k);
   const int64_t bh = static_cast<int64_t>(b) * k.heads + h;
   const int64_t blocks = p.padded_tokens / block_k;
+  // The item's codes and scales (code_head, code_row0: packed items share one slab per head).
+  const int64_t code_slab = code_head(p.packed_items, b, h, k.heads);
+  const int code_row = code_row0(p.packed_items, b);
+  const int64_t scale_block0 = code_slab * blocks + code_row / block_k;
 
   start_kv_tile_copy<T, kHeadDim>(tile, k, b, h, row0, valid);
   ptx::griddepcontrol_wait();  // the means, and every write, after the kernel before (quantize_kv_kernel)
@@ -57,13 +61,13 @@ __device__ __forceinline__ void quantize_k_tile(const QuantizeKVParams& p, T* ti
   if (threadIdx.x < kKGroupsPerBlock) {
     const float scale = quant_scale(__uint_as_float(group_amax[threadIdx.x]), static_cast<float>(Codes::kQmax));
     group_inv[threadIdx.x] = quant_inverse(scale);
-    p.k_scales[(bh * blocks + kb) * kKGroupsPerBlock + threadIdx.x] = scale;
+    p.k_scales[(scale_block0 + kb) * kKGroupsPerBlock + threadIdx.x] = scale;
   }
   __syncthreads();
 
   const int code_dim = kInt4 ? head_dim / 2 : head_dim;
   store_tile_codes<T, kInt4>(tile, pitch, block_k, valid, vecs, mean, k_group, group_inv,
-                             p.k_codes + (bh * p.padded_tokens + row0) * code_dim, code_dim);
+                             p.k_codes + (code_slab * p.padded_tokens + code_row + row0) * code_dim, code_dim);
 
   if (p.q_mean != nullptr) {
     // Delta-S_j = q_mean . gamma(K_j) from the unquantized smoothed key: exact in float32.
@@ -109,6 +113,8 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
   const int64_t row0 = static_cast<int64_t>(kb) * kBlockK;
   const int valid = static_cast<int>(k.tokens - row0 < kBlockK ? k.tokens - row0 : kBlockK);
   const int64_t bh = static_cast<int64_t>(b) * k.heads + h;
+  const int64_t code_slab = code_head(p.packed_items, b, h, k.heads);
+  const int code_row = code_row0(p.packed_items, b);
   const int first_row = warp * kWarpRows + sub;  // the lane's row of pass 0; pass j adds j * kRowsPerPass
 
   uint4 raw[kPasses];
@@ -151,11 +157,11 @@ __device__ __forceinline__ void quantize_k_block_in_registers(const QuantizeKVPa
     for (int w = 0; w < kWarps; ++w) group_max = ptx::max_nan(group_max, warp_amax[w * kKGroupsPerBlock + tid]);
     const float scale = quant_scale(group_max, static_cast<float>(Codes::kQmax));
     group_inv[tid] = quant_inverse(scale);
-    p.k_scales[(bh * (p.padded_tokens / kBlockK) + kb) * kKGroupsPerBlock + tid] = scale;
+    p.k_scales[(code_slab * (p.padded_tokens / kBlockK) + code_row / kBlockK + kb) * kKGroupsPerBlock + tid] = scale;
   }
   __syncthreads();
 
-  int8_t* dst = p.k_codes + (bh * p.padded_tokens + row0 + first_row) * kCodeDim + c * Codes::kBytesPer8;
+  int8_t* dst = p.k_codes + (code_slab * p.padded_tokens + code_row + row0 + first_row) * kCodeDim + c * Codes::kBytesPer8;
 #pragma unroll
   for (int j = 0; j < kPasses; ++j) {
     int8_t* out = dst + j * kRowsPerPass * kCodeDim;

@@ -23,7 +23,8 @@ cudaError_t allow_dynamic_smem(Kernel kernel, size_t bytes) {
 template <typename T>
 cudaError_t QuantizeKvVariant<T>::launch(const QuantizeKVParams& p, bool int4, cudaStream_t stream,
                                          bool after_smoothing_stats) {
-  const dim3 grid(static_cast<unsigned>(p.padded_tokens / p.block_k * (p.has_v ? 2 : 1)), p.k.heads, p.k.batch);
+  const int64_t grid_tokens = p.packed_items != nullptr ? p.item_padded_tokens : p.padded_tokens;
+  const dim3 grid(static_cast<unsigned>(grid_tokens / p.block_k * (p.has_v ? 2 : 1)), p.k.heads, p.k.batch);
   // K from registers needs no staging tile: only V (if any) does then.
   const size_t smem =
       k_block_in_registers(p) && !p.has_v ? 0 : static_cast<size_t>(p.block_k) * kv_tile_pitch(p.k.head_dim) * 2;

@@ -28,6 +28,9 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
   const int64_t row0 = static_cast<int64_t>(kb) * block_k;
   const int valid = static_cast<int>(v.tokens - row0 < block_k ? v.tokens - row0 : block_k);
   const int64_t bh = static_cast<int64_t>(b) * v.heads + h;
+  // The item's codes and tile scales (code_head, code_row0: packed items share one slab per head).
+  const int64_t code_slab = code_head(p.packed_items, b, h, v.heads);
+  const int code_row = code_row0(p.packed_items, b);
 
   start_kv_tile_copy<T, kHeadDim>(v_tile, v, b, h, row0, valid);
   // The means, and every write, after the kernel before (quantize_kv_kernel); a V tile that
@@ -70,7 +73,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
     __syncthreads();
     const float scale = v_tile_scale(__uint_as_float(sm.tile_amax));
     tile_inv = quant_inverse(scale);
-    if (tid == 0) p.v_tile_scale[bh * (p.padded_tokens / block_k) + kb] = scale;
+    if (tid == 0) p.v_tile_scale[code_slab * (p.padded_tokens / block_k) + code_row / block_k + kb] = scale;
   }
 
   // A thread transposes a channel pair (one 32-bit word of each tile row) over a 32-key slab:
@@ -122,7 +125,7 @@ __device__ __forceinline__ void quantize_v_tile(const QuantizeKVParams& p, T* v_
     }
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      uint4* out = reinterpret_cast<uint4*>(p.v_codes + (bh * head_dim + d + c) * p.padded_tokens + row0 +
+      uint4* out = reinterpret_cast<uint4*>(p.v_codes + (code_slab * head_dim + d + c) * p.padded_tokens + code_row + row0 +
                                             slab * kSlabKeys);
       out[0] = make_uint4(codes[c][0], codes[c][1], codes[c][2], codes[c][3]);
       out[1] = make_uint4(codes[c][4], codes[c][5], codes[c][6], codes[c][7]);

@@ -78,6 +78,19 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(
     int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv,
     const int* key_ranges = nullptr);
 
+// attention_wgmma over packed sequences (docs/DESIGN.md#packed-sequences), after
+// quantize_kv_packed_cuda: q [total_q, Hq, D] packed, each of `items` items its queries from
+// packed_items' rows, its keys key_ranges' (of total_k), its codes from its code row, the
+// `blocks` Q blocks of packed_blocks ([blocks][2]: item, block) its schedule; FP8 PV; causal:
+// each item's diagonal top-left aligned. Returns out [total_q, Hq, D] and lse [Hq, total_q] (or empty). Internal to
+// sageattn_wgmma_varlen, which made and validated every input.
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v_codes,
+    const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
+    const int* key_ranges, const int* packed_items, int64_t items, const int* packed_blocks, int64_t blocks,
+    int64_t total_k,
+    double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv);
+
 // The Hopper path of a sageattn call in one op (docs/DESIGN.md#composite-ops): smoothing_stats
 // over every sample_stride-th token (K's mean with smooth_k, V's with smooth_v and FP8 PV),
 // quantize_kv for block_k 128 (V with one scale per tile where pv_dtype is "fp8"; "input": K
@@ -120,5 +133,24 @@ AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k,
                                        const std::string& qk_dtype, const std::string& pv_dtype, bool smooth_q,
                                        bool smooth_k, bool smooth_v, int64_t sample_stride, bool out_nhd,
                                        bool return_lse, double int4_guard);
+
+// The Hopper path over packed sequences in one op (sageattn_varlen, docs/DESIGN.md#packed-sequences):
+// q [total_q, Hq, D], k and v [total_k, Hkv, D] (head_dim 64 or 128, fp16/bf16, last dim
+// contiguous); items int32 [2, S, 3] on q's device: items[0] the S sequences' key ranges (first
+// key, end key, smoothing sample stride) and items[1] their first and end query and first code
+// row (each sequence's keys rounded up to 128, back to back: code_rows in all); blocks int32
+// [n, 2]: every sequence's Q blocks of 128 queries (sequence, block within it), each once. Each
+// sequence is
+// what sageattn_wgmma computes for it alone (smooth_k / smooth_v over its sample, FP8 PV), in
+// one launch of each kernel; is_causal: each sequence's queries and keys top-left aligned, as
+// sageattn_wgmma's. Returns out [total_q, Hq, D] and lse [Hq, total_q] (or empty).
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const at::Tensor& items,
+                                                              const at::Tensor& blocks, int64_t max_seqlen_k,
+                                                              int64_t code_rows, bool smooth_k, bool smooth_v,
+                                                              double sm_scale, bool is_causal, bool return_lse);
+AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& items, const at::Tensor& blocks,
+                                                int64_t max_seqlen_k, int64_t code_rows, bool return_lse);
 
 }  // namespace sageattention2

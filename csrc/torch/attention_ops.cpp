@@ -2,6 +2,7 @@
 // allocate (attention_shapes.cpp), fill the kernel parameters, launch on the current stream
 // (mma/launch.cu, hopper/launch.cu).
 #include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
@@ -181,6 +182,50 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
   return attention_wgmma_after_cuda(q, k_codes, k_scale, v, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
                       return_lse, false);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v_codes,
+    const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
+    const int* key_ranges, const int* packed_items, int64_t items, const int* packed_blocks, int64_t blocks,
+    int64_t total_k,
+    double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv) {
+  check_launchable(q, "q");
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t total_q = q.size(0), heads = q.size(1), d = q.size(2);
+  at::Tensor out = at::empty({total_q, heads, d}, q.options());
+  at::Tensor lse = return_lse ? at::empty({heads, total_q}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  // Every item reads and writes its own rows of the one tensor: [items, H, total_q, D] views
+  // with a batch stride of 0.
+  const auto items_view = [&](const at::Tensor& t) {
+    return t.transpose(0, 1).unsqueeze(0).expand({items, heads, total_q, d});
+  };
+  AttentionWgmmaParams p;
+  set_shared_params(p, items_view(q), k_codes, AttentionOutputs{items_view(out), lse}, total_k, return_lse);
+  // The schedule's Q blocks: the table's, as one batch entry's (hopper/params.h).
+  p.batch = 1;
+  p.q_len = blocks * kWgmmaBlockQ;
+  p.packed_blocks = packed_blocks;
+  p.lse_rows = total_q;
+  p.k_codes = k_codes.data_ptr<int8_t>();
+  p.k_scale = k_scale.data_ptr<float>();
+  p.fp8_pv = true;
+  p.v = v_codes.data_ptr();
+  p.v_tile_scale = v_tile_scale.data_ptr<float>();
+  p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
+  p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.causal = is_causal;
+  p.after_quantize_kv = after_quantize_kv;
+  p.key_ranges = key_ranges;
+  p.packed_items = packed_items;
+  const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status != cudaErrorNotSupported,
+              "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
+  C10_CUDA_CHECK(status);
+  return {out, lse};
 }
 
 }  // namespace sageattention2

@@ -1,6 +1,7 @@
 // The composite ops sageattn_wgmma and sageattn_mma (docs/DESIGN.md#composite-ops): a sageattn
 // call's preprocessing and attention launches in one op, with its shapes (for the Meta
 // implementation) and its CUDA implementation side by side.
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include "hopper/params.h"  // kWgmmaBlockK
@@ -141,6 +142,93 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_cuda(const at::Tensor& q, cons
                                            ranges);
   if (key_mask) poison_invalid_items_cuda(std::get<0>(result), std::get<1>(result), mask_valid);
   return result;
+}
+
+namespace {
+
+// sageattn_wgmma_varlen's arguments (attention.h), for its CUDA and Meta implementations alike.
+void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& items,
+                         const at::Tensor& blocks, int64_t max_seqlen_k, int64_t code_rows) {
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
+              "q, k and v must be 3-D [total tokens, heads, head_dim] (packed sequences), got ", q.dim(), "-D, ",
+              k.dim(), "-D and ", v.dim(), "-D");
+  const auto t = q.scalar_type();
+  TORCH_CHECK((t == at::kHalf || t == at::kBFloat16) && k.scalar_type() == t && v.scalar_type() == t,
+              "q, k and v must be float16 or bfloat16, all the same, got ", t, ", ", k.scalar_type(), ", ",
+              v.scalar_type());
+  const int64_t d = q.size(2);
+  TORCH_CHECK((d == 64 || d == 128) && k.size(2) == d && v.size(2) == d,
+              "packed sequences run at head_dim 64 or 128, the same for q, k and v; got ", d, ", ", k.size(2),
+              ", ", v.size(2));
+  TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
+              "k and v must be [total_k, kv_heads, head_dim] alike, and q's heads a multiple of kv_heads; got q ",
+              q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
+  for (const at::Tensor* x : {&q, &k, &v})
+    TORCH_CHECK(x->stride(2) == 1 && x->stride(0) % 8 == 0 && x->stride(1) % 8 == 0,
+                "q, k and v must have a contiguous last dimension and token and head strides that are multiples "
+                "of 8 elements, got strides ", x->strides());
+  TORCH_CHECK(items.scalar_type() == at::kInt && items.dim() == 3 && items.size(0) == 2 && items.size(1) >= 1 &&
+                  items.size(2) == 3 && items.is_contiguous(),
+              "items must be a contiguous int32 [2, sequences, 3] tensor, got ", items.scalar_type(), " ",
+              items.sizes());
+  TORCH_CHECK(blocks.scalar_type() == at::kInt && blocks.dim() == 2 && blocks.size(0) >= 1 && blocks.size(1) == 2 &&
+                  blocks.is_contiguous(),
+              "blocks must be a contiguous int32 [Q blocks, 2] tensor (sequence, block), got ", blocks.scalar_type(),
+              " ", blocks.sizes());
+  TORCH_CHECK(items.device() == q.device() && blocks.device() == q.device() && k.device() == q.device() &&
+                  v.device() == q.device(),
+              "q, k, v, items and blocks must be on one device");
+  TORCH_CHECK(max_seqlen_k >= 1, "max_seqlen_k must be >= 1, got ", max_seqlen_k);
+  TORCH_CHECK(code_rows > 0 && code_rows % kWgmmaBlockK == 0, "code_rows must be a positive multiple of ",
+              kWgmmaBlockK, ", got ", code_rows);
+}
+
+// [items, heads, total, D] views of a packed [total, heads, D] tensor: every item's tokens are rows
+// of the same memory (batch stride 0), each item's own range of them in its key range.
+at::Tensor items_view(const at::Tensor& t, int64_t items) {
+  return t.transpose(0, 1).unsqueeze(0).expand({items, t.size(1), t.size(0), t.size(2)});
+}
+
+}  // namespace
+
+AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& items, const at::Tensor& blocks,
+                                                int64_t max_seqlen_k, int64_t code_rows, bool return_lse) {
+  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows);
+  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  at::Tensor lse = return_lse ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const at::Tensor& items,
+                                                              const at::Tensor& blocks, int64_t max_seqlen_k,
+                                                              int64_t code_rows, bool smooth_k, bool smooth_v,
+                                                              double sm_scale, bool is_causal, bool return_lse) {
+  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows);
+  const int64_t sequences = items.size(1);
+  const int* ranges = items.data_ptr<int>();
+  const int* packed = ranges + 3 * sequences;
+  const at::Tensor k_items = items_view(k, sequences), v_items = items_view(v, sequences);
+  std::optional<at::Tensor> k_mean, v_mean;
+  // As in sageattn_wgmma_cuda: the statistics' outputs live until the end.
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats;
+  if (smooth_k || smooth_v) {
+    stats = smoothing_stats_key_ranges_cuda(smooth_k ? std::optional<at::Tensor>(k_items) : std::nullopt,
+                                            smooth_v ? std::optional<at::Tensor>(v_items) : std::nullopt, smooth_v,
+                                            ranges);
+    if (smooth_k) k_mean = std::get<1>(stats);
+    if (smooth_v) v_mean = std::get<2>(stats);
+  }
+  const bool programmatic = programmatic_launches();
+  const int64_t item_padded = (max_seqlen_k + kWgmmaBlockK - 1) / kWgmmaBlockK * kWgmmaBlockK;
+  auto kv = quantize_kv_packed_cuda(k_items, v_items, k_mean, v_mean, ranges, packed, code_rows, item_padded,
+                                    programmatic && (smooth_k || smooth_v));
+  return attention_wgmma_packed_cuda(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<3>(kv), v_mean,
+                                     k_mean, ranges, packed, sequences, blocks.data_ptr<int>(), blocks.size(0), k.size(0),
+                                     sm_scale, is_causal, return_lse,
+                                     programmatic);
 }
 
 namespace {

@@ -59,6 +59,16 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_meta(const at::Tensor& q, cons
   return {o.out, o.lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_meta(const at::Tensor& q, const at::Tensor& k,
+                                                              const at::Tensor& v, const at::Tensor& items,
+                                                              const at::Tensor& blocks, int64_t max_seqlen_k,
+                                                              int64_t code_rows, bool /*smooth_k*/,
+                                                              bool /*smooth_v*/, double /*sm_scale*/,
+                                                              bool /*is_causal*/, bool return_lse) {
+  auto o = allocate_sageattn_wgmma_varlen(q, k, v, items, blocks, max_seqlen_k, code_rows, return_lse);
+  return {o.out, o.lse};
+}
+
 std::tuple<at::Tensor, at::Tensor> sageattn_mma_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::string& qk_dtype, const std::string& pv_dtype,
                                                      bool smooth_q, bool smooth_k, bool smooth_v,
@@ -95,6 +105,10 @@ TORCH_LIBRARY(sageattention2, m) {
       "bool is_causal, bool out_nhd, bool return_lse, Tensor? key_ranges=None, Tensor? key_mask=None, "
       "int sample_tokens=0) -> (Tensor out, Tensor lse)");
   m.def(
+      "sageattn_wgmma_varlen(Tensor q, Tensor k, Tensor v, Tensor items, Tensor blocks, int max_seqlen_k, "
+      "int code_rows, bool smooth_k, bool smooth_v, float sm_scale, bool is_causal, bool return_lse) "
+      "-> (Tensor out, Tensor lse)");
+  m.def(
       "sageattn_mma(Tensor q, Tensor k, Tensor v, str qk_dtype, str pv_dtype, bool smooth_q, bool smooth_k, "
       "bool smooth_v, int sample_stride, float sm_scale, bool is_causal, bool out_nhd, bool return_lse, "
       "float int4_guard=0.0) -> (Tensor out, Tensor lse)");
@@ -106,6 +120,7 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("attention_mma", &sageattention2::attention_mma_cuda);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
   m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_cuda);
+  m.impl("sageattn_wgmma_varlen", &sageattention2::sageattn_wgmma_varlen_cuda);
   m.impl("sageattn_mma", &sageattention2::sageattn_mma_cuda);
 }
 
@@ -115,5 +130,6 @@ TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("attention_mma", &sageattention2::attention_mma_meta);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);
   m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_meta);
+  m.impl("sageattn_wgmma_varlen", &sageattention2::sageattn_wgmma_varlen_meta);
   m.impl("sageattn_mma", &sageattention2::sageattn_mma_meta);
 }

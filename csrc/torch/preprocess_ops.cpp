@@ -250,4 +250,32 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   return {out.k_codes, out.k_scales, out.v_codes, out.delta_s, out.v_tile_scale};
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cuda(
+    const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_mean,
+    const std::optional<at::Tensor>& v_mean, const int* key_ranges, const int* packed_items, int64_t code_rows,
+    int64_t item_padded, bool after_smoothing_stats) {
+  constexpr int64_t kBlock = 128;  // the Hopper kernel's key tile
+  TORCH_CHECK(code_rows > 0 && code_rows % kBlock == 0 && item_padded > 0 && item_padded % kBlock == 0,
+              "quantize_kv (packed): code_rows and item_padded must be positive multiples of 128, got ", code_rows,
+              " and ", item_padded);
+  check_launchable(k, "k");
+  check_launchable(v, "v");
+  check_optional_launchable(k_mean, "k_mean");
+  check_optional_launchable(v_mean, "v_mean");
+  const c10::cuda::CUDAGuard guard(k.device());
+  const int64_t heads = k.size(1), d = k.size(3);
+  QuantizeKVOutputs out;
+  out.k_codes = at::empty({1, heads, code_rows, d}, k.options().dtype(at::kChar));
+  out.k_scales = at::empty({1, heads, code_rows / kBlock, 4}, k.options().dtype(at::kFloat));
+  out.v_codes = at::empty({1, heads, d, code_rows}, k.options().dtype(at::kFloat8_e4m3fn));
+  out.v_tile_scale = at::empty({1, heads, code_rows / kBlock}, k.options().dtype(at::kFloat));
+  QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kBlock, 1.0, out);
+  p.v_overlaps_prior_grid = after_smoothing_stats;
+  p.k.ranges = p.v.ranges = key_ranges;
+  p.packed_items = packed_items;
+  p.item_padded_tokens = item_padded;
+  C10_CUDA_CHECK(launch_quantize_kv(p, input_dtype(k), false, at::cuda::getCurrentCUDAStream(), after_smoothing_stats));
+  return {out.k_codes, out.k_scales, out.v_codes, out.v_tile_scale};
+}
+
 }  // namespace sageattention2
