@@ -300,15 +300,19 @@ def test_an_inference_mask_seen_before_is_read_on_the_gpu(kernel_stand_in: list[
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("aligned_rows", [False, True])
 @pytest.mark.parametrize("dtype,mask_dtype,one_row", [
     (torch.float16, torch.bool, False), (torch.bfloat16, torch.float32, False),
     (torch.float16, torch.float16, True), (torch.bfloat16, torch.bfloat16, False)])
 def test_key_ranges_read_from_the_mask_on_the_gpu(wgmma_kernel: None, dtype: torch.dtype,
-                                                  mask_dtype: torch.dtype, one_row: bool) -> None:
+                                                  mask_dtype: torch.dtype, one_row: bool,
+                                                  aligned_rows: bool) -> None:
     """sageattn_wgmma with key_mask reads each item's key range from the mask on the GPU: the
     same output and LSE, bit for bit, as with the ranges given (on poisoned memory); an item
     whose mask is not a key-padding mask (a row that differs, a hole) gets NaN rows and LSE,
-    the others are unchanged."""
+    the others are unchanged. aligned_rows: the mask a view of 1537 keys of rows 1552 wide
+    (16-byte aligned: the reader's vector loads, and one key past the last whole vector), else
+    rows of 1537 (its loads one by one)."""
     from sageattention2 import _execute, ops
     from sageattention2.testing import poison_cuda_allocator
 
@@ -317,12 +321,14 @@ def test_key_ranges_read_from_the_mask_on_the_gpu(wgmma_kernel: None, dtype: tor
     b, n_q, n_k = len(ranges), 1 if one_row else 300, 1537
     q = torch.randn(b, 8, 300, 128, device="cuda", dtype=dtype, generator=g)
     k, v = (torch.randn(b, 2, n_k, 128, device="cuda", dtype=dtype, generator=g) for _ in range(2))
-    keep = key_mask(ranges, n_k).cuda().expand(b, 1, n_q, n_k).contiguous()
+    width = 1552 if aligned_rows else n_k
+    keep = key_mask(ranges, width).cuda().expand(b, 1, n_q, width).contiguous()
     if mask_dtype == torch.bool:
-        mask = keep
+        full = keep
     else:
         low = -math.inf if mask_dtype == torch.float32 else torch.finfo(mask_dtype).min
-        mask = torch.zeros(keep.shape, device="cuda", dtype=mask_dtype).masked_fill(~keep, low)
+        full = torch.zeros(keep.shape, device="cuda", dtype=mask_dtype).masked_fill(~keep, low)
+    mask = full[..., :n_k]
     stride = _execute.smoothing_sample_stride
     given = torch.tensor([(s, e, stride(e - s)) for s, e in ranges], dtype=torch.int32, device="cuda")
     args = (q, k, v, "fp8", True, False, 1, 128 ** -0.5, False, False, True)
@@ -331,15 +337,22 @@ def test_key_ranges_read_from_the_mask_on_the_gpu(wgmma_kernel: None, dtype: tor
     poison_cuda_allocator()
     got, got_lse = ops.sageattn_wgmma(*args, key_mask=mask, sample_tokens=_execute.SMOOTHING_SAMPLE_TOKENS)
     assert torch.isfinite(want).all() and torch.equal(got, want) and torch.equal(got_lse, want_lse)
-    broken = mask.clone()
-    if one_row:  # a hole in item 1's range
-        broken[1, 0, 0, 500] = ~broken[1, 0, 0, 500] if mask_dtype == torch.bool else low
-    else:  # one query row of item 1 differs from the others
-        broken[1, 0, 5, 40] = ~broken[1, 0, 5, 40] if mask_dtype == torch.bool else low
+    broken = full.clone()
+    # a hole in item 1's range; or one query row of item 1 and one of item 2 that differ from
+    # their first (key 40: in a whole vector of aligned rows; key 1536: past the last one)
+    changes = [(1, 0, 500)] if one_row else [(1, 5, 40), (2, 7, 1536)]
+    for item, row, key in changes:
+        broken[item, 0, row, key] = ~broken[item, 0, row, key] if mask_dtype == torch.bool else low
+    broken = broken[..., :n_k]
+    bad = sorted({item for item, _, _ in changes})
     got, got_lse = ops.sageattn_wgmma(*args, key_mask=broken, sample_tokens=_execute.SMOOTHING_SAMPLE_TOKENS)
-    assert torch.isnan(got[1]).all() and torch.isnan(got_lse[1]).all()
-    others = [0, 2, 3]
+    assert torch.isnan(got[bad]).all() and torch.isnan(got_lse[bad]).all()
+    others = [i for i in range(b) if i not in bad]
     assert torch.equal(got[others], want[others]) and torch.equal(got_lse[others], want_lse[others])
+    # A [B, 1, 1, N] mask expanded over the queries (stride 0): its rows are not compared.
+    got, got_lse = ops.sageattn_wgmma(*args, key_mask=mask[:, :, :1].expand(mask.shape),
+                                      sample_tokens=_execute.SMOOTHING_SAMPLE_TOKENS)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
 
 
 def test_sageattn_wgmma_checks_its_key_range_arguments() -> None:

@@ -97,6 +97,9 @@ struct KeyMaskParams {
   const void* mask = nullptr;
   int64_t stride_b = 0, stride_r = 0, stride_k = 1;
   int mask_batch = 1, batch = 0, rows = 1, keys = 0;
+  // The rows are read in 16-byte vectors: keys contiguous, every row 16-byte aligned (the keys
+  // past the last whole vector one by one).
+  bool vector_rows = false;
   float lowest = 0.0f;
   int sample_tokens = 1;  // the smoothing sample's most keys (the stride: ceil(count / this) | 1)
   int rows_per_chunk = 1, chunks = 1;  // the rows of each CTA (blockIdx.y) of an item

@@ -147,8 +147,9 @@ std::tuple<at::Tensor, at::Tensor> key_ranges_of_mask_cuda(const at::Tensor& key
   const c10::cuda::CUDAGuard guard(key_mask.device());
   KeyMaskParams p;
   // The rows of a mask per query spread over about 4 CTAs per SM in all (each compares its rows
-  // with the first).
-  const int64_t rows = key_mask.size(2);
+  // with the first). Rows that are one row's broadcast (stride 0: an expanded [B, 1, 1, N]) are
+  // equal without a look.
+  const int64_t rows = key_mask.stride(2) == 0 ? 1 : key_mask.size(2);
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t want = std::min<int64_t>(rows, std::max<int64_t>(1, (4 * sms + batch - 1) / batch));
   p.rows_per_chunk = static_cast<int>((rows + want - 1) / want);
@@ -158,10 +159,13 @@ std::tuple<at::Tensor, at::Tensor> key_ranges_of_mask_cuda(const at::Tensor& key
   p.mask = key_mask.data_ptr();
   p.mask_batch = static_cast<int>(key_mask.size(0));
   p.stride_b = key_mask.stride(0);
-  p.rows = static_cast<int>(key_mask.size(2));
+  p.rows = static_cast<int>(rows);
   p.stride_r = key_mask.stride(2);
   p.keys = static_cast<int>(key_mask.size(3));
   p.stride_k = key_mask.stride(3);
+  const int64_t bytes = key_mask.element_size();
+  p.vector_rows = p.stride_k == 1 && reinterpret_cast<uintptr_t>(p.mask) % 16 == 0 && (p.stride_r * bytes) % 16 == 0 &&
+                  (p.mask_batch == 1 || (p.stride_b * bytes) % 16 == 0);
   p.batch = static_cast<int>(batch);
   p.sample_tokens = static_cast<int>(sample_tokens);
   p.ranges = ranges.data_ptr<int>();
