@@ -5,7 +5,7 @@
 after another, sequence i's tokens at ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (and likewise for
 the keys). Each sequence is its own attention, its quantization groups and smoothing means over
 its own tokens alone. On the Hopper kernel's FP8 tier (sm_90; ``qk_quant`` "auto"/"int8",
-``pv_quant`` "auto"/"fp8", head_dim 64 or 128; causal attention too, but bottom-right aligned
+``pv_quant`` "auto"/"fp8", head_dim 64, 128 or 256; causal attention too, but bottom-right aligned
 only where every sequence has as many queries as keys) all the sequences run in one launch of
 each kernel (``ops.sageattn_wgmma_varlen``, docs/DESIGN.md#packed-sequences): each sequence's
 output is bit for bit what that kernel gives the sequence alone. Otherwise each runs as one
@@ -156,13 +156,14 @@ def _one_launch(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, pv_quant: str,
     """Whether the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``):
     the Hopper kernel's FP8 tier, as :func:`sageattn` would route each sequence there (its
     ``pv_quant="none"`` tier reads V in place, where an item's last tile would reach the next
-    sequence's keys; head_dim 256 runs per sequence). Causal attention with its queries aligned
+    sequence's keys; head_dims the kernel pads, 160 and 192, run per sequence). Causal attention
+    with its queries aligned
     to the bottom-right runs so where every sequence has as many queries as keys (the two rules
     agree); the caller checks that."""
     return (qk_quant in ("auto", "int8") and pv_quant in ("auto", "fp8")
             and smooth_q in ("auto", False)
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
-            and v.dtype == q.dtype and q.shape[-1] in (64, 128) and k.shape[-1] == q.shape[-1]
+            and v.dtype == q.dtype and q.shape[-1] in (64, 128, 256) and k.shape[-1] == q.shape[-1]
             and v.shape[-1] == q.shape[-1] and q.is_cuda
             and all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
                     and t.data_ptr() % 16 == 0 for t in (q, k, v))

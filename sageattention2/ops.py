@@ -394,7 +394,7 @@ def sageattn_wgmma_varlen(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks
                           sm_scale: float, is_causal: bool, return_lse: bool) -> tuple[Tensor, Tensor]:
     """The Hopper path over packed sequences in one op (docs/DESIGN.md#packed-sequences):
     :func:`sageattn_wgmma_varlen_chain` in one launch per kernel. ``q`` ``[total_q, Hq, D]``,
-    ``k``, ``v`` ``[total_k, Hkv, D]`` (D 64 or 128); from :func:`packed_items`, on q's device:
+    ``k``, ``v`` ``[total_k, Hkv, D]`` (D 64, 128 or 256); from :func:`packed_items`, on q's device:
     ``items`` int32 ``[2, S, 3]``, each sequence's key range (first, end, sample stride) and its
     first and end query and first code row, and ``blocks`` int32 ``[n, 2]``, every sequence's
     blocks of 128 queries. FP8 PV; ``is_causal``: each sequence top-left aligned, as

@@ -131,7 +131,7 @@ def key_ranges() -> None:
 
 def packed_sequences() -> None:
     """sageattn_wgmma_varlen: packed sequences of 1 to 300 tokens (a keyless and a queryless one),
-    queries and keys of different lengths, GQA, d 64/128, with and without smoothing, causal or
+    queries and keys of different lengths, GQA, d 64/128/256, with and without smoothing, causal or
     not."""
     from sageattention2 import _execute
 
@@ -143,7 +143,7 @@ def packed_sequences() -> None:
         bk.append(bk[-1] + nk)
     spans = [s for s in zip(bq, bq[1:], bk, bk[1:]) if s[1] > s[0] and s[3] > s[2]]
     items, blocks, code_rows = ops.packed_items(spans, _execute.smoothing_sample_stride)
-    for dtype, d, smooth in ((torch.float16, 64, True), (torch.bfloat16, 128, False)):
+    for dtype, d, smooth in ((torch.float16, 64, True), (torch.bfloat16, 128, False), (torch.float16, 256, True)):
         q = torch.randn(bq[-1], 4, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(bk[-1], 2, d, device="cuda", dtype=dtype) for _ in range(2))
         for causal in (False, True):

@@ -250,7 +250,7 @@ def test_one_launch_op_checks_its_arguments() -> None:
     out, lse = op(q, k, k, items, blocks, 16, 384, True, False, 0.125, False, True)
     assert out.shape == q.shape and lse.shape == (4, 30)
     bad = [
-        ((meta(30, 4, 96), k, k, items, blocks, 16, 384), "head_dim 64 or 128"),
+        ((meta(30, 4, 96), k, k, items, blocks, 16, 384), "head_dim 64, 128 or 256"),
         ((q, meta(20, 3, 64), meta(20, 3, 64), items, blocks, 16, 384), "multiple of kv_heads"),
         ((q, k, k, meta(3, 3, dtype=torch.int32), blocks, 16, 384), r"int32 \[2, sequences, 3\]"),
         ((q, k, k, items.long(), blocks, 16, 384), "int32"),
@@ -277,7 +277,8 @@ def _drawn(n: int, h: int, d: int, dtype: torch.dtype, g: torch.Generator) -> to
 @pytest.mark.parametrize("d,dtype,smooth_k,smooth_v,causal", [
     (64, torch.float16, True, False, False), (128, torch.bfloat16, True, True, False),
     (128, torch.float16, False, False, False), (64, torch.bfloat16, False, True, False),
-    (128, torch.bfloat16, True, False, True), (64, torch.float16, True, True, True)])
+    (128, torch.bfloat16, True, False, True), (64, torch.float16, True, True, True),
+    (256, torch.float16, True, True, False), (256, torch.bfloat16, True, True, True)])
 def test_one_launch_is_each_sequence_alone(wgmma_kernel: None, d: int, dtype: torch.dtype,
                                            smooth_k: bool, smooth_v: bool, causal: bool) -> None:
     """ops.sageattn_wgmma_varlen: every sequence's output and LSE bit for bit what the Hopper path

@@ -65,17 +65,16 @@ template <int kHeadDim, bool kCausal>
 inline constexpr bool kItemKeys = !kCausal || kHeadDim == 256;
 
 // Which kernel variants have an instantiation for packed items (hopper/params.h): the FP8 PV
-// tier's kernels at head_dim 64 and 128, causal (each item top-left aligned) or not; they read
-// each item's key count (item_kv_len). Their schedule walks a table of the items'
-// Q blocks (packed_blocks) rather than skipping the blocks past each item's queries: with the
-// skip, a data-dependent loop in the consumers' seek, ptxas scheduled the KV loop's
-// exponentials as one run of 40 MUFUs (hopper/mainloop.cuh: the slow schedule), with the table
-// as before (2). At head_dim 256 the item setup they add
-// moved ptxas's allocation of the KV loop from 5 to 16 local accesses per tile; the accurate
-// tier's V, read in place, would reach into the next item's keys in an item's last tile, where
-// a NaN would reach the item's rows.
+// tier's kernels, causal (each item top-left aligned) or not; they read each item's key count
+// (item_kv_len). Their schedule walks a table of the items' Q blocks (packed_blocks) rather than
+// skipping the blocks past each item's queries: with the skip, a data-dependent loop in the
+// consumers' seek, ptxas scheduled the head_dim 128 KV loop's exponentials as one run of 40
+// MUFUs (hopper/mainloop.cuh: the slow schedule), with the table as before (2); at head_dim 256
+// the KV loop keeps 6 local accesses per tile (5 unpacked), causal 1 (0). The accurate tier has
+// none: its V, read in place, would reach into the next item's keys in an item's last tile,
+// where a NaN would reach the item's rows.
 template <int kHeadDim, bool kFp8Pv>
-inline constexpr bool kPackedItems = kFp8Pv && kHeadDim != 256;
+inline constexpr bool kPackedItems = kFp8Pv;
 
 template <bool kCausal, bool kItemKeyCount = !kCausal, bool kPacked = false>
 struct WgmmaTileScheduler {

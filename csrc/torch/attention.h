@@ -135,7 +135,7 @@ AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k,
                                        bool return_lse, double int4_guard);
 
 // The Hopper path over packed sequences in one op (sageattn_varlen, docs/DESIGN.md#packed-sequences):
-// q [total_q, Hq, D], k and v [total_k, Hkv, D] (head_dim 64 or 128, fp16/bf16, last dim
+// q [total_q, Hq, D], k and v [total_k, Hkv, D] (head_dim 64, 128 or 256, fp16/bf16, last dim
 // contiguous); items int32 [2, S, 3] on q's device: items[0] the S sequences' key ranges (first
 // key, end key, smoothing sample stride) and items[1] their first and end query and first code
 // row (each sequence's keys rounded up to 128, back to back: code_rows in all); blocks int32

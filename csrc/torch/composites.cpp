@@ -157,9 +157,9 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
               "q, k and v must be float16 or bfloat16, all the same, got ", t, ", ", k.scalar_type(), ", ",
               v.scalar_type());
   const int64_t d = q.size(2);
-  TORCH_CHECK((d == 64 || d == 128) && k.size(2) == d && v.size(2) == d,
-              "packed sequences run at head_dim 64 or 128, the same for q, k and v; got ", d, ", ", k.size(2),
-              ", ", v.size(2));
+  TORCH_CHECK((d == 64 || d == 128 || d == 256) && k.size(2) == d && v.size(2) == d,
+              "packed sequences run at head_dim 64, 128 or 256, the same for q, k and v; got ", d, ", ",
+              k.size(2), ", ", v.size(2));
   TORCH_CHECK(k.size(0) == v.size(0) && k.size(1) == v.size(1) && k.size(1) > 0 && q.size(1) % k.size(1) == 0,
               "k and v must be [total_k, kv_heads, head_dim] alike, and q's heads a multiple of kv_heads; got q ",
               q.sizes(), ", k ", k.sizes(), ", v ", v.sizes());
