@@ -89,6 +89,12 @@ SM80_BUILD = {PREPROCESS_KEY: ["sm_80"], MMA_KEY: ["sm_80"], MMA_FP8_KEY: []}
 OLD_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS, WGMMA_KEY: ["sm_90a"]}
 
 
+def meta(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """A tensor of ``shape`` on the meta device: the ops' Meta implementations validate their
+    arguments as the CUDA ones do, so argument checks are tested without a GPU."""
+    return torch.empty(shape, device="meta", dtype=dtype)
+
+
 def pretend_gpu(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
                 kernels: dict[str, list[str]]) -> None:
     """Make every call look like it runs on a CUDA GPU of ``capability`` with a build whose

@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from helpers import ORIGINAL_SDPA, fallback_warnings, qkv, stand_in_kernel
+from helpers import ORIGINAL_SDPA, fallback_warnings, meta, qkv, stand_in_kernel
 from sageattention2 import _key_ranges, sageattn
 from sageattention2 import reference as ref
 from sageattention2.api import explain
@@ -363,10 +363,6 @@ def test_sageattn_wgmma_checks_its_key_range_arguments() -> None:
     if not ops.has_op("sageattn_wgmma"):
         pytest.skip("no extension")
     op = torch.ops.sageattention2.sageattn_wgmma
-
-    def meta(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        return torch.empty(shape, device="meta", dtype=dtype)
-
     q, k, v = meta(2, 4, 8, 64), meta(2, 2, 16, 64), meta(2, 2, 16, 64)
     args = [q, k, v, "fp8", True, False, 1, 0.125, False, False, False]
     ranges, mask = meta(2, 3, dtype=torch.int32), meta(2, 1, 8, 16, dtype=torch.bool)

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from helpers import meta
 from sageattention2 import _execute, _varlen, ops, sageattn, sageattn_varlen
 from sageattention2 import reference as ref
 
@@ -241,10 +242,6 @@ def test_one_launch_op_checks_its_arguments() -> None:
     if not ops.has_op("sageattn_wgmma_varlen"):
         pytest.skip("no extension")
     op = torch.ops.sageattention2.sageattn_wgmma_varlen
-
-    def meta(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        return torch.empty(shape, device="meta", dtype=dtype)
-
     q, k, items = meta(30, 4, 64), meta(20, 2, 64), meta(2, 3, 3, dtype=torch.int32)
     blocks = meta(3, 2, dtype=torch.int32)
     out, lse = op(q, k, k, items, blocks, 16, 384, True, False, 0.125, False, True)
