@@ -78,6 +78,11 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(
     int64_t kv_len, double sm_scale, bool is_causal, bool out_nhd, bool return_lse, bool after_quantize_kv,
     const int* key_ranges = nullptr);
 
+// A packed [total, H, D] tensor as [items, H, total, D] with a batch stride of 0: the packed
+// launches see every item as a batch entry over all tokens, each item reading (or writing) only
+// its own rows of the one memory (its key range, its packed_items rows).
+at::Tensor items_view(const at::Tensor& t, int64_t items);
+
 // attention_wgmma over packed sequences (docs/DESIGN.md#packed-sequences), after
 // quantize_kv_packed_cuda: q [total_q, Hq, D] packed, each of `items` items its queries from
 // packed_items' rows, its keys key_ranges' (of total_k), its codes from its code row, the

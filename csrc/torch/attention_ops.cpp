@@ -129,6 +129,28 @@ std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const
                     is_causal, out_nhd, return_lse, false);
 }
 
+namespace {
+
+// The rest of attention_wgmma's parameters, which the batched and the packed launches fill alike,
+// then the launch on the current stream. key_ranges: null where every item attends all its keys.
+void launch_wgmma(AttentionWgmmaParams& p, const at::Tensor& q, const std::optional<at::Tensor>& v_mean,
+                  const std::optional<at::Tensor>& k_mean, double sm_scale, bool is_causal, bool after_quantize_kv,
+                  const int* key_ranges) {
+  p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
+  p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
+  p.sm_scale = static_cast<float>(sm_scale);
+  p.causal = is_causal;
+  p.after_quantize_kv = after_quantize_kv;
+  p.key_ranges = key_ranges;
+  const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
+  TORCH_CHECK(status != cudaErrorNotSupported,
+              "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
+  C10_CUDA_CHECK(status);
+}
+
+}  // namespace
+
 // attention_wgmma (after_quantize_kv: quantize_kv was launched by the same call just before).
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(const at::Tensor& q, const at::Tensor& k_codes,
                                                 const at::Tensor& k_scale, const at::Tensor& v,
@@ -160,17 +182,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(const at::Tensor& 
   TORCH_CHECK(p.fp8_pv || reinterpret_cast<uintptr_t>(p.v) % 16 == 0,
               "attention_wgmma: v's data must start at a 16-byte aligned address (v.storage_offset() a multiple of 8)");
   p.v_tile_scale = v_tile_scale ? v_tile_scale->data_ptr<float>() : nullptr;
-  p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
-  p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
-  p.sm_scale = static_cast<float>(sm_scale);
-  p.causal = is_causal;
-  p.after_quantize_kv = after_quantize_kv;
-  p.key_ranges = key_ranges;
-  const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
-  const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(status != cudaErrorNotSupported,
-              "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
-  C10_CUDA_CHECK(status);
+  launch_wgmma(p, q, v_mean, k_mean, sm_scale, is_causal, after_quantize_kv, key_ranges);
   return {out.out, out.lse};
 }
 
@@ -182,6 +194,10 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
                                                         double sm_scale, bool is_causal, bool out_nhd, bool return_lse) {
   return attention_wgmma_after_cuda(q, k_codes, k_scale, v, v_tile_scale, v_mean, k_mean, kv_len, sm_scale, is_causal, out_nhd,
                       return_lse, false);
+}
+
+at::Tensor items_view(const at::Tensor& t, int64_t items) {
+  return t.transpose(0, 1).unsqueeze(0).expand({items, t.size(1), t.size(0), t.size(2)});
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
@@ -196,13 +212,9 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
   at::Tensor out = at::empty({total_q, heads, d}, q.options());
   at::Tensor lse = return_lse ? at::empty({heads, total_q}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
-  // Every item reads and writes its own rows of the one tensor: [items, H, total_q, D] views
-  // with a batch stride of 0.
-  const auto items_view = [&](const at::Tensor& t) {
-    return t.transpose(0, 1).unsqueeze(0).expand({items, heads, total_q, d});
-  };
   AttentionWgmmaParams p;
-  set_shared_params(p, items_view(q), k_codes, AttentionOutputs{items_view(out), lse}, total_k, return_lse);
+  set_shared_params(p, items_view(q, items), k_codes, AttentionOutputs{items_view(out, items), lse}, total_k,
+                    return_lse);
   // The schedule's Q blocks: the table's, as one batch entry's (hopper/params.h).
   p.batch = 1;
   p.q_len = blocks * kWgmmaBlockQ;
@@ -213,18 +225,8 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
   p.fp8_pv = true;
   p.v = v_codes.data_ptr();
   p.v_tile_scale = v_tile_scale.data_ptr<float>();
-  p.v_mean = v_mean ? v_mean->data_ptr<float>() : nullptr;
-  p.k_mean = k_mean ? k_mean->data_ptr<float>() : nullptr;
-  p.sm_scale = static_cast<float>(sm_scale);
-  p.causal = is_causal;
-  p.after_quantize_kv = after_quantize_kv;
-  p.key_ranges = key_ranges;
   p.packed_items = packed_items;
-  const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
-  const cudaError_t status = launch_attention_wgmma(p, dtype, at::cuda::getCurrentCUDAStream());
-  TORCH_CHECK(status != cudaErrorNotSupported,
-              "attention_wgmma: this build has no sm_90a code or the driver lacks cuTensorMapEncodeTiled");
-  C10_CUDA_CHECK(status);
+  launch_wgmma(p, q, v_mean, k_mean, sm_scale, is_causal, after_quantize_kv, key_ranges);
   return {out, lse};
 }
 

@@ -183,12 +183,6 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
               kWgmmaBlockK, ", got ", code_rows);
 }
 
-// [items, heads, total, D] views of a packed [total, heads, D] tensor: every item's tokens are rows
-// of the same memory (batch stride 0), each item's own range of them in its key range.
-at::Tensor items_view(const at::Tensor& t, int64_t items) {
-  return t.transpose(0, 1).unsqueeze(0).expand({items, t.size(1), t.size(0), t.size(2)});
-}
-
 }  // namespace
 
 AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
