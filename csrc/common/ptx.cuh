@@ -293,6 +293,21 @@ __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.a
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(kPending) : "memory"); }
+// wait_group<N> where the source puts it, after the work that computes `anchor`: ptxas moves a
+// wait up to just after the previous one, above independent work (the accurate tier's
+// exponentials then waited for their own tile's PV product, docs/DECISIONS.md#d45), but it does
+// not move it out of a branch. Both arms wait, so any anchor is correct; `anchor` >= 0 or NaN
+// (a sum of exponentials) always takes the first, and the second's nanosleep only keeps the
+// compiler from merging the arms back into one wait above the branch.
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait_after(float anchor) {
+  if (!(anchor < 0.0f)) {
+    wgmma_wait<kPending>();
+  } else {
+    wgmma_wait<kPending>();
+    __nanosleep(1);
+  }
+}
 // Pins a register across the asynchronous MMA: the compiler may neither read an accumulator
 // before wgmma_wait nor move this past it (volatile asm statements keep their order).
 __device__ __forceinline__ void register_fence(float& r) { asm volatile("" : "+f"(r)::"memory"); }

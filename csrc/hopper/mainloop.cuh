@@ -58,6 +58,11 @@ struct WgmmaMainloop {
   // - compute the next tile's ring slot (stage, phases, wgmma descriptors) while this tile runs
   //   (else at the tile's start).
   static constexpr bool kSlotAhead = !kCausal;
+  // - (16-bit PV) tile it's softmax, row sums included, while PV(it - 1) computes (else ptxas
+  //   waits for the PV before the first exponential, as at FP8: docs/DECISIONS.md#d14). A/B/A
+  //   on the H100 (docs/DECISIONS.md#d45): kernel +2-4 % at head_dim 64 non-causal, -2-3 % at
+  //   64 causal, -1-2 % at 128, where the other warpgroup's products already filled that wait.
+  static constexpr bool kSoftmaxBesidePv = !kFp8Pv && kHeadDim == 64 && !kCausal;
 
   // FP8: with V's keys stored in the order of docs/DESIGN.md#v-layout, the A fragment of k-step c
   // of the PV wgmma is the S columns of the n8 tiles 4c .. 4c+3, packed in register order, as
@@ -225,9 +230,7 @@ struct WgmmaMainloop {
     };
     // (16-bit PV) Once PV(it - 1) is done and tile it's softmax gave alpha: O and l to tile it's
     // max, and l += tile it's row sums; PV(it) then adds into O in the same units.
-    auto rescale_to_tile = [&](const float(&tile_alpha)[2]) {
-      float sum[2];
-      row_sums(x, sum);
+    auto rescale_to_tile = [&](const float(&tile_alpha)[2], const float(&sum)[2]) {
 #pragma unroll
       for (int i = 0; i < kORegs; ++i) o[i] *= tile_alpha[(i / 2) & 1];
 #pragma unroll
@@ -261,7 +264,11 @@ struct WgmmaMainloop {
     const TileMask mask0 = last == 0 ? TileMask::template of<kItemKeys<kHeadDim, kCausal> || kPacked>(p, w, 0, row_in_item) : unmasked;
     if (mask0.masked) scores_to_p<true>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
     else scores_to_p<false>(s, stage0, s.k_scale[stage0][t], q, mask0, lane, t, sacc, x, m, alpha_prev);
-    if constexpr (!kFp8Pv) rescale_to_tile(alpha_prev);
+    if constexpr (!kFp8Pv) {
+      float sum[2];
+      row_sums(x, sum);
+      rescale_to_tile(alpha_prev, sum);
+    }
     pack_p(x, pa);
     if (consumer == 0) ptx::named_barrier_sync<3, 256>();  // once per item in both warpgroups
 
@@ -311,8 +318,15 @@ struct WgmmaMainloop {
       } else {
         issue_pv(o, pa, r.v_desc);
       }
-      auto pv_done = [&] {
-        if constexpr (!kMasked) ptx::wgmma_wait<0>();  // (masked: waited for both just below)
+      // anchor (kSoftmaxBesidePv): a value of tile it's softmax, which the wait then follows.
+      auto pv_done = [&](float anchor = 0.0f) {
+        if constexpr (kMasked) {
+          // (waited for both just below)
+        } else if constexpr (kSoftmaxBesidePv) {
+          ptx::wgmma_wait_after<0>(anchor);
+        } else {
+          ptx::wgmma_wait<0>();
+        }
 #pragma unroll
         for (int i = 0; i < kRaccRegs; ++i) {
           if constexpr (kFp8Pv) ptx::register_fence(racc[i]);
@@ -328,9 +342,17 @@ struct WgmmaMainloop {
       for (int i = 0; i < kSRegs; ++i) ptx::register_fence(sacc[i]);
       if constexpr (!kFp8Pv) {
         scores_to_p<kMasked>(s, stage, k_scale(), q, mask, lane, t, sacc, x, m, alpha);
-        pv_done();
-        release_v(prev);
-        rescale_to_tile(alpha);
+        float sum[2];
+        if constexpr (kSoftmaxBesidePv && !kMasked) {
+          row_sums(x, sum);
+          pv_done(fminf(sum[0], sum[1]));
+          release_v(prev);
+        } else {
+          pv_done();
+          release_v(prev);
+          row_sums(x, sum);
+        }
+        rescale_to_tile(alpha, sum);
       } else if constexpr (kMasked || kFoldBeforeSoftmax) {
         pv_done();  // (ptxas waits for PV(it - 1) before the exponentials anyway: docs/DECISIONS.md#d14)
         release_and_fold(prev, prev_scale);
