@@ -87,8 +87,9 @@ def sageattn_wgmma() -> None:
     """sageattn's Hopper path as one op: fewer queries than keys (causal: only the key blocks
     the kernel reads matter), both head dims; key ranges (key_ranges()); and end to end through
     sageattn, its smoothing means over a strided token sample (stride 5 at 1100 keys), smooth V,
-    the LSE."""
-    for n, d in ((300, 128), (33, 64), (129, 256)):
+    the LSE. Head_dim 64 with 3 KV tiles: the loop's unmasked step, where the accurate tier
+    waits for PV(it - 1) after its softmax (docs/DECISIONS.md#d45)."""
+    for n, d in ((300, 128), (120, 64), (129, 256)):
         q = torch.randn(1, 4, n, d, device="cuda", dtype=torch.bfloat16)
         k, v = (torch.randn(1, 2, 3 * n + 7, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
         for causal in (False, True):
