@@ -35,7 +35,8 @@ from torch import Tensor
 
 from ._tensor_memo import MISSING, TensorMemo
 
-__all__ = ["KeyRanges", "clear_cache", "could_be_key_mask", "key_ranges", "remembered_unverified", "runs"]
+__all__ = ["KeyRanges", "clear_cache", "could_be_key_mask", "item_ranges", "key_ranges", "remembered_unverified",
+           "runs"]
 
 KeyRanges = tuple[tuple[int, int], ...]  # (first key, end) per batch item
 
@@ -59,29 +60,36 @@ def could_be_key_mask(shape: tuple[int, ...], batch: int, n_k: int, n_q: int = 1
             and b * rows * keys <= max(MAX_QUERY_MASK_ELEMENTS, b * keys))
 
 
-def _examine(mask: Tensor, batch: int, n_k: int, n_q: int) -> KeyRanges | None:
-    if not could_be_key_mask(mask.shape, batch, n_k, n_q) or mask.device.type == "meta":
-        return None
-    b, _, n_rows, _ = (1,) * (4 - mask.dim()) + tuple(mask.shape)
-    per_query = mask.reshape(b, n_rows, n_k)
-    same_rows = (per_query == per_query[:, :1]).all() if n_rows > 1 else \
-        torch.ones((), dtype=torch.bool, device=mask.device)
+def item_ranges(per_query: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Per item of a ``[b, n_rows, n_k]`` bool or additive mask: its first kept key (0 when
+    none), its count of kept keys, and whether it is a key-padding mask the kernels run (every
+    row the same as the first; additive, each value 0 or masked; the kept keys one contiguous,
+    non-empty range). On the mask's device, without a synchronisation. What :func:`key_ranges`
+    decides on, and what the kernels' own mask reader computes (``ops.key_ranges_of_mask``)."""
+    b, n_rows, n_k = per_query.shape
     rows = per_query[:, 0]
+    same_rows = (per_query == per_query[:, :1]).reshape(b, -1).all(-1) if n_rows > 1 else \
+        torch.ones(b, dtype=torch.bool, device=rows.device)
     if rows.dtype == torch.bool:
-        keep, values_ok = rows, torch.ones((), dtype=torch.bool, device=rows.device)
+        keep, values_ok = rows, same_rows
     else:
         keep = rows == 0
         masked = (rows == -math.inf) | (rows == torch.finfo(rows.dtype).min)
-        values_ok = (keep | masked).all()
-    values_ok = values_ok & same_rows
+        values_ok = (keep | masked).all(-1) & same_rows
     counts = keep.sum(-1)
     starts = keep.to(torch.int32).argmax(-1)  # the first kept key (0 when none)
     index = torch.arange(n_k, device=rows.device)
     expected = (index >= starts[:, None]) & (index < (starts + counts)[:, None])
-    contiguous = (expected == keep).all(-1)
-    found = torch.stack([starts.long(), counts.long(), contiguous.long(),
-                         values_ok.long().expand_as(counts)]).tolist()  # the one synchronisation
-    if not all(found[3]) or not all(found[2]) or not all(found[1]):
+    return starts, counts, values_ok & (expected == keep).all(-1) & (counts > 0)
+
+
+def _examine(mask: Tensor, batch: int, n_k: int, n_q: int) -> KeyRanges | None:
+    if not could_be_key_mask(mask.shape, batch, n_k, n_q) or mask.device.type == "meta":
+        return None
+    b, _, n_rows, _ = (1,) * (4 - mask.dim()) + tuple(mask.shape)
+    starts, counts, ok = item_ranges(mask.reshape(b, n_rows, n_k))
+    found = torch.stack([starts.long(), counts.long(), ok.long()]).tolist()  # the one synchronisation
+    if not all(found[2]):
         return None
     ranges = tuple((s, s + c) for s, c in zip(found[0], found[1]))
     return ranges * batch if len(ranges) == 1 else ranges

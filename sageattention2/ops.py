@@ -30,6 +30,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
+from ._key_ranges import item_ranges
+
 try:
     _C: Any = importlib.import_module(f"{__package__}._C")
 except (ImportError, OSError) as _error:  # missing build, or a build against another torch/CUDA
@@ -327,22 +329,11 @@ def key_ranges_of_mask(key_mask: Tensor, batch: int, sample_tokens: int) -> tupl
     ``[batch, 3]`` (first key, end key, sample stride) and int32 ``[batch]`` valid (0 where the
     item's mask is not a key-padding mask with one non-empty range; its range is then every key)."""
     n_k = key_mask.shape[-1]
-    rows = key_mask.expand(batch, 1, key_mask.shape[2], n_k)[:, 0]
-    if rows.dtype == torch.bool:
-        keep, values_ok = rows[:, 0], torch.ones(batch, dtype=torch.bool)
-    else:
-        low = torch.finfo(rows.dtype).min
-        keep = rows[:, 0] == 0
-        values_ok = ((rows[:, 0] == 0) | (rows[:, 0] == -math.inf) | (rows[:, 0] == low)).all(-1)
-    values_ok = values_ok.cpu() & (rows == rows[:, :1]).all(-1).all(-1).cpu()
-    ranges, valid = [], []
-    for b in range(batch):
-        kept = keep[b].nonzero().flatten().tolist()
-        ok = bool(values_ok[b]) and bool(kept) and kept[-1] - kept[0] + 1 == len(kept)
-        first, end = (kept[0], kept[-1] + 1) if ok else (0, n_k)
-        ranges.append((first, end, -(-(end - first) // sample_tokens) | 1))
-        valid.append(int(ok))
-    return torch.tensor(ranges, dtype=torch.int32), torch.tensor(valid, dtype=torch.int32)
+    starts, counts, ok = (t.cpu() for t in item_ranges(key_mask.expand(batch, 1, key_mask.shape[2], n_k)[:, 0]))
+    first = torch.where(ok, starts.long(), 0)
+    end = torch.where(ok, starts.long() + counts, n_k)
+    stride = torch.div(end - first + sample_tokens - 1, sample_tokens, rounding_mode="floor") | 1
+    return torch.stack([first, end, stride], 1).to(torch.int32), ok.to(torch.int32)
 
 
 def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, pv_dtype: str, smooth_k: bool,
