@@ -60,7 +60,7 @@ struct WgmmaMainloop {
   static constexpr bool kSlotAhead = !kCausal;
   // - (16-bit PV) tile it's softmax, row sums included, while PV(it - 1) computes (else ptxas
   //   waits for the PV before the first exponential, as at FP8: docs/DECISIONS.md#d14). A/B/A
-  //   on the H100 (docs/DECISIONS.md#d45): kernel +2-4 % at head_dim 64 non-causal, -2-3 % at
+  //   on the H100 (docs/DECISIONS.md#d45): kernel +1-4 % at head_dim 64 non-causal, -2-3 % at
   //   64 causal, -1-2 % at 128, where the other warpgroup's products already filled that wait.
   static constexpr bool kSoftmaxBesidePv = !kFp8Pv && kHeadDim == 64 && !kCausal;
 
@@ -274,7 +274,7 @@ struct WgmmaMainloop {
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; S(it)'s row maxima are
     // taken while PV(it - 1) computes (ptxas waits for the PV before the exponentials:
-    // docs/DECISIONS.md#d14); R(it - 1) is folded into O (paper 3.4) before or after the
+    // docs/DECISIONS.md#d14; with kSoftmaxBesidePv after them); R(it - 1) is folded into O (paper 3.4) before or after the
     // softmax (kFoldBeforeSoftmax), and P(it) packed. A masked tile (the last) first waits for
     // PV(it - 1) and folds it: the masked softmax then has the PV accumulators' registers to
     // itself and spills nothing.
