@@ -5,8 +5,10 @@ sequences padded to the longest as one batch through ``sageattn`` (the padding c
 caller without varlen runs) and through SDPA with the key-padding mask.
 
     python3 benchmarks/bench_varlen.py [--sequences 16] [--max 8192] [--heads 16] [--d 128] [--equal]
+                                       [--causal] [--pv-quant auto|none]
 
 --equal: every sequence --max tokens (no padding: the packed path against the batched call).
+--pv-quant none: the accurate tier in every sageattn row.
 
 Time per call, do_bench median (timing.py): the GPU's, or the host's where it is the longer
 (a call per sequence).
@@ -32,7 +34,10 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--equal", action="store_true", help="every sequence --max tokens")
+    parser.add_argument("--pv-quant", default="auto", choices=("auto", "none"),
+                        help="none: the accurate tier (P and V in the input dtype)")
     args = parser.parse_args()
+    options = dict(is_causal=args.causal, pv_quant=args.pv_quant)
     warnings.simplefilter("ignore")
     g = torch.Generator().manual_seed(0)
     lengths = ([args.max] * args.sequences if args.equal
@@ -51,20 +56,21 @@ def main() -> None:
     def per_sequence() -> torch.Tensor:
         one_launch, _varlen._one_launch = _varlen._one_launch, lambda *_: False
         try:
-            return sageattn_varlen(q, k, v, cu, cu, longest, longest, is_causal=args.causal)  # type: ignore[return-value]
+            return sageattn_varlen(q, k, v, cu, cu, longest, longest, **options)  # type: ignore[return-value]
         finally:
             _varlen._one_launch = one_launch
 
     rows = {
-        "sageattn_varlen": lambda: sageattn_varlen(q, k, v, cu, cu, longest, longest, is_causal=args.causal),
+        "sageattn_varlen": lambda: sageattn_varlen(q, k, v, cu, cu, longest, longest, **options),
         "sageattn_varlen, a sageattn call per sequence": per_sequence,
-        "sageattn, padded to the longest": lambda: sageattn(pq, pk, pv, is_causal=args.causal, tensor_layout="NHD"),
+        "sageattn, padded to the longest": lambda: sageattn(pq, pk, pv, tensor_layout="NHD", **options),
     }
     if not args.causal:  # SDPA takes a mask or is_causal, not both
         rows["SDPA, padded, key mask"] = lambda: F.scaled_dot_product_attention(
             pq.transpose(1, 2), pk.transpose(1, 2), pv.transpose(1, 2), attn_mask=mask)
     table = timing.Table(["call", "ms"], f"{torch.cuda.get_device_name()} | {len(lengths)} sequences of "
-                         f"{min(lengths)}-{longest} tokens ({total} in all), H{h} D{d}, causal={args.causal}")
+                         f"{min(lengths)}-{longest} tokens ({total} in all), H{h} D{d}, causal={args.causal}, "
+                         f"pv_quant={args.pv_quant}")
     for name, fn in rows.items():
         table.row(name, f"{timing.median_ms(fn):.3f}")
 

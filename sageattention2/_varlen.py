@@ -4,10 +4,10 @@
 ``q`` is ``[total_q, H_q, D]``, ``k`` and ``v`` are ``[total_k, H_kv, D]``: the sequences one
 after another, sequence i's tokens at ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (and likewise for
 the keys). Each sequence is its own attention, its quantization groups and smoothing means over
-its own tokens alone. On the Hopper kernel's FP8 tier (sm_90; ``qk_quant`` "auto"/"int8",
-``pv_quant`` "auto"/"fp8", head_dim 64, 128 or 256; causal attention too, but bottom-right aligned
-only where every sequence has as many queries as keys) all the sequences run in one launch of
-each kernel (``ops.sageattn_wgmma_varlen``, docs/DESIGN.md#packed-sequences): each sequence's
+its own tokens alone. On the Hopper kernel (sm_90; ``qk_quant`` "auto"/"int8"; ``pv_quant``
+"auto"/"fp8" at head_dim 64, 128 or 256, or the accurate tier's "none" at 64 or 128; causal
+attention too, but bottom-right aligned only where every sequence has as many queries as keys)
+all the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``, docs/DESIGN.md#packed-sequences): each sequence's
 output is bit for bit what that kernel gives the sequence alone. Otherwise each runs as one
 :func:`sageattn` call on views of its tokens (``tensor_layout="NHD"``, no copies of the inputs):
 bit for bit that call's (the quantized kernel, or exact SDPA where the crossover says it is
@@ -143,7 +143,8 @@ def sageattn_varlen(
     if _one_launch(q, k, v, qk_quant, pv_quant, smooth_q) and (
             not is_causal or causal_alignment == "top_left" or bounds_q == bounds_k):
         return _run_packed(q, k, v, bounds_q, bounds_k, max_seqlen_k, scale, smooth_k,
-                           smooth_v_flag(smooth_v, v.shape[-1]), is_causal, return_lse)
+                           smooth_v_flag(smooth_v, v.shape[-1]), is_causal, return_lse,
+                           accurate=pv_quant == "none")
     return _run(q, k, v, bounds_q, bounds_k, dict(
         is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         tensor_layout="NHD", qk_quant=qk_quant, pv_quant=pv_quant, smooth_k=smooth_k,
@@ -154,20 +155,29 @@ def sageattn_varlen(
 def _one_launch(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, pv_quant: str,
                 smooth_q: bool | str) -> bool:
     """Whether the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``):
-    the Hopper kernel's FP8 tier, as :func:`sageattn` would route each sequence there (its
-    ``pv_quant="none"`` tier reads V in place, where an item's last tile would reach the next
-    sequence's keys; head_dims the kernel pads, 160 and 192, run per sequence). Causal attention
-    with its queries aligned
+    the Hopper kernel's FP8 tier or its accurate tier (``pv_quant="none"``, head_dim 64 or 128,
+    V through a zero-padded copy), as :func:`sageattn` would route each sequence there (head_dims
+    the kernel pads, 160 and 192, run per sequence). Causal attention with its queries aligned
     to the bottom-right runs so where every sequence has as many queries as keys (the two rules
     agree); the caller checks that."""
-    return (qk_quant in ("auto", "int8") and pv_quant in ("auto", "fp8")
-            and smooth_q in ("auto", False)
+    head_dims = ops.WGMMA_INPUT_PV_HEAD_DIMS if pv_quant == "none" else (64, 128, 256)
+    return (qk_quant in ("auto", "int8") and smooth_q in ("auto", False)
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
-            and v.dtype == q.dtype and q.shape[-1] in (64, 128, 256) and k.shape[-1] == q.shape[-1]
+            and v.dtype == q.dtype and q.shape[-1] in head_dims and k.shape[-1] == q.shape[-1]
             and v.shape[-1] == q.shape[-1] and q.is_cuda
             and all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
                     and t.data_ptr() % 16 == 0 for t in (q, k, v))
             and _plan.target_of(q.device).wgmma and ops.has_op("sageattn_wgmma_varlen"))
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_v_rows(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device: torch.device
+                   ) -> Tensor:
+    """The accurate tier's ``v_rows`` (``ops.packed_v_rows``) for these boundaries, cached as
+    :func:`_packed_items`."""
+    tables, code_rows, _ = _packed_items(bounds_q, bounds_k, device)
+    assert tables is not None
+    return ops.packed_v_rows(tables[0], bounds_k[-1], code_rows)
 
 
 @functools.lru_cache(maxsize=64)
@@ -189,7 +199,7 @@ def _packed_items(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device: 
 def _run_packed(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...],
                 bounds_k: tuple[int, ...], max_seqlen_k: int,
                 scale: float | None, smooth_k: bool, smooth_v: bool, is_causal: bool,
-                return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+                return_lse: bool, accurate: bool) -> Tensor | tuple[Tensor, Tensor]:
     """All the sequences in one launch of each kernel. A sequence with queries and no keys gets
     zeros (LSE -inf), as :func:`sageattn` gives it; the kernel runs the others."""
     tables, code_rows, keyless = _packed_items(bounds_q, bounds_k, q.device)
@@ -199,8 +209,9 @@ def _run_packed(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...],
         lse = q.new_full((q.shape[1], q.shape[0]) if return_lse else (0,), -math.inf,
                          dtype=torch.float32)
     else:
+        v_rows = _packed_v_rows(bounds_q, bounds_k, q.device) if accurate else None
         out, lse = ops.sageattn_wgmma_varlen(q, k, v, *tables, max_seqlen_k, code_rows, smooth_k,
-                                             smooth_v, sm_scale, is_causal, return_lse)
+                                             smooth_v, sm_scale, is_causal, return_lse, v_rows)
         for q0, q1 in keyless:
             out[q0:q1] = 0
             if return_lse:

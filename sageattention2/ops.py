@@ -382,17 +382,19 @@ def sageattn_wgmma_chain(q: Tensor, k: Tensor, v: Tensor, pv_dtype: str, smooth_
 
 def sageattn_wgmma_varlen(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks: Tensor,
                           max_seqlen_k: int, code_rows: int, smooth_k: bool, smooth_v: bool,
-                          sm_scale: float, is_causal: bool, return_lse: bool) -> tuple[Tensor, Tensor]:
+                          sm_scale: float, is_causal: bool, return_lse: bool,
+                          v_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The Hopper path over packed sequences in one op (docs/DESIGN.md#packed-sequences):
     :func:`sageattn_wgmma_varlen_chain` in one launch per kernel. ``q`` ``[total_q, Hq, D]``,
     ``k``, ``v`` ``[total_k, Hkv, D]`` (D 64, 128 or 256); from :func:`packed_items`, on q's device:
     ``items`` int32 ``[2, S, 3]``, each sequence's key range (first, end, sample stride) and its
     first and end query and first code row, and ``blocks`` int32 ``[n, 2]``, every sequence's
-    blocks of 128 queries. FP8 PV; ``is_causal``: each sequence top-left aligned, as
-    :func:`sageattn_wgmma`. Returns ``out`` ``[total_q, Hq, D]`` and ``lse`` ``[Hq, total_q]``
-    (empty without ``return_lse``)."""
+    blocks of 128 queries. FP8 PV, or with ``v_rows`` (:func:`packed_v_rows`) the accurate tier
+    (16-bit PV, D 64 or 128; ``smooth_v`` does nothing); ``is_causal``: each sequence top-left
+    aligned, as :func:`sageattn_wgmma`. Returns ``out`` ``[total_q, Hq, D]`` and ``lse`` ``[Hq,
+    total_q]`` (empty without ``return_lse``)."""
     out, lse = _op("sageattn_wgmma_varlen")(q, k, v, items, blocks, max_seqlen_k, code_rows,
-                                            smooth_k, smooth_v, sm_scale, is_causal, return_lse)
+                                            smooth_k, smooth_v, sm_scale, is_causal, return_lse, v_rows)
     return out, lse
 
 
@@ -414,20 +416,32 @@ def packed_items(spans: Sequence[tuple[int, int, int, int]],
             torch.tensor(blocks, dtype=torch.int32).reshape(-1, 2), code_row)
 
 
+def packed_v_rows(items: Tensor, total_k: int, code_rows: int) -> Tensor:
+    """``sageattn_wgmma_varlen``'s ``v_rows`` for the accurate tier (int64 ``[total_k]``, on
+    ``items``' device): each key's row in the zero-padded copy of V the kernel reads, the
+    sequence's code row plus the key's place in it, and ``code_rows`` (a scratch row past the
+    copy's end) for the keys of no sequence."""
+    rows = torch.full((total_k,), code_rows, dtype=torch.int64)
+    for (k0, k1, _), (_, _, code_row) in zip(*items.tolist()):
+        rows[k0:k1] = torch.arange(code_row, code_row + k1 - k0)
+    return rows.to(items.device)
+
+
 def sageattn_wgmma_varlen_chain(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks: Tensor,
                                 max_seqlen_k: int, code_rows: int, smooth_k: bool,
                                 smooth_v: bool, sm_scale: float, is_causal: bool,
-                                return_lse: bool) -> tuple[Tensor, Tensor]:
+                                return_lse: bool, v_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """What sageattn_wgmma_varlen computes (its CPU implementation, and what the GPU tests compare
     it with bit for bit): each sequence's :func:`sageattn_wgmma_chain` on its own queries and
-    key range (FP8 PV), its sample stride its own."""
+    key range (FP8 PV; with ``v_rows`` the accurate tier), its sample stride its own."""
+    pv_dtype = "fp8" if v_rows is None else "input"
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse = (q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse
            else q.new_empty(0, dtype=torch.float32))
     for (k0, k1, stride), (q0, q1, _) in zip(*items.tolist()):
         part, part_lse = sageattn_wgmma_chain(
             q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
-            v[k0:k1].transpose(0, 1)[None], "fp8", smooth_k, smooth_v, stride, sm_scale, is_causal,
+            v[k0:k1].transpose(0, 1)[None], pv_dtype, smooth_k, smooth_v, stride, sm_scale, is_causal,
             True, return_lse)
         out[q0:q1] = part[0].transpose(0, 1)  # (out_nhd: a [1, H, n, D] view of [n, H, D] rows)
         if return_lse:

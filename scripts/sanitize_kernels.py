@@ -133,7 +133,7 @@ def key_ranges() -> None:
 def packed_sequences() -> None:
     """sageattn_wgmma_varlen: packed sequences of 1 to 300 tokens (a keyless and a queryless one),
     queries and keys of different lengths, GQA, d 64/128/256, with and without smoothing, causal or
-    not."""
+    not; FP8 PV and (d 64/128) the accurate tier through V's zero-padded copy."""
     from sageattention2 import _execute
 
     lengths_q, lengths_k = [1, 300, 0, 129, 2, 77], [3, 257, 5, 128, 1, 0]
@@ -147,9 +147,11 @@ def packed_sequences() -> None:
     for dtype, d, smooth in ((torch.float16, 64, True), (torch.bfloat16, 128, False), (torch.float16, 256, True)):
         q = torch.randn(bq[-1], 4, d, device="cuda", dtype=dtype)
         k, v = (torch.randn(bk[-1], 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        v_rows = ops.packed_v_rows(items, bk[-1], code_rows).cuda()
         for causal in (False, True):
-            ops.sageattn_wgmma_varlen(q, k, v, items.cuda(), blocks.cuda(), 257, code_rows, smooth, smooth,
-                                      d ** -0.5, causal, True)
+            for rows in (None, v_rows) if d in ops.WGMMA_INPUT_PV_HEAD_DIMS else (None,):
+                ops.sageattn_wgmma_varlen(q, k, v, items.cuda(), blocks.cuda(), 257, code_rows, smooth, smooth,
+                                          d ** -0.5, causal, True, rows)
     torch.cuda.synchronize()
     print("sanitize: packed sequences (sageattn_wgmma_varlen) ran")
 

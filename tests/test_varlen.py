@@ -185,6 +185,9 @@ def test_packed_items() -> None:
     assert table.dtype == torch.int32 and table.tolist() == [
         [[0, 130, 131], [130, 131, 1], [131, 400, 269]], [[0, 5, 0], [5, 262, 256], [262, 266, 384]]]
     assert blocks.dtype == torch.int32 and blocks.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]]
+    rows = ops.packed_v_rows(table, 410, code_rows)
+    assert rows.dtype == torch.int64 and rows.tolist() == [
+        *range(130), 256, *range(384, 384 + 269), *[code_rows] * 10]
 
 
 def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -193,11 +196,14 @@ def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest
     sequence with queries and no keys gets zeros and LSE -inf; the result is attention per
     sequence."""
     seen: list[tuple[object, ...]] = []
+    rows_seen: list[list[int] | None] = []
 
     def stand_in(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: torch.Tensor,
                  blocks: torch.Tensor, max_k: int, code_rows: int, smooth_k: bool, smooth_v: bool,
-                 sm_scale: float, is_causal: bool, return_lse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                 sm_scale: float, is_causal: bool, return_lse: bool,
+                 v_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append((items.tolist(), blocks.tolist(), code_rows, max_k, smooth_k, smooth_v, is_causal))
+        rows_seen.append(None if v_rows is None else v_rows.tolist())
         out = torch.full((q.shape[0], q.shape[1], v.shape[2]), math.nan, dtype=q.dtype)
         lse = torch.full((q.shape[1], q.shape[0]), math.nan)
         for (k0, k1, _), (q0, q1, _) in zip(*items.tolist()):
@@ -234,6 +240,12 @@ def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest
     assert len(seen) == calls
     sageattn_varlen(q, q, q, cu_q, cu_q, 300, 300, is_causal=True, causal_alignment="bottom_right")
     assert len(seen) == calls + 1
+    # The accurate tier: the same launch with each key's row in V's zero-padded copy (the keys
+    # of the sequence without queries, 25..29, to the scratch row after the copy).
+    assert rows_seen[-1] is None
+    out = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, pv_quant="none")
+    assert rows_seen[-1] == [*range(5), *range(128, 131), *[768] * 4, *range(256, 269), *range(384, 644)]
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
 
 
 def test_one_launch_op_checks_its_arguments() -> None:
@@ -246,6 +258,15 @@ def test_one_launch_op_checks_its_arguments() -> None:
     blocks = meta(3, 2, dtype=torch.int32)
     out, lse = op(q, k, k, items, blocks, 16, 384, True, False, 0.125, False, True)
     assert out.shape == q.shape and lse.shape == (4, 30)
+    rows = meta(20, dtype=torch.int64)
+    out, lse = op(q, k, k, items, blocks, 16, 384, True, False, 0.125, False, True, rows)
+    assert out.shape == q.shape and lse.shape == (4, 30)
+    for bad_rows, shape_args, message in [
+            (rows.int(), (q, k, k), r"v_rows must be an int64 \[total_k\]"),
+            (meta(21, dtype=torch.int64), (q, k, k), r"v_rows must be an int64 \[total_k\]"),
+            (rows, (meta(30, 4, 256), meta(20, 2, 256), meta(20, 2, 256)), "head_dim 64 or 128")]:
+        with pytest.raises(RuntimeError, match=message):
+            op(*shape_args, items, blocks, 16, 384, True, False, 0.125, False, False, bad_rows)
     bad = [
         ((meta(30, 4, 96), k, k, items, blocks, 16, 384), "head_dim 64, 128 or 256"),
         ((q, meta(20, 3, 64), meta(20, 3, 64), items, blocks, 16, 384), "multiple of kv_heads"),
@@ -271,18 +292,21 @@ def _drawn(n: int, h: int, d: int, dtype: torch.dtype, g: torch.Generator) -> to
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d,dtype,smooth_k,smooth_v,causal", [
-    (64, torch.float16, True, False, False), (128, torch.bfloat16, True, True, False),
-    (128, torch.float16, False, False, False), (64, torch.bfloat16, False, True, False),
-    (128, torch.bfloat16, True, False, True), (64, torch.float16, True, True, True),
-    (256, torch.float16, True, True, False), (256, torch.bfloat16, True, True, True)])
+@pytest.mark.parametrize("d,dtype,smooth_k,smooth_v,causal,accurate", [
+    (64, torch.float16, True, False, False, False), (128, torch.bfloat16, True, True, False, False),
+    (128, torch.float16, False, False, False, False), (64, torch.bfloat16, False, True, False, False),
+    (128, torch.bfloat16, True, False, True, False), (64, torch.float16, True, True, True, False),
+    (256, torch.float16, True, True, False, False), (256, torch.bfloat16, True, True, True, False),
+    (64, torch.float16, True, False, False, True), (128, torch.bfloat16, True, False, False, True),
+    (64, torch.bfloat16, False, False, True, True), (128, torch.float16, True, True, True, True)])
 def test_one_launch_is_each_sequence_alone(wgmma_kernel: None, d: int, dtype: torch.dtype,
-                                           smooth_k: bool, smooth_v: bool, causal: bool) -> None:
+                                           smooth_k: bool, smooth_v: bool, causal: bool,
+                                           accurate: bool) -> None:
     """ops.sageattn_wgmma_varlen: every sequence's output and LSE bit for bit what the Hopper path
     computes for it alone (the chain: its own smoothing_stats, quantize_kv and attention_wgmma),
     on poisoned memory; lengths from 1 to 8K, primes, queries and keys of different lengths,
-    grouped-query heads; causal: each sequence's diagonal top-left; every element written and
-    finite."""
+    grouped-query heads; causal: each sequence's diagonal top-left; FP8 PV or the accurate tier
+    (V through its zero-padded copy); every element written and finite."""
     from sageattention2.testing import poison_cuda_allocator
 
     g = torch.Generator(device="cuda").manual_seed(d + smooth_k)
@@ -293,8 +317,9 @@ def test_one_launch_is_each_sequence_alone(wgmma_kernel: None, d: int, dtype: to
     bq, bk = [0, *itertools.accumulate(lengths_q)], [0, *itertools.accumulate(lengths_k)]
     items, blocks, code_rows = ops.packed_items(list(zip(bq, bq[1:], bk, bk[1:])),
                                                 _execute.smoothing_sample_stride)
+    v_rows = ops.packed_v_rows(items, k.shape[0], code_rows).cuda() if accurate else None
     args = (q, k, v, items.cuda(), blocks.cuda(), max(lengths_k), code_rows, smooth_k, smooth_v,
-            d ** -0.5, causal, True)
+            d ** -0.5, causal, True, v_rows)
     poison_cuda_allocator()
     out, lse = ops.sageattn_wgmma_varlen(*args)
     assert torch.isfinite(out).all() and torch.isfinite(lse).all()
@@ -319,3 +344,28 @@ def test_one_launch_sequences_without_keys_or_queries(wgmma_kernel: None) -> Non
     assert relative_l1(out.cpu().double()[None], want[None]) < 0.05
     finite = torch.isfinite(want_lse)
     assert (lse.cpu().double()[finite] - want_lse[finite]).abs().max() < 0.05
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("accurate", [False, True])
+def test_one_launch_keeps_a_nan_in_its_sequence(wgmma_kernel: None, accurate: bool) -> None:
+    """A NaN in one sequence's V reaches that sequence's rows (as SDPA's) and no other's: the
+    accurate tier reads V through a zero-padded copy, so a sequence's last tile of 128 keys never
+    reaches the next sequence's keys; the other sequences' rows are their chain's, bit for bit."""
+    lengths = [5, 7, 130, 3]
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (_drawn(sum(lengths), 2, 64, torch.float16, g) for _ in range(3))
+    bounds = [0, *itertools.accumulate(lengths)]
+    items, blocks, code_rows = ops.packed_items(list(zip(bounds, bounds[1:], bounds, bounds[1:])),
+                                                _execute.smoothing_sample_stride)
+    v_rows = ops.packed_v_rows(items, k.shape[0], code_rows).cuda() if accurate else None
+    v[bounds[1]] = math.nan  # the second sequence's first key
+    args = (q, k, v, items.cuda(), blocks.cuda(), max(lengths), code_rows, True, False, 0.125, False,
+            True, v_rows)
+    out, lse = ops.sageattn_wgmma_varlen(*args)
+    want, _ = ops.sageattn_wgmma_varlen_chain(*args)
+    second = slice(bounds[1], bounds[2])
+    assert torch.isnan(out[second]).all()
+    others = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
+    others[second] = False
+    assert torch.isfinite(out[others]).all() and torch.equal(out[others], want[others])

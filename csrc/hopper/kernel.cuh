@@ -42,11 +42,10 @@
 
 namespace sageattention2 {
 
-// kPacked: the variant that runs packed items (hopper/params.h; kPackedItems says which variants
-// have it): launched only with packed_items, which the others never read.
+// kPacked: the variant that runs packed items (hopper/params.h; every variant has one): launched
+// only with packed_items, which the others never read.
 template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = false>
 struct AttentionWgmmaKernel {
-  static_assert(!kPacked || kPackedItems<kHeadDim, kFp8Pv>, "no packed variant of this kernel");
   using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
   using Smem = typename Geometry::Smem;
   using Scheduler = WgmmaTileScheduler<kCausal, kItemKeys<kHeadDim, kCausal> || kPacked, kPacked>;

@@ -48,11 +48,14 @@ cudaError_t encode_byte_map(CUtensorMap* map, const void* base, uint64_t inner, 
 cudaError_t encode_input_v_map(CUtensorMap* map, const AttentionWgmmaParams& p) {
   const auto encode = tensor_map_encoder();
   if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(p.kv_len),
-                              static_cast<cuuint64_t>(p.kv_heads), static_cast<cuuint64_t>(p.batch)};
+  // Packed items: V's zero-padded copy [1][Hkv][k_padded][D], every item from its code row.
+  const int64_t keys = p.packed_items != nullptr ? p.k_padded : p.kv_len;
+  const int64_t batch = p.packed_items != nullptr ? 1 : p.batch;
+  const cuuint64_t dims[4] = {static_cast<cuuint64_t>(p.head_dim), static_cast<cuuint64_t>(keys),
+                              static_cast<cuuint64_t>(p.kv_heads), static_cast<cuuint64_t>(batch)};
   // A dimension of extent 1 is never stepped over; its stride (any value in a view) becomes the
   // one of contiguous memory, which the encoder accepts.
-  const int64_t extents[4] = {p.head_dim, p.kv_len, p.kv_heads, p.batch};
+  const int64_t extents[4] = {p.head_dim, keys, p.kv_heads, batch};
   const int64_t view_strides[3] = {p.v_stride_n, p.v_stride_h, p.v_stride_b};
   cuuint64_t strides[3];
   int64_t inner = 1;  // elements: the previous dimension's extent x stride

@@ -48,11 +48,8 @@ template <typename T, int kHeadDim, bool kFp8Pv>
 cudaError_t launch_causal(const AttentionWgmmaParams& p, const CUtensorMap& k_map, const CUtensorMap& v_map,
                           cudaStream_t stream) {
   if (p.packed_items != nullptr) {  // packed items: their own instantiations (validated by the op)
-    if constexpr (kPackedItems<kHeadDim, kFp8Pv>) {
-      return p.causal ? launch<T, kHeadDim, true, kFp8Pv, true>(p, k_map, v_map, stream)
-                      : launch<T, kHeadDim, false, kFp8Pv, true>(p, k_map, v_map, stream);
-    }
-    return cudaErrorInvalidValue;
+    return p.causal ? launch<T, kHeadDim, true, kFp8Pv, true>(p, k_map, v_map, stream)
+                    : launch<T, kHeadDim, false, kFp8Pv, true>(p, k_map, v_map, stream);
   }
   return p.causal ? launch<T, kHeadDim, true, kFp8Pv>(p, k_map, v_map, stream)
                   : launch<T, kHeadDim, false, kFp8Pv>(p, k_map, v_map, stream);

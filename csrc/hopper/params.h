@@ -51,8 +51,8 @@ struct AttentionWgmmaParams {
   // k_padded rows per KV head ([1, Hkv, k_padded, D], quantize_kv's packed items). The schedule
   // walks packed_blocks ([blocks][2] int32: each Q block's item and its block within the item,
   // every block of every item once) as the Q blocks of one batch entry: batch 1 and q_len the
-  // blocks' count x 128. The kernel variants with a packed instantiation: kPackedItems
-  // (hopper/tile_scheduler.cuh).
+  // blocks' count x 128. Every kernel variant has a packed instantiation
+  // (hopper/tile_scheduler.cuh); the accurate tier's V is then a zero-padded copy in code rows.
   const int* packed_items = nullptr;
   const int* packed_blocks = nullptr;
   int64_t lse_rows = 0;

@@ -42,8 +42,10 @@ struct WgmmaProducer {
       const float* k_scale = kPacked ? p.k_scale + item_first_tile<true>(p, w) * 4
                                      : p.k_scale + static_cast<int64_t>(bhk) * (p.k_padded / kBlockK) * 4;
       // The caller's 16-bit V from the item's first key; a key range's keys past its end are
-      // the masked keys of the same item, which the mask weights by 0.
-      const int first_key = kFp8Pv || kCausal ? 0 : item_first_key(p, w.b);
+      // the masked keys of the same item, which the mask weights by 0. Packed items: V's
+      // zero-padded copy, from the item's code row (batch 0).
+      const int first_key = kPacked ? code_row : kFp8Pv || kCausal ? 0 : item_first_key(p, w.b);
+      const int v_batch = kPacked ? 0 : w.b;
       for (int it = 0; it < w.kv_tiles; ++it, ++seq) {
         const int stage = seq % kStages;
         const uint32_t phase = (seq / kStages) & 1;
@@ -63,7 +65,7 @@ struct WgmmaProducer {
 #pragma unroll
           for (int chunk = 0; chunk < kHeadDim / 64; ++chunk)
             ptx::tma_load_4d(s.v[stage] + chunk * Geometry::kVChunkBytes, v_map, chunk * 64,
-                             first_key + it * kBlockK, w.hk, w.b, &s.full_v[stage]);
+                             first_key + it * kBlockK, w.hk, v_batch, &s.full_v[stage]);
         }
       }
     }

@@ -27,7 +27,7 @@ struct WgmmaWorkItem {  // one work item: a block of 128 queries of one head
 };
 
 // What differs for packed items (hopper/params.h), in the kernel variant that runs them
-// (kPacked: the instantiation launched with packed_items, kPackedItems below; every other
+// (kPacked: the instantiation launched with packed_items, below; every other
 // variant reads none of them and keeps its code).
 // The row after item w's last query: q_len, or its end query, read where it is needed (its Q
 // rows, its output) rather than kept in registers across the KV loop.
@@ -64,17 +64,14 @@ __device__ __forceinline__ int64_t item_first_tile(const AttentionWgmmaParams& p
 template <int kHeadDim, bool kCausal>
 inline constexpr bool kItemKeys = !kCausal || kHeadDim == 256;
 
-// Which kernel variants have an instantiation for packed items (hopper/params.h): the FP8 PV
-// tier's kernels, causal (each item top-left aligned) or not; they read each item's key count
-// (item_kv_len). Their schedule walks a table of the items' Q blocks (packed_blocks) rather than
-// skipping the blocks past each item's queries: with the skip, a data-dependent loop in the
-// consumers' seek, ptxas scheduled the head_dim 128 KV loop's exponentials as one run of 40
-// MUFUs (hopper/mainloop.cuh: the slow schedule), with the table as before (2); at head_dim 256
-// the KV loop keeps 6 local accesses per tile (5 unpacked), causal 1 (0). The accurate tier has
-// none: its V, read in place, would reach into the next item's keys in an item's last tile,
-// where a NaN would reach the item's rows.
-template <int kHeadDim, bool kFp8Pv>
-inline constexpr bool kPackedItems = kFp8Pv;
+// Every kernel variant has an instantiation for packed items (hopper/params.h), causal (each
+// item top-left aligned) or not; they read each item's key count (item_kv_len). Their schedule
+// walks a table of the items' Q blocks (packed_blocks) rather than skipping the blocks past each
+// item's queries: with the skip, a data-dependent loop in the consumers' seek, ptxas scheduled
+// the head_dim 128 KV loop's exponentials as one run of 40 MUFUs (hopper/mainloop.cuh: the slow
+// schedule), with the table as before (2); at head_dim 256 the KV loop keeps 6 local accesses
+// per tile (5 unpacked), causal 1 (0). The accurate tier's packed V is a zero-padded copy in
+// code rows, as the FP8 codes are: an item's last tile never reaches the next item's keys.
 
 template <bool kCausal, bool kItemKeyCount = !kCausal, bool kPacked = false>
 struct WgmmaTileScheduler {

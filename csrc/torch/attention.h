@@ -86,12 +86,14 @@ at::Tensor items_view(const at::Tensor& t, int64_t items);
 // attention_wgmma over packed sequences (docs/DESIGN.md#packed-sequences), after
 // quantize_kv_packed_cuda: q [total_q, Hq, D] packed, each of `items` items its queries from
 // packed_items' rows, its keys key_ranges' (of total_k), its codes from its code row, the
-// `blocks` Q blocks of packed_blocks ([blocks][2]: item, block) its schedule; FP8 PV; causal:
+// `blocks` Q blocks of packed_blocks ([blocks][2]: item, block) its schedule; FP8 PV (v the codes,
+// with v_tile_scale) or 16-bit (v a zero-padded copy [code rows, Hkv, D], without); causal:
 // each item's diagonal top-left aligned. Returns out [total_q, Hq, D] and lse [Hq, total_q] (or empty). Internal to
 // sageattn_wgmma_varlen, which made and validated every input.
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
-    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v_codes,
-    const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v,
+    const std::optional<at::Tensor>& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+    const std::optional<at::Tensor>& k_mean,
     const int* key_ranges, const int* packed_items, int64_t items, const int* packed_blocks, int64_t blocks,
     int64_t total_k,
     double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv);
@@ -145,17 +147,20 @@ AttentionOutputs allocate_sageattn_mma(const at::Tensor& q, const at::Tensor& k,
 // key, end key, smoothing sample stride) and items[1] their first and end query and first code
 // row (each sequence's keys rounded up to 128, back to back: code_rows in all); blocks int32
 // [n, 2]: every sequence's Q blocks of 128 queries (sequence, block within it), each once. Each
-// sequence is
-// what sageattn_wgmma computes for it alone (smooth_k / smooth_v over its sample, FP8 PV), in
-// one launch of each kernel; is_causal: each sequence's queries and keys top-left aligned, as
+// sequence is what sageattn_wgmma computes for it alone (smooth_k / smooth_v over its sample),
+// in one launch of each kernel: FP8 PV, or with v_rows (int64 [total_k]: each key's row in a
+// zero-padded copy of V of code_rows + 1 rows, the last for keys of no sequence) the accurate
+// tier (head_dim 64 or 128); is_causal: each sequence's queries and keys top-left aligned, as
 // sageattn_wgmma's. Returns out [total_q, Hq, D] and lse [Hq, total_q] (or empty).
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
                                                               const at::Tensor& v, const at::Tensor& items,
                                                               const at::Tensor& blocks, int64_t max_seqlen_k,
                                                               int64_t code_rows, bool smooth_k, bool smooth_v,
-                                                              double sm_scale, bool is_causal, bool return_lse);
+                                                              double sm_scale, bool is_causal, bool return_lse,
+                                                              const std::optional<at::Tensor>& v_rows);
 AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const at::Tensor& items, const at::Tensor& blocks,
-                                                int64_t max_seqlen_k, int64_t code_rows, bool return_lse);
+                                                int64_t max_seqlen_k, int64_t code_rows, bool return_lse,
+                                                const std::optional<at::Tensor>& v_rows);
 
 }  // namespace sageattention2

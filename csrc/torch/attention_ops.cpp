@@ -201,8 +201,9 @@ at::Tensor items_view(const at::Tensor& t, int64_t items) {
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
-    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v_codes,
-    const at::Tensor& v_tile_scale, const std::optional<at::Tensor>& v_mean, const std::optional<at::Tensor>& k_mean,
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v,
+    const std::optional<at::Tensor>& v_tile_scale, const std::optional<at::Tensor>& v_mean,
+    const std::optional<at::Tensor>& k_mean,
     const int* key_ranges, const int* packed_items, int64_t items, const int* packed_blocks, int64_t blocks,
     int64_t total_k,
     double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv) {
@@ -222,9 +223,15 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
   p.lse_rows = total_q;
   p.k_codes = k_codes.data_ptr<int8_t>();
   p.k_scale = k_scale.data_ptr<float>();
-  p.fp8_pv = true;
-  p.v = v_codes.data_ptr();
-  p.v_tile_scale = v_tile_scale.data_ptr<float>();
+  p.fp8_pv = v_tile_scale.has_value();
+  p.v = v.data_ptr();
+  if (p.fp8_pv) {
+    p.v_tile_scale = v_tile_scale->data_ptr<float>();
+  } else {  // V's zero-padded copy [code rows, Hkv, D]: the map's [1, Hkv, k_padded, D]
+    p.v_stride_b = 0;
+    p.v_stride_h = v.stride(1);
+    p.v_stride_n = v.stride(0);
+  }
   p.packed_items = packed_items;
   launch_wgmma(p, q, v_mean, k_mean, sm_scale, is_causal, after_quantize_kv, key_ranges);
   return {out, lse};

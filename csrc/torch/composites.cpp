@@ -2,6 +2,7 @@
 // call's preprocessing and attention launches in one op, with its shapes (for the Meta
 // implementation) and its CUDA implementation side by side.
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 #include <c10/util/Exception.h>
 
 #include "hopper/params.h"  // kWgmmaBlockK
@@ -148,7 +149,8 @@ namespace {
 
 // sageattn_wgmma_varlen's arguments (attention.h), for its CUDA and Meta implementations alike.
 void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& items,
-                         const at::Tensor& blocks, int64_t max_seqlen_k, int64_t code_rows) {
+                         const at::Tensor& blocks, int64_t max_seqlen_k, int64_t code_rows,
+                         const std::optional<at::Tensor>& v_rows) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3,
               "q, k and v must be 3-D [total tokens, heads, head_dim] (packed sequences), got ", q.dim(), "-D, ",
               k.dim(), "-D and ", v.dim(), "-D");
@@ -181,14 +183,22 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   TORCH_CHECK(max_seqlen_k >= 1, "max_seqlen_k must be >= 1, got ", max_seqlen_k);
   TORCH_CHECK(code_rows > 0 && code_rows % kWgmmaBlockK == 0, "code_rows must be a positive multiple of ",
               kWgmmaBlockK, ", got ", code_rows);
+  if (v_rows) {
+    TORCH_CHECK(d == 64 || d == 128, "the accurate tier (v_rows given) runs head_dim 64 or 128, got ", d);
+    TORCH_CHECK(v_rows->scalar_type() == at::kLong && v_rows->dim() == 1 && v_rows->size(0) == k.size(0) &&
+                    v_rows->device() == q.device(),
+                "v_rows must be an int64 [total_k] tensor on q's device, got ", v_rows->scalar_type(), " ",
+                v_rows->sizes());
+  }
 }
 
 }  // namespace
 
 AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 const at::Tensor& items, const at::Tensor& blocks,
-                                                int64_t max_seqlen_k, int64_t code_rows, bool return_lse) {
-  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows);
+                                                int64_t max_seqlen_k, int64_t code_rows, bool return_lse,
+                                                const std::optional<at::Tensor>& v_rows) {
+  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, v_rows);
   at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
   at::Tensor lse = return_lse ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
                               : at::empty({0}, q.options().dtype(at::kFloat));
@@ -199,12 +209,24 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& 
                                                               const at::Tensor& v, const at::Tensor& items,
                                                               const at::Tensor& blocks, int64_t max_seqlen_k,
                                                               int64_t code_rows, bool smooth_k, bool smooth_v,
-                                                              double sm_scale, bool is_causal, bool return_lse) {
-  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows);
+                                                              double sm_scale, bool is_causal, bool return_lse,
+                                                              const std::optional<at::Tensor>& v_rows) {
+  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, v_rows);
   const int64_t sequences = items.size(1);
   const int* ranges = items.data_ptr<int>();
   const int* packed = ranges + 3 * sequences;
   const at::Tensor k_items = items_view(k, sequences), v_items = items_view(v, sequences);
+  // The accurate tier reads V through the copy engine in tiles of 128 keys: a copy with each
+  // sequence's keys from its code row and zeros up to the next, so that no sequence's last tile
+  // reaches the next one's keys (the last row takes the keys of sequences without queries). It
+  // runs first, so that the statistics, quantize_kv and the kernel keep their programmatic chain.
+  const bool fp8 = !v_rows.has_value();
+  at::Tensor v_padded;
+  if (!fp8) {
+    v_padded = at::zeros({code_rows + 1, v.size(1), v.size(2)}, v.options());
+    v_padded.index_copy_(0, *v_rows, v);
+    smooth_v = false;  // (V is not quantized)
+  }
   std::optional<at::Tensor> k_mean, v_mean;
   // As in sageattn_wgmma_cuda: the statistics' outputs live until the end.
   std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats;
@@ -217,12 +239,12 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& 
   }
   const bool programmatic = programmatic_launches();
   const int64_t item_padded = (max_seqlen_k + kWgmmaBlockK - 1) / kWgmmaBlockK * kWgmmaBlockK;
-  auto kv = quantize_kv_packed_cuda(k_items, v_items, k_mean, v_mean, ranges, packed, code_rows, item_padded,
-                                    programmatic && (smooth_k || smooth_v));
-  return attention_wgmma_packed_cuda(q, std::get<0>(kv), std::get<1>(kv), std::get<2>(kv), std::get<3>(kv), v_mean,
-                                     k_mean, ranges, packed, sequences, blocks.data_ptr<int>(), blocks.size(0), k.size(0),
-                                     sm_scale, is_causal, return_lse,
-                                     programmatic);
+  auto kv = quantize_kv_packed_cuda(k_items, fp8 ? std::optional<at::Tensor>(v_items) : std::nullopt, k_mean, v_mean,
+                                    ranges, packed, code_rows, item_padded, programmatic && (smooth_k || smooth_v));
+  return attention_wgmma_packed_cuda(q, std::get<0>(kv), std::get<1>(kv), fp8 ? std::get<2>(kv) : v_padded,
+                                     fp8 ? std::optional<at::Tensor>(std::get<3>(kv)) : std::nullopt, v_mean, k_mean,
+                                     ranges, packed, sequences, blocks.data_ptr<int>(), blocks.size(0), k.size(0),
+                                     sm_scale, is_causal, return_lse, programmatic);
 }
 
 namespace {

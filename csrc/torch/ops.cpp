@@ -64,8 +64,9 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_meta(const at::Tensor& 
                                                               const at::Tensor& blocks, int64_t max_seqlen_k,
                                                               int64_t code_rows, bool /*smooth_k*/,
                                                               bool /*smooth_v*/, double /*sm_scale*/,
-                                                              bool /*is_causal*/, bool return_lse) {
-  auto o = allocate_sageattn_wgmma_varlen(q, k, v, items, blocks, max_seqlen_k, code_rows, return_lse);
+                                                              bool /*is_causal*/, bool return_lse,
+                                                              const std::optional<at::Tensor>& v_rows) {
+  auto o = allocate_sageattn_wgmma_varlen(q, k, v, items, blocks, max_seqlen_k, code_rows, return_lse, v_rows);
   return {o.out, o.lse};
 }
 
@@ -106,8 +107,8 @@ TORCH_LIBRARY(sageattention2, m) {
       "int sample_tokens=0) -> (Tensor out, Tensor lse)");
   m.def(
       "sageattn_wgmma_varlen(Tensor q, Tensor k, Tensor v, Tensor items, Tensor blocks, int max_seqlen_k, "
-      "int code_rows, bool smooth_k, bool smooth_v, float sm_scale, bool is_causal, bool return_lse) "
-      "-> (Tensor out, Tensor lse)");
+      "int code_rows, bool smooth_k, bool smooth_v, float sm_scale, bool is_causal, bool return_lse, "
+      "Tensor? v_rows=None) -> (Tensor out, Tensor lse)");
   m.def(
       "sageattn_mma(Tensor q, Tensor k, Tensor v, str qk_dtype, str pv_dtype, bool smooth_q, bool smooth_k, "
       "bool smooth_v, int sample_stride, float sm_scale, bool is_causal, bool out_nhd, bool return_lse, "

@@ -98,10 +98,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
 // ([items][3]) each item's keys in it, packed_items ([items][3]) each item's first code row.
 // INT8 K (block_k 128) and E4M3 V with one scale per tile, each item's codes back to back in one
 // slab of code_rows rows per head: k_codes [1, Hkv, code_rows, D], k_scale [1, Hkv, code_rows /
-// 128, 4], v_fp8 [1, Hkv, D, code_rows], v_tile_scale [1, Hkv, code_rows / 128]. item_padded:
-// the longest item's keys rounded up to 128 (the grid).
+// 128, 4], v_fp8 [1, Hkv, D, code_rows], v_tile_scale [1, Hkv, code_rows / 128] (without v: K
+// only, the last two undefined). item_padded: the longest item's keys rounded up to 128 (the grid).
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cuda(
-    const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_mean,
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const int* key_ranges, const int* packed_items, int64_t code_rows,
     int64_t item_padded, bool after_smoothing_stats);
 

@@ -255,7 +255,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cuda(
-    const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_mean,
+    const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const int* key_ranges, const int* packed_items, int64_t code_rows,
     int64_t item_padded, bool after_smoothing_stats) {
   constexpr int64_t kBlock = 128;  // the Hopper kernel's key tile
@@ -263,7 +263,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cu
               "quantize_kv (packed): code_rows and item_padded must be positive multiples of 128, got ", code_rows,
               " and ", item_padded);
   check_launchable(k, "k");
-  check_launchable(v, "v");
+  check_optional_launchable(v, "v");
   check_optional_launchable(k_mean, "k_mean");
   check_optional_launchable(v_mean, "v_mean");
   const c10::cuda::CUDAGuard guard(k.device());
@@ -271,8 +271,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cu
   QuantizeKVOutputs out;
   out.k_codes = at::empty({1, heads, code_rows, d}, k.options().dtype(at::kChar));
   out.k_scales = at::empty({1, heads, code_rows / kBlock, 4}, k.options().dtype(at::kFloat));
-  out.v_codes = at::empty({1, heads, d, code_rows}, k.options().dtype(at::kFloat8_e4m3fn));
-  out.v_tile_scale = at::empty({1, heads, code_rows / kBlock}, k.options().dtype(at::kFloat));
+  if (v) {
+    out.v_codes = at::empty({1, heads, d, code_rows}, k.options().dtype(at::kFloat8_e4m3fn));
+    out.v_tile_scale = at::empty({1, heads, code_rows / kBlock}, k.options().dtype(at::kFloat));
+  }
   QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kBlock, 1.0, out);
   p.v_overlaps_prior_grid = after_smoothing_stats;
   p.k.ranges = p.v.ranges = key_ranges;

@@ -1,4 +1,4 @@
-// attention_wgmma, bf16 inputs, FP8 PV: its 4 kernels (head_dim x causal).
+// attention_wgmma, bf16 inputs, FP8 PV: its 12 kernels (head_dim 64, 128, 256 x causal, each also for packed items).
 #include "hopper/launch.cuh"
 
 namespace sageattention2 {

@@ -1,4 +1,4 @@
-// attention_wgmma, fp16 inputs, 16-bit PV (the accurate tier): its 4 kernels (head_dim x causal).
+// attention_wgmma, fp16 inputs, 16-bit PV (the accurate tier): its 8 kernels (head_dim 64, 128 x causal, each also for packed items).
 #include "hopper/launch.cuh"
 
 namespace sageattention2 {
