@@ -7,9 +7,9 @@ Ampere (sm_80) builds are checked here), in two modes:
 The check (default; the installed extension unless a path is given): per arch, which
 tensor-core instructions each attention kernel uses, its registers, its stack frame and the
 local loads/stores of its main loop. Exit code 1 when an expected instruction is missing, a
-stack frame exceeds the known one (known_stack; --known-spill REGEX allows more for kernel names
-it matches), or the Hopper kernel's KV loop has a long run of back-to-back MUFU instructions
-(longest_mufu_run). --loops also prints each Hopper kernel's KV-loop event line (events).
+stack frame or a Hopper KV loop's local accesses exceed the known ones (known_stack,
+hopper_limits; --known-spill REGEX allows more for kernel names it matches), or a Hopper KV loop
+has a longer run of back-to-back MUFU instructions than hopper_limits allows (longest_mufu_run). --loops also prints each Hopper kernel's KV-loop event line (events).
 
 --compare: every kernel of two builds, matched by demangled name and arch: registers, stack
 frame, static shared memory, instruction count and the instruction mix (a histogram of opcodes
@@ -92,6 +92,28 @@ def known_stack(name: str, arch: str, head_dim: int, causal: bool, smooth_q: boo
     if name.endswith("<int8, input>") and head_dim == 128 and (smooth_q or (causal and arch != "sm_90")):
         return 8
     return 0
+
+
+def hopper_limits(short_name: str) -> tuple[int, int, int | None]:
+    """What a Hopper kernel variant (its demangled_short() name) may have: (local loads/stores in
+    its KV loop, stack bytes, longest run of back-to-back MUFUs in the loop; None: no limit).
+    - head_dim 256 (docs/DECISIONS.md#d39): O's 128 registers beside two PV chunk accumulators
+      leave the item's state a few spills per item (120-136 bytes of frame) and 5 accesses per
+      tile in the non-causal loop (none causal, D43), faster than the spill-free arrangements
+      measured; the packed variants (D44) one access per tile more. The loop runs a tile's
+      GEMMs and softmax one after the other (the other warpgroup fills the tensor cores), so
+      its exponentials come in one run.
+    - The accurate tier at head_dim 64 non-causal (D45): its exponentials run before the wait
+      for the previous PV, in runs of up to 18.
+    - Everything else spills nothing, and its exponentials are interleaved (D12)."""
+    if ", 256, " in short_name:
+        causal, packed = ", causal, " in short_name, ", packed>" in short_name
+        spills, stack = {(True, False): (0, 136), (False, False): (5, 120), (True, True): (1, 152),
+                         (False, True): (6, 112)}[causal, packed]
+        return spills, stack, None
+    if ", 64, full, input" in short_name:
+        return 0, 0, None
+    return 0, 0, MUFU_RUN_LIMIT
 
 
 @dataclass
@@ -398,9 +420,14 @@ def check(kernels: list[Kernel], known_spill: str | None, loops: bool) -> int:
         name = variant(k.name)
         want = EXPECTED[name].get(k.arch, ())
         missing = [w for w in want if not any(op.startswith(w) for op in k.instructions)]
-        limit = known_stack(name, k.arch, *mma_flags(k.name)) if "attention_mma_kernel" in k.name else 0
-        spill = k.stack > limit and not (known_spill and re.search(known_spill, k.name))
-        mufu = "attention_wgmma_kernel" in k.name and k.loop_mufu_run > MUFU_RUN_LIMIT
+        if "attention_mma_kernel" in k.name:  # (the stack frame bounds its loop's accesses)
+            limit, mufu_limit = known_stack(name, k.arch, *mma_flags(k.name)), None
+            loop_limit = k.loop_spills
+        else:
+            loop_limit, limit, mufu_limit = hopper_limits(demangled_short(k.name))
+        spill = ((k.stack > limit or k.loop_spills > loop_limit)
+                 and not (known_spill and re.search(known_spill, k.name)))
+        mufu = mufu_limit is not None and k.loop_mufu_run > mufu_limit
         ops = ", ".join(f"{op} x{n}" for op, n in sorted(k.instructions.items()))
         flag = (" MISSING " + ",".join(missing) if missing else "") + (" SPILLS" if spill else "")
         flag += " (known spill)" if k.stack > 0 and not spill else ""

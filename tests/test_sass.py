@@ -72,38 +72,23 @@ def test_hopper_kernel_uses_wgmma_and_does_not_spill() -> None:
     for k in kernels:
         for want in check.EXPECTED[check.variant(k.name)]["sm_90"]:
             assert any(op.startswith(want) for op in k.instructions), (k.name, k.instructions)
-        if ", 256, " in check.demangled_short(k.name):
-            # head_dim 256 (csrc/hopper/geometry.cuh, docs/DECISIONS.md#d39): O's 128 registers
-            # beside two PV chunk accumulators leave the item's state (the work item, Q's scales,
-            # V's means in the epilogue) a few spills per item of 128 queries x all keys (120-136
-            # bytes of frame) and 5 accesses per tile in the non-causal KV loop (none causal,
-            # D43): faster than the spill-free arrangements measured (A/B/A, D39). Its
-            # loop runs a tile's GEMMs and softmax one after the other (the other warpgroup
-            # fills the tensor cores), so its exponentials come in one run: no MUFU-run limit.
-            # The packed variants (docs/DECISIONS.md#d44): one local access per tile more.
-            causal = ", causal, " in check.demangled_short(k.name)
-            packed = ", packed>" in check.demangled_short(k.name)
-            limits = {(True, False): (0, 136), (False, False): (5, 120), (True, True): (1, 152),
-                      (False, True): (6, 112)}[causal, packed]
-            assert k.loop_spills <= limits[0] and k.stack <= limits[1], (k.name, k.loop_spills, k.stack)
-            continue
-        # Nothing spills, in the main loop (where it would cost every tile) or around it (the
-        # item's state, reloaded per item: the causal head_dim 128 variant had a 24-byte frame
-        # until the masked last tile left the loop, docs/DECISIONS.md#d8).
-        assert k.loop_spills == 0, (k.name, k.loop_spills)
-        assert k.stack == 0, (k.name, k.stack)
+        # What each variant may spill and how its exponentials may run: check.hopper_limits (head
+        # dim 256's known spills, D39/D43/D44; the accurate tier's softmax beside its PV, D45).
         name = check.demangled_short(k.name)
-        if ", 64, full, input" in name:  # (packed or not)
+        loop_spills, stack, mufu_run = check.hopper_limits(name)
+        assert k.loop_spills <= loop_spills and k.stack <= stack, (name, k.loop_spills, k.stack)
+        if ", 256, " in name:
+            continue
+        if mufu_run is None:
             # The accurate tier's softmax beside its own PV product (docs/DECISIONS.md#d45): every
-            # exponential of the tile before the wait for PV(it - 1), whose shadow they fill, so
-            # they come in long runs there.
+            # exponential of the tile before the wait for PV(it - 1), whose shadow they fill.
             assert "wait<=1 | EX2 x66 | wait<=0" in k.loop_events, (name, k.loop_events)
             continue
         # ptxas's schedule of the KV loop: no long run of MUFUs with nothing beside them (x21-x42
         # in the builds that measured 3-9 % slower, 2-3 in the kept one: docs/DECISIONS.md#d12). A
-        # new compiler that reorders the loop shows here before it shows in a benchmark.
-        assert k.loop_mufu_run <= check.MUFU_RUN_LIMIT, (k.name, k.loop_mufu_run)
-        # Elsewhere ptxas waits for PV(it - 1) before the first exponential (D14).
+        # new compiler that reorders the loop shows here before it shows in a benchmark. And
+        # ptxas waits for PV(it - 1) before the first exponential (D14).
+        assert k.loop_mufu_run <= mufu_run, (name, k.loop_mufu_run)
         assert "wait<=1 | wait<=0" in k.loop_events, (name, k.loop_events)
 
 
