@@ -171,29 +171,40 @@ def _one_launch(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, pv_quant: str,
 
 
 @functools.lru_cache(maxsize=64)
-def _packed_v_rows(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device: torch.device
-                   ) -> Tensor:
-    """The accurate tier's ``v_rows`` (``ops.packed_v_rows``) for these boundaries, cached as
-    :func:`_packed_items`."""
-    tables, code_rows, _ = _packed_items(bounds_q, bounds_k, device)
-    assert tables is not None
-    return ops.packed_v_rows(tables[0], bounds_k[-1], code_rows)
-
-
-@functools.lru_cache(maxsize=64)
 def _packed_items(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device: torch.device
                   ) -> tuple[tuple[Tensor, Tensor] | None, int, tuple[tuple[int, int], ...]]:
     """The kernel's items and Q blocks of the sequences with queries and keys
     (``ops.packed_items``, on ``device``; None if there is none), their code rows, and the query
     rows of the sequences with queries and no keys. Cached per boundaries: a model passes the
     same to every layer."""
+    tables, code_rows, keyless = _packed_tables(bounds_q, bounds_k)
+    if tables is None:
+        return None, 0, keyless
+    return (tables[0].to(device), tables[1].to(device)), code_rows, keyless
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_v_rows(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device: torch.device
+                   ) -> Tensor:
+    """The accurate tier's ``v_rows`` (``ops.packed_v_rows``, on ``device``) for these
+    boundaries, cached as :func:`_packed_items` (whose sequences have queries and keys)."""
+    tables, code_rows, _ = _packed_tables(bounds_q, bounds_k)
+    assert tables is not None
+    return ops.packed_v_rows(tables[0], bounds_k[-1], code_rows).to(device)
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_tables(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...]
+                   ) -> tuple[tuple[Tensor, Tensor] | None, int, tuple[tuple[int, int], ...]]:
+    """:func:`_packed_items`'s tables on the CPU (the accurate tier's rows are made from them
+    there, without reading the device's)."""
     spans = list(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]))
     runs = [s for s in spans if s[1] > s[0] and s[3] > s[2]]
     keyless = tuple((q0, q1) for q0, q1, k0, k1 in spans if q1 > q0 and k1 == k0)
     if not runs:
         return None, 0, keyless
     items, blocks, code_rows = ops.packed_items(runs, smoothing_sample_stride)
-    return (items.to(device), blocks.to(device)), code_rows, keyless
+    return (items, blocks), code_rows, keyless
 
 
 def _run_packed(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...],
