@@ -27,8 +27,8 @@ struct WgmmaWorkItem {  // one work item: a block of 128 queries of one head
 };
 
 // What differs for packed items (hopper/params.h), in the kernel variant that runs them
-// (kPacked: the instantiation launched with packed_items, below; every other
-// variant reads none of them and keeps its code).
+// (kPacked: the instantiation launched with packed_items; every other variant reads none of
+// them and keeps its code).
 // The row after item w's last query: q_len, or its end query, read where it is needed (its Q
 // rows, its output) rather than kept in registers across the KV loop.
 template <bool kPacked>
