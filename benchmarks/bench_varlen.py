@@ -5,10 +5,13 @@ sequences padded to the longest as one batch through ``sageattn`` (the padding c
 caller without varlen runs) and through SDPA with the key-padding mask.
 
     python3 benchmarks/bench_varlen.py [--sequences 16] [--max 8192] [--heads 16] [--d 128] [--equal]
-                                       [--causal] [--pv-quant auto|none]
+                                       [--causal] [--pv-quant auto|none] [--prefill N]
 
 --equal: every sequence --max tokens (no padding: the packed path against the batched call).
 --pv-quant none: the accurate tier in every sageattn row.
+--prefill N: chunked prefill over a KV cache: each sequence's queries are its last N tokens (all
+of a shorter one), causal aligned to the bottom-right (flash-attn's rule); the padded rows are
+left out (padding moves each sequence's diagonal).
 
 Time per call, do_bench median (timing.py): the GPU's, or the host's where it is the longer
 (a call per sequence).
@@ -36,8 +39,12 @@ def main() -> None:
     parser.add_argument("--equal", action="store_true", help="every sequence --max tokens")
     parser.add_argument("--pv-quant", default="auto", choices=("auto", "none"),
                         help="none: the accurate tier (P and V in the input dtype)")
+    parser.add_argument("--prefill", type=int, default=0,
+                        help="queries per sequence, its last tokens, causal bottom-right")
     args = parser.parse_args()
-    options = dict(is_causal=args.causal, pv_quant=args.pv_quant)
+    options = dict(is_causal=args.causal or args.prefill > 0, pv_quant=args.pv_quant)
+    if args.prefill:
+        options["causal_alignment"] = "bottom_right"
     warnings.simplefilter("ignore")
     g = torch.Generator().manual_seed(0)
     lengths = ([args.max] * args.sequences if args.equal
@@ -45,6 +52,11 @@ def main() -> None:
     total, longest, h, d = sum(lengths), max(lengths), args.heads, args.d
     q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+    cu_q = cu
+    if args.prefill:
+        chunks = [min(args.prefill, n) for n in lengths]
+        q = q[: sum(chunks)]
+        cu_q = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     padded = [torch.zeros(len(lengths), longest, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     mask = torch.zeros(len(lengths), 1, 1, longest, device="cuda", dtype=torch.bool)
     for i, (s, e) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
@@ -54,22 +66,24 @@ def main() -> None:
     pq, pk, pv = padded
 
     def per_sequence() -> torch.Tensor:
-        one_launch, _varlen._one_launch = _varlen._one_launch, lambda *_: False
+        one_launch, _varlen._one_launch = _varlen._one_launch, lambda *_: None
         try:
-            return sageattn_varlen(q, k, v, cu, cu, longest, longest, **options)  # type: ignore[return-value]
+            return sageattn_varlen(q, k, v, cu_q, cu, longest, longest, **options)  # type: ignore[return-value]
         finally:
             _varlen._one_launch = one_launch
 
     rows = {
-        "sageattn_varlen": lambda: sageattn_varlen(q, k, v, cu, cu, longest, longest, **options),
+        "sageattn_varlen": lambda: sageattn_varlen(q, k, v, cu_q, cu, longest, longest, **options),
         "sageattn_varlen, a sageattn call per sequence": per_sequence,
-        "sageattn, padded to the longest": lambda: sageattn(pq, pk, pv, tensor_layout="NHD", **options),
     }
-    if not args.causal:  # SDPA takes a mask or is_causal, not both
+    if not args.prefill:
+        rows["sageattn, padded to the longest"] = lambda: sageattn(pq, pk, pv, tensor_layout="NHD", **options)
+    if not args.causal and not args.prefill:  # SDPA takes a mask or is_causal, not both
         rows["SDPA, padded, key mask"] = lambda: F.scaled_dot_product_attention(
             pq.transpose(1, 2), pk.transpose(1, 2), pv.transpose(1, 2), attn_mask=mask)
     table = timing.Table(["call", "ms"], f"{torch.cuda.get_device_name()} | {len(lengths)} sequences of "
                          f"{min(lengths)}-{longest} tokens ({total} in all), H{h} D{d}, causal={args.causal}, "
+                         f"prefill={args.prefill}, "
                          f"pv_quant={args.pv_quant}")
     for name, fn in rows.items():
         table.row(name, f"{timing.median_ms(fn):.3f}")

@@ -248,7 +248,7 @@ def _kernel_view(t: Tensor) -> Tensor:
     return t.clone(memory_format=torch.contiguous_format)
 
 
-def _kernel_input(t: Tensor, head_dim: int) -> Tensor:
+def kernel_input(t: Tensor, head_dim: int) -> Tensor:
     """``t`` ``[B, H, N, D]`` as the kernels read it: zero-padded to ``head_dim`` channels (a
     contiguous copy) when D is smaller, else :func:`_kernel_view`."""
     if t.shape[-1] < head_dim:
@@ -315,7 +315,7 @@ class KernelCall:
         ``key_ranges`` or ``key_mask``: the Hopper kernel's key ranges, or the mask it reads
         them from (:class:`KeyRangeKernel`)."""
         out_nhd = self.out_nhd or heads_inner(q)
-        q, k, v = (_kernel_input(t, self.padded_head_dim) for t in (q, k, v))
+        q, k, v = (kernel_input(t, self.padded_head_dim) for t in (q, k, v))
         if self.choice.kernel == "wgmma":
             out, lse = ops.sageattn_wgmma(
                 q, k, v, self.choice.pv, self.smooth_k, self.smooth_v, self.sample_stride, self.sm_scale,
@@ -433,11 +433,18 @@ def _bottom_right(call: AttentionCall, choice: KernelChoice) -> tuple[Tensor, Te
     last = dataclasses.replace(part, k=k[:, :, seen:], v=v[:, :, seen:])
     out_a, lse_a = KernelCall.of(first, choice)(q, first.k, first.v)
     out_b, lse_b = KernelCall.of(last, choice)(q, last.k, last.v)
+    return merge_by_lse(out_a, lse_a, out_b, lse_b)
+
+
+def merge_by_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
+    """Attention over two disjoint sets of keys as one: ``out_*`` ``[..., D]``, ``lse_*`` ``[...]``
+    (natural log), part b with at least one key in every row (a finite LSE). In float32, then
+    out_a's dtype (sageattn_varlen's bottom-right parts merge with this one definition)."""
     top = torch.maximum(lse_a, lse_b)
-    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)  # the last part always has a key
+    w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
     total = w_a + w_b
     out = (out_a.float() * (w_a / total)[..., None] + out_b.float() * (w_b / total)[..., None])
-    return out.to(q.dtype), top + torch.log(total)
+    return out.to(out_a.dtype), top + torch.log(total)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -5,13 +5,15 @@
 after another, sequence i's tokens at ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (and likewise for
 the keys). Each sequence is its own attention, its quantization groups and smoothing means over
 its own tokens alone. On the Hopper kernel (sm_90; ``qk_quant`` "auto"/"int8"; ``pv_quant``
-"auto"/"fp8" at head_dim 64, 128 or 256, or the accurate tier's "none" at 64 or 128; causal
-attention too, but bottom-right aligned only where every sequence has as many queries as keys)
-all the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``, docs/DESIGN.md#packed-sequences): each sequence's
-output is bit for bit what that kernel gives the sequence alone. Otherwise each runs as one
-:func:`sageattn` call on views of its tokens (``tensor_layout="NHD"``, no copies of the inputs):
-bit for bit that call's (the quantized kernel, or exact SDPA where the crossover says it is
-faster for that sequence's shape), one call's host time per sequence.
+"auto"/"fp8" at head_dim up to 256, or the accurate tier's "none" up to 128, a head_dim the
+kernel is not built for zero-padded as :func:`sageattn` pads it; causal attention aligned either
+way) all the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``,
+docs/DESIGN.md#packed-sequences; bottom-right with fewer queries than keys in two, merged by
+their LSE as :func:`sageattn` merges one sequence's): each sequence's output is bit for bit what
+that kernel gives the sequence alone. Otherwise each runs as one :func:`sageattn` call on views
+of its tokens (``tensor_layout="NHD"``, no copies of the inputs): bit for bit that call's (the
+quantized kernel, or exact SDPA where the crossover says it is faster for that sequence's
+shape), one call's host time per sequence.
 
 The boundaries are read on the host once per ``cu_seqlens`` tensor (one synchronisation when
 they live on the GPU; models pass the same tensors to every layer; ``_tensor_memo``: inference
@@ -23,12 +25,12 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
+from typing import Any, Callable, NamedTuple, Tuple
 
 import torch
 from torch import Tensor
 
-from . import _plan, ops
+from . import _execute, _plan, ops
 from ._call import PV_QUANTS, QK_QUANTS, SmoothV, smooth_v_flag
 from ._execute import smoothing_sample_stride
 from ._tensor_memo import MISSING, TensorMemo
@@ -140,11 +142,21 @@ def sageattn_varlen(
         if isinstance(given, bool) or not isinstance(given, int) or given < longest:
             raise ValueError(f"{name} must be an int at least the longest sequence ({longest}), "
                              f"got {given!r}")
-    if _one_launch(q, k, v, qk_quant, pv_quant, smooth_q) and (
-            not is_causal or causal_alignment == "top_left" or bounds_q == bounds_k):
-        return _run_packed(q, k, v, bounds_q, bounds_k, max_seqlen_k, scale, smooth_k,
-                           smooth_v_flag(smooth_v, v.shape[-1]), is_causal, return_lse,
-                           accurate=pv_quant == "none")
+    head_dim = _one_launch(q, k, v, qk_quant, pv_quant, smooth_q)
+    if head_dim is not None:
+        d = q.shape[-1]
+        bottom_right = is_causal and causal_alignment == "bottom_right" and bounds_q != bounds_k
+        run = functools.partial(
+            _run_packed, *(_execute.kernel_input(t, head_dim) for t in (q, k, v)),
+            sm_scale=1.0 / math.sqrt(d) if scale is None else scale,  # the true head_dim's, as sageattn
+            smooth_k=smooth_k, smooth_v=smooth_v_flag(smooth_v, d), accurate=pv_quant == "none")
+        if bottom_right:
+            out, lse = _run_bottom_right(run, bounds_q, bounds_k, return_lse)
+        else:
+            out, lse = run(_spans(bounds_q, bounds_k), is_causal, return_lse)
+        if head_dim != d:
+            out = out[..., :d].contiguous()
+        return (out, lse) if return_lse else out
     return _run(q, k, v, bounds_q, bounds_k, dict(
         is_causal=is_causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1],
         tensor_layout="NHD", qk_quant=qk_quant, pv_quant=pv_quant, smooth_k=smooth_k,
@@ -153,52 +165,36 @@ def sageattn_varlen(
 
 
 def _one_launch(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, pv_quant: str,
-                smooth_q: bool | str) -> bool:
-    """Whether the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``):
-    the Hopper kernel's FP8 tier or its accurate tier (``pv_quant="none"``, head_dim 64 or 128,
-    V through a zero-padded copy), as :func:`sageattn` would route each sequence there (head_dims
-    the kernel pads, 160 and 192, run per sequence). Causal attention with its queries aligned
-    to the bottom-right runs so where every sequence has as many queries as keys (the two rules
-    agree); the caller checks that."""
-    head_dims = ops.WGMMA_INPUT_PV_HEAD_DIMS if pv_quant == "none" else (64, 128, 256)
-    return (qk_quant in ("auto", "int8") and smooth_q in ("auto", False)
+                smooth_q: bool | str) -> int | None:
+    """The head_dim at which the sequences run in one launch of each kernel
+    (``ops.sageattn_wgmma_varlen``), or None where each runs as its own :func:`sageattn` call:
+    the Hopper kernel's FP8 tier (head_dim up to 256) or its accurate tier (``pv_quant="none"``,
+    up to 128, V through a zero-padded copy), as :func:`sageattn` would route each sequence
+    there; a head_dim the kernel is not built for is zero-padded to the next it is, as
+    :func:`sageattn` pads it (``_plan.kernel_head_dim``)."""
+    built = ops.WGMMA_INPUT_PV_HEAD_DIMS if pv_quant == "none" else ops.WGMMA_HEAD_DIMS
+    d = q.shape[-1]
+    if not (qk_quant in ("auto", "int8") and smooth_q in ("auto", False)
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
-            and v.dtype == q.dtype and q.shape[-1] in head_dims and k.shape[-1] == q.shape[-1]
-            and v.shape[-1] == q.shape[-1] and q.is_cuda
-            and all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.stride(1) % 8 == 0
-                    and t.data_ptr() % 16 == 0 for t in (q, k, v))
-            and _plan.target_of(q.device).wgmma and ops.has_op("sageattn_wgmma_varlen"))
+            and v.dtype == q.dtype and k.shape[-1] == d and v.shape[-1] == d and q.is_cuda
+            and _plan.target_of(q.device).wgmma and ops.has_op("sageattn_wgmma_varlen")):
+        return None
+    return _plan.kernel_head_dim(d, built)
+
+
+Span = Tuple[int, int, int, int]  # a sequence's packed rows: queries q0:q1, keys k0:k1
+
+
+def _spans(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...]) -> tuple[Span, ...]:
+    return tuple(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]))
 
 
 @functools.lru_cache(maxsize=64)
-def _packed_items(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device: torch.device
-                  ) -> tuple[tuple[Tensor, Tensor] | None, int, tuple[tuple[int, int], ...]]:
-    """The kernel's items and Q blocks of the sequences with queries and keys
-    (``ops.packed_items``, on ``device``; None if there is none), their code rows, and the query
-    rows of the sequences with queries and no keys. Cached per boundaries: a model passes the
-    same to every layer."""
-    tables, code_rows, keyless = _packed_tables(bounds_q, bounds_k)
-    if tables is None:
-        return None, 0, keyless
-    return (tables[0].to(device), tables[1].to(device)), code_rows, keyless
-
-
-@functools.lru_cache(maxsize=64)
-def _packed_v_rows(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...], device: torch.device
-                   ) -> Tensor:
-    """The accurate tier's ``v_rows`` (``ops.packed_v_rows``, on ``device``) for these
-    boundaries, cached as :func:`_packed_items` (whose sequences have queries and keys)."""
-    tables, code_rows, _ = _packed_tables(bounds_q, bounds_k)
-    assert tables is not None
-    return ops.packed_v_rows(tables[0], bounds_k[-1], code_rows).to(device)
-
-
-@functools.lru_cache(maxsize=64)
-def _packed_tables(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...]
+def _packed_tables(spans: tuple[Span, ...]
                    ) -> tuple[tuple[Tensor, Tensor] | None, int, tuple[tuple[int, int], ...]]:
-    """:func:`_packed_items`'s tables on the CPU (the accurate tier's rows are made from them
-    there, without reading the device's)."""
-    spans = list(zip(bounds_q, bounds_q[1:], bounds_k, bounds_k[1:]))
+    """The kernel's items and Q blocks of the spans with queries and keys (``ops.packed_items``,
+    on the CPU; None if there is none), their code rows, and the query rows of the spans with
+    queries and no keys. Cached per spans: a model passes the same boundaries to every layer."""
     runs = [s for s in spans if s[1] > s[0] and s[3] > s[2]]
     keyless = tuple((q0, q1) for q0, q1, k0, k1 in spans if q1 > q0 and k1 == k0)
     if not runs:
@@ -207,27 +203,104 @@ def _packed_tables(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...]
     return (items, blocks), code_rows, keyless
 
 
-def _run_packed(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...],
-                bounds_k: tuple[int, ...], max_seqlen_k: int,
-                scale: float | None, smooth_k: bool, smooth_v: bool, is_causal: bool,
-                return_lse: bool, accurate: bool) -> Tensor | tuple[Tensor, Tensor]:
-    """All the sequences in one launch of each kernel. A sequence with queries and no keys gets
-    zeros (LSE -inf), as :func:`sageattn` gives it; the kernel runs the others."""
-    tables, code_rows, keyless = _packed_items(bounds_q, bounds_k, q.device)
-    sm_scale = scale if scale is not None else q.shape[-1] ** -0.5
+@functools.lru_cache(maxsize=64)
+def _packed_items(spans: tuple[Span, ...], device: torch.device
+                  ) -> tuple[tuple[Tensor, Tensor] | None, int, tuple[tuple[int, int], ...]]:
+    """:func:`_packed_tables` with the tables on ``device``."""
+    tables, code_rows, keyless = _packed_tables(spans)
+    if tables is None:
+        return None, 0, keyless
+    return (tables[0].to(device), tables[1].to(device)), code_rows, keyless
+
+
+@functools.lru_cache(maxsize=64)
+def _packed_v_rows(spans: tuple[Span, ...], total_k: int, device: torch.device) -> Tensor:
+    """The accurate tier's ``v_rows`` (``ops.packed_v_rows``, on ``device``) for these spans,
+    made from the CPU tables (no read-back of the device's), cached as :func:`_packed_items`."""
+    tables, code_rows, _ = _packed_tables(spans)
+    assert tables is not None
+    return ops.packed_v_rows(tables[0], total_k, code_rows).to(device)
+
+
+def _run_packed(q: Tensor, k: Tensor, v: Tensor, spans: tuple[Span, ...], is_causal: bool,
+                return_lse: bool, *, sm_scale: float, smooth_k: bool, smooth_v: bool,
+                accurate: bool) -> tuple[Tensor, Tensor]:
+    """The spans' attention in one launch of each kernel (``is_causal``: each span's diagonal
+    top-left), into ``[total_q, H, D]`` and (``return_lse``) ``[H, total_q]``: a span with queries
+    and no keys gets zeros (LSE -inf), as :func:`sageattn` gives it; the rows of no span are not
+    written."""
+    tables, code_rows, keyless = _packed_items(spans, q.device)
     if tables is None:
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
         lse = q.new_full((q.shape[1], q.shape[0]) if return_lse else (0,), -math.inf,
                          dtype=torch.float32)
-    else:
-        v_rows = _packed_v_rows(bounds_q, bounds_k, q.device) if accurate else None
-        out, lse = ops.sageattn_wgmma_varlen(q, k, v, *tables, max_seqlen_k, code_rows, smooth_k,
-                                             smooth_v, sm_scale, is_causal, return_lse, v_rows)
-        for q0, q1 in keyless:
-            out[q0:q1] = 0
-            if return_lse:
-                lse[:, q0:q1] = -math.inf
-    return (out, lse) if return_lse else out
+        return out, lse
+    max_keys = max(k1 - k0 for _, _, k0, k1 in spans)
+    v_rows = _packed_v_rows(spans, k.shape[0], q.device) if accurate else None
+    out, lse = ops.sageattn_wgmma_varlen(q, k, v, *tables, max_keys, code_rows, smooth_k,
+                                         smooth_v, sm_scale, is_causal, return_lse, v_rows)
+    for q0, q1 in keyless:
+        out[q0:q1] = 0
+        if return_lse:
+            lse[:, q0:q1] = -math.inf
+    return out, lse
+
+
+class _BottomRight(NamedTuple):
+    """FlashAttention's causal rule over packed sequences as :func:`sageattn` runs it for one
+    (``_execute._bottom_right``): the last min(n_q, n_k) queries of each sequence over its last
+    as many keys, top-left causal; with n_q < n_k also its queries over its first n_k - n_q keys
+    without a mask, the two merged by their LSE; with n_q > n_k the first n_q - n_k queries see
+    no key."""
+
+    causal: tuple[Span, ...]
+    unmasked: tuple[Span, ...]
+    merged_rows: tuple[tuple[int, int], ...]  # the query rows of the unmasked spans
+    blind_rows: tuple[tuple[int, int], ...]
+
+
+@functools.lru_cache(maxsize=64)
+def _bottom_right_parts(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...]) -> _BottomRight:
+    causal, unmasked, blind = [], [], []
+    for q0, q1, k0, k1 in _spans(bounds_q, bounds_k):
+        seen = min(q1 - q0, k1 - k0)
+        causal.append((q1 - seen, q1, k1 - seen, k1))
+        if k1 - k0 > q1 - q0 > 0:
+            unmasked.append((q0, q1, k0, k1 - seen))
+        if q1 - seen > q0:
+            blind.append((q0, q1 - seen))
+    return _BottomRight(tuple(causal), tuple(unmasked), tuple((s[0], s[1]) for s in unmasked),
+                        tuple(blind))
+
+
+@functools.lru_cache(maxsize=64)
+def _row_index(rows: tuple[tuple[int, int], ...], device: torch.device) -> Tensor:
+    return torch.cat([torch.arange(a, b) for a, b in rows]).to(device)
+
+
+def _run_bottom_right(run: Callable[[tuple[Span, ...], bool, bool], tuple[Tensor, Tensor]],
+                      bounds_q: tuple[int, ...], bounds_k: tuple[int, ...],
+                      return_lse: bool) -> tuple[Tensor, Tensor]:
+    """:class:`_BottomRight`'s parts, each in one launch of each kernel (``run``:
+    :func:`_run_packed` with the call's tensors and options): each sequence's rows bit for bit
+    what :func:`sageattn` computes for it alone with the same kernel."""
+    parts = _bottom_right_parts(bounds_q, bounds_k)
+    merge = bool(parts.unmasked)
+    out, lse = run(parts.causal, True, return_lse or merge)
+    if merge:
+        out_a, lse_a = run(parts.unmasked, False, True)
+        rows = _row_index(parts.merged_rows, out.device)
+        merged, merged_lse = _execute.merge_by_lse(
+            out_a.index_select(0, rows), lse_a.index_select(1, rows).t(),
+            out.index_select(0, rows), lse.index_select(1, rows).t())
+        out.index_copy_(0, rows, merged)
+        lse.index_copy_(1, rows, merged_lse.t())
+    if parts.blind_rows:
+        rows = _row_index(parts.blind_rows, out.device)
+        out.index_fill_(0, rows, 0)
+        if return_lse or merge:
+            lse.index_fill_(1, rows, -math.inf)
+    return out, (lse if return_lse else lse.new_empty(0))
 
 
 def _run(q: Tensor, k: Tensor, v: Tensor, bounds_q: tuple[int, ...], bounds_k: tuple[int, ...],

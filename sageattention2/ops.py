@@ -417,14 +417,17 @@ def packed_items(spans: Sequence[tuple[int, int, int, int]],
 
 
 def packed_v_rows(items: Tensor, total_k: int, code_rows: int) -> Tensor:
-    """``sageattn_wgmma_varlen``'s ``v_rows`` for the accurate tier (int64 ``[total_k]``, on
-    ``items``' device): each key's row in the zero-padded copy of V the kernel reads, the
-    sequence's code row plus the key's place in it, and ``code_rows`` (a scratch row past the
-    copy's end) for the keys of no sequence."""
+    """``sageattn_wgmma_varlen``'s ``v_rows`` for the accurate tier (int64, on ``items``' device):
+    each key's row in the zero-padded copy of V the kernel reads, the sequence's code row plus
+    the key's place in it, and ``code_rows`` (a scratch row past the copy's end, never read) for
+    the keys of no sequence; then the rows of the copy no key fills (each sequence's last tile's
+    pad), which the op zeroes."""
     rows = torch.full((total_k,), code_rows, dtype=torch.int64)
+    filled = torch.zeros(code_rows, dtype=torch.bool)
     for (k0, k1, _), (_, _, code_row) in zip(*items.tolist()):
         rows[k0:k1] = torch.arange(code_row, code_row + k1 - k0)
-    return rows.to(items.device)
+        filled[code_row:code_row + k1 - k0] = True
+    return torch.cat([rows, (~filled).nonzero().flatten()]).to(items.device)
 
 
 def sageattn_wgmma_varlen_chain(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks: Tensor,

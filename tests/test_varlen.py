@@ -37,8 +37,10 @@ def packed(lengths_q: list[int], lengths_k: list[int], hq: int, hkv: int, d: int
 
 
 def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor, is_causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 attention and LSE of each sequence alone, packed."""
+                 cu_k: torch.Tensor, is_causal: bool, bottom_right: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 attention and LSE of each sequence alone, packed (``bottom_right``: causal under
+    FlashAttention's rule, query i seeing keys j <= i + n_k - n_q; a row that sees none 0, -inf)."""
     outs, lses = [], []
     bq, bk = cu_q.tolist(), cu_k.tolist()
     for i in range(len(bq) - 1):
@@ -50,8 +52,14 @@ def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
             outs.append(torch.zeros(qi.shape[2], qi.shape[1], vi.shape[-1], dtype=torch.float64))
             lses.append(torch.full((qi.shape[1], qi.shape[2]), -math.inf, dtype=torch.float64))
             continue
-        out, lse = ref.exact_attention(qi, ki, vi, is_causal=is_causal, enable_gqa=True,
-                                       return_lse=True)
+        if bottom_right:
+            n_q, n_k = qi.shape[2], ki.shape[2]
+            mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
+            out, lse = ref.exact_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True,
+                                           return_lse=True)
+        else:
+            out, lse = ref.exact_attention(qi, ki, vi, is_causal=is_causal, enable_gqa=True,
+                                           return_lse=True)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
@@ -152,6 +160,52 @@ def test_varlen_on_the_gpu(attention_kernel: None, d: int, is_causal: bool) -> N
         assert relative_l1(out[None, s:e].transpose(1, 2), want) < 0.06, i
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,pv_quant,alignment", [
+    (128, "auto", "bottom_right"), (96, "auto", "top_left"), (160, "auto", "bottom_right"),
+    (80, "none", "bottom_right"), (64, "none", "top_left")])
+def test_one_launch_padded_and_bottom_right(wgmma_kernel: None, d: int, pv_quant: str,
+                                            alignment: str) -> None:
+    """The one launch where it pads the head_dim (96 -> 128, 160 -> 256; the accurate tier 80
+    -> 128) and for causal attention aligned to the bottom-right with queries and keys of
+    different lengths (more queries than keys, fewer, as many, none): each sequence's output
+    and LSE bit for bit its own sageattn call's (the kernel, qk_quant="int8"), every element
+    finite, the rows that see no key 0 and -inf; on poisoned memory."""
+    from sageattention2.testing import poison_cuda_allocator
+
+    lengths_q = [1, 2000, 300, 5, 129, 77, 0]
+    lengths_k = [3, 2000, 257, 0, 1000, 77, 9]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q = _drawn(sum(lengths_q), 4, d, torch.bfloat16, g)
+    k, v = (_drawn(sum(lengths_k), 2, d, torch.bfloat16, g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    options = dict(is_causal=True, causal_alignment=alignment, qk_quant="int8", pv_quant=pv_quant,
+                   return_lse=True)
+    poison_cuda_allocator()
+    calls = []
+    run_packed = _varlen._run_packed
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_varlen, "_run_packed", lambda *a, **kw: calls.append(a[4]) or run_packed(*a, **kw))
+        out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 2000, 2000, **options)
+    # (causal spans; bottom-right also the unmasked keys of the sequences with n_q < n_k)
+    assert calls == ([True, False] if alignment == "bottom_right" else [True])
+    assert out.shape == q.shape and out.is_contiguous()
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(lengths_q)):
+        if lengths_q[i] == 0:
+            continue
+        alone, alone_lse = sageattn(q[None, bq[i]:bq[i + 1]], k[None, bk[i]:bk[i + 1]],
+                                    v[None, bk[i]:bk[i + 1]], tensor_layout="NHD",
+                                    enable_gqa=True, **options)
+        assert torch.equal(out[bq[i]:bq[i + 1]], alone[0]), i
+        assert torch.equal(lse[:, bq[i]:bq[i + 1]], alone_lse[0]), i
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    blind = lengths_q[3] if alignment == "top_left" else lengths_q[2] - lengths_k[2]
+    rows = slice(bq[2], bq[2] + blind) if alignment == "bottom_right" else slice(bq[3], bq[4])
+    assert (out[rows] == 0).all() and (lse[:, rows] == -math.inf).all()
+
+
 def test_capture_needs_boundaries_read_before(monkeypatch: pytest.MonkeyPatch) -> None:
     """A CUDA graph capture forbids reading the GPU's boundaries: a clear error, unless the same
     tensors were read before (then nothing is read)."""
@@ -185,9 +239,10 @@ def test_packed_items() -> None:
     assert table.dtype == torch.int32 and table.tolist() == [
         [[0, 130, 131], [130, 131, 1], [131, 400, 269]], [[0, 5, 0], [5, 262, 256], [262, 266, 384]]]
     assert blocks.dtype == torch.int32 and blocks.tolist() == [[0, 0], [1, 0], [1, 1], [1, 2], [2, 0]]
-    rows = ops.packed_v_rows(table, 410, code_rows)
+    rows = ops.packed_v_rows(table, 410, code_rows)  # each key's row, then the pad rows
     assert rows.dtype == torch.int64 and rows.tolist() == [
-        *range(130), 256, *range(384, 384 + 269), *[code_rows] * 10]
+        *range(130), 256, *range(384, 384 + 269), *[code_rows] * 10,
+        *range(130, 256), *range(257, 384), *range(384 + 269, code_rows)]
 
 
 def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -214,7 +269,7 @@ def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest
             lse[:, q0:q1] = l[0].float()
         return out, lse if return_lse else q.new_empty(0)
 
-    monkeypatch.setattr(_varlen, "_one_launch", lambda *_: True)
+    monkeypatch.setattr(_varlen, "_one_launch", lambda q, *_: q.shape[-1])
     monkeypatch.setattr(ops, "sageattn_wgmma_varlen", stand_in)
     _varlen._packed_items.cache_clear()
     lengths_q, lengths_k = [5, 1, 0, 13, 7, 300], [5, 3, 4, 13, 0, 260]
@@ -225,27 +280,48 @@ def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest
                       [[0, 5, 0], [5, 6, 128], [6, 19, 256], [26, 326, 384]]],
                      [[0, 0], [1, 0], [2, 0], [3, 0], [3, 1], [3, 2]], 384 + 384, 260, True, False, False)]
     want, want_lse = per_sequence(q, k, v, cu_q, cu_k, False)
+    want_top_left = want
     torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
     torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
     assert (out[19:26] == 0).all() and (lse[:, 19:26] == -math.inf).all()
     out = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260)  # the same boundaries: the table is kept
     assert _varlen._packed_items.cache_info().hits == 1 and out.shape == q.shape
-    # Causal, top-left per sequence (SDPA's rule), in the one launch; bottom-right only where
-    # every sequence has as many queries as keys (else one call per sequence: no op call).
+    # Causal, top-left per sequence (SDPA's rule), in the one launch.
     out = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, is_causal=True)
     assert seen[-1][-1] is True
     torch.testing.assert_close(out.double(), per_sequence(q, k, v, cu_q, cu_k, True)[0], atol=1e-6, rtol=0)
+    # Bottom-right (flash-attn's rule): each sequence's last min(n_q, n_k) queries over its last
+    # as many keys, causal; then the queries of the one with fewer queries than keys (1 of 3)
+    # over its other keys, unmasked, merged by the LSE; the first 40 queries of 300 over 260
+    # keys, and the 7 queries without keys, see none.
     calls = len(seen)
-    sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, is_causal=True, causal_alignment="bottom_right")
-    assert len(seen) == calls
+    out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, is_causal=True, return_lse=True,
+                               causal_alignment="bottom_right")
+    assert [(s[0][1], s[-1]) for s in seen[calls:]] == [
+        ([[0, 5, 0], [5, 6, 128], [6, 19, 256], [66, 326, 384]], True), ([[5, 6, 0]], False)]
+    want, want_lse = per_sequence(q, k, v, cu_q, cu_k, True, bottom_right=True)
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+    assert (out[19:66] == 0).all() and (lse[:, 19:66] == -math.inf).all()
+    assert torch.equal(sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, is_causal=True,
+                                       causal_alignment="bottom_right"), out)
+    calls = len(seen)
     sageattn_varlen(q, q, q, cu_q, cu_q, 300, 300, is_causal=True, causal_alignment="bottom_right")
-    assert len(seen) == calls + 1
+    assert len(seen) == calls + 1  # (equal lengths: the two rules agree, one launch)
+    # A head_dim the kernel is not built for: zero-padded (here 8 -> 24), the true one's scale,
+    # the output cut back.
+    monkeypatch.setattr(_varlen, "_one_launch", lambda *_: 24)
+    out = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260)
+    assert out.shape == q.shape and out.is_contiguous()
+    torch.testing.assert_close(out.double(), want_top_left, atol=1e-6, rtol=0)
+    monkeypatch.setattr(_varlen, "_one_launch", lambda q, *_: q.shape[-1])
     # The accurate tier: the same launch with each key's row in V's zero-padded copy (the keys
     # of the sequence without queries, 25..29, to the scratch row after the copy).
     assert rows_seen[-1] is None
     out = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260, pv_quant="none")
-    assert rows_seen[-1] == [*range(5), *range(128, 131), *[768] * 4, *range(256, 269), *range(384, 644)]
-    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
+    assert rows_seen[-1] == [*range(5), *range(128, 131), *[768] * 4, *range(256, 269), *range(384, 644),
+                             *range(5, 128), *range(131, 256), *range(269, 384), *range(644, 768)]
+    torch.testing.assert_close(out.double(), want_top_left, atol=1e-6, rtol=0)
 
 
 def test_one_launch_op_checks_its_arguments() -> None:
@@ -262,8 +338,9 @@ def test_one_launch_op_checks_its_arguments() -> None:
     out, lse = op(q, k, k, items, blocks, 16, 384, True, False, 0.125, False, True, rows)
     assert out.shape == q.shape and lse.shape == (4, 30)
     for bad_rows, shape_args, message in [
-            (rows.int(), (q, k, k), r"v_rows must be an int64 \[total_k\]"),
-            (meta(21, dtype=torch.int64), (q, k, k), r"v_rows must be an int64 \[total_k\]"),
+            (rows.int(), (q, k, k), r"v_rows must be an int64 \[total_k"),
+            (meta(19, dtype=torch.int64), (q, k, k), r"v_rows must be an int64 \[total_k"),
+            (meta(20 + 385, dtype=torch.int64), (q, k, k), r"at most code_rows pad rows"),
             (rows, (meta(30, 4, 256), meta(20, 2, 256), meta(20, 2, 256)), "head_dim 64 or 128")]:
         with pytest.raises(RuntimeError, match=message):
             op(*shape_args, items, blocks, 16, 384, True, False, 0.125, False, False, bad_rows)

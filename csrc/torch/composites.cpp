@@ -185,10 +185,11 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
               kWgmmaBlockK, ", got ", code_rows);
   if (v_rows) {
     TORCH_CHECK(d == 64 || d == 128, "the accurate tier (v_rows given) runs head_dim 64 or 128, got ", d);
-    TORCH_CHECK(v_rows->scalar_type() == at::kLong && v_rows->dim() == 1 && v_rows->size(0) == k.size(0) &&
-                    v_rows->device() == q.device(),
-                "v_rows must be an int64 [total_k] tensor on q's device, got ", v_rows->scalar_type(), " ",
-                v_rows->sizes());
+    TORCH_CHECK(v_rows->scalar_type() == at::kLong && v_rows->dim() == 1 && v_rows->size(0) >= k.size(0) &&
+                    v_rows->size(0) <= k.size(0) + code_rows && v_rows->device() == q.device(),
+                "v_rows must be an int64 [total_k + pad rows] tensor on q's device (each key's row, then the "
+                "rows to zero), with at most code_rows pad rows; got ", v_rows->scalar_type(), " ", v_rows->sizes(),
+                " for ", k.size(0), " keys and ", code_rows, " code rows");
   }
 }
 
@@ -218,13 +219,17 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& 
   const at::Tensor k_items = items_view(k, sequences), v_items = items_view(v, sequences);
   // The accurate tier reads V through the copy engine in tiles of 128 keys: a copy with each
   // sequence's keys from its code row and zeros up to the next, so that no sequence's last tile
-  // reaches the next one's keys (the last row takes the keys of sequences without queries). It
-  // runs first, so that the statistics, quantize_kv and the kernel keep their programmatic chain.
+  // reaches the next one's keys (the last row takes the keys of sequences without queries, and
+  // is never read). Only the pad rows are zeroed (v_rows lists them after the keys' rows): a
+  // zero fill of the whole copy wrote V's bytes twice. It runs first, so that the statistics,
+  // quantize_kv and the kernel keep their programmatic chain.
   const bool fp8 = !v_rows.has_value();
   at::Tensor v_padded;
   if (!fp8) {
-    v_padded = at::zeros({code_rows + 1, v.size(1), v.size(2)}, v.options());
-    v_padded.index_copy_(0, *v_rows, v);
+    const int64_t keys = k.size(0);
+    v_padded = at::empty({code_rows + 1, v.size(1), v.size(2)}, v.options());
+    v_padded.index_copy_(0, v_rows->narrow(0, 0, keys), v);
+    if (v_rows->size(0) > keys) v_padded.index_fill_(0, v_rows->narrow(0, keys, v_rows->size(0) - keys), 0);
     smooth_v = false;  // (V is not quantized)
   }
   std::optional<at::Tensor> k_mean, v_mean;
