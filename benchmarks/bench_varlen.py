@@ -52,11 +52,6 @@ def main() -> None:
     total, longest, h, d = sum(lengths), max(lengths), args.heads, args.d
     q, k, v = (torch.randn(total, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
-    cu_q = cu
-    if args.prefill:
-        chunks = [min(args.prefill, n) for n in lengths]
-        q = q[: sum(chunks)]
-        cu_q = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
     padded = [torch.zeros(len(lengths), longest, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
     mask = torch.zeros(len(lengths), 1, 1, longest, device="cuda", dtype=torch.bool)
     for i, (s, e) in enumerate(zip(cu.tolist(), cu.tolist()[1:])):
@@ -64,6 +59,11 @@ def main() -> None:
             dst[i, : e - s] = src[s:e]
         mask[i, ..., : e - s] = True
     pq, pk, pv = padded
+    cu_q = cu
+    if args.prefill:
+        chunks = [min(args.prefill, n) for n in lengths]
+        q = torch.cat([q[e - n:e] for e, n in zip(cu.tolist()[1:], chunks)])
+        cu_q = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
 
     def per_sequence() -> torch.Tensor:
         one_launch, _varlen._one_launch = _varlen._one_launch, lambda *_: None
