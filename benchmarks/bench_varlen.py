@@ -5,10 +5,14 @@ sequences padded to the longest as one batch through ``sageattn`` (the padding c
 caller without varlen runs) and through SDPA with the key-padding mask.
 
     python3 benchmarks/bench_varlen.py [--sequences 16] [--max 8192] [--heads 16] [--d 128] [--equal]
-                                       [--causal] [--pv-quant auto|none] [--prefill N]
+                                       [--causal] [--pv-quant auto|none|fp8] [--prefill N]
+                                       [--kernel mma]
 
 --equal: every sequence --max tokens (no padding: the packed path against the batched call).
---pv-quant none: the accurate tier in every sageattn row.
+--pv-quant none: the accurate tier in every sageattn row (fp8: FP8 PV).
+--kernel mma: route as on a GPU without the Hopper kernel (Ampere, Ada): every sageattn row runs
+the warp-level kernel (on sm_90 its FP8 mma.sync is emulated: time --pv-quant fp8 there only to
+compare the two sageattn_varlen rows).
 --prefill N: chunked prefill over a KV cache: each sequence's queries are its last N tokens (all
 of a shorter one), causal aligned to the bottom-right (flash-attn's rule); the padded rows are
 left out (padding moves each sequence's diagonal).
@@ -37,11 +41,16 @@ def main() -> None:
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--equal", action="store_true", help="every sequence --max tokens")
-    parser.add_argument("--pv-quant", default="auto", choices=("auto", "none"),
+    parser.add_argument("--pv-quant", default="auto", choices=("auto", "none", "fp8"),
                         help="none: the accurate tier (P and V in the input dtype)")
+    parser.add_argument("--kernel", choices=("mma",), help="the warp-level kernel's routes")
     parser.add_argument("--prefill", type=int, default=0,
                         help="queries per sequence, its last tokens, causal bottom-right")
     args = parser.parse_args()
+    if args.kernel == "mma":  # before any call: the routes and the call cache read the target
+        from sageattention2 import _plan
+        hopper = _plan.target_of(torch.device("cuda"))
+        _plan.target_of = lambda device: hopper._replace(wgmma=False)
     options = dict(is_causal=args.causal or args.prefill > 0, pv_quant=args.pv_quant)
     if args.prefill:
         options["causal_alignment"] = "bottom_right"

@@ -4,16 +4,19 @@
 ``q`` is ``[total_q, H_q, D]``, ``k`` and ``v`` are ``[total_k, H_kv, D]``: the sequences one
 after another, sequence i's tokens at ``cu_seqlens_q[i]:cu_seqlens_q[i + 1]`` (and likewise for
 the keys). Each sequence is its own attention, its quantization groups and smoothing means over
-its own tokens alone. On the Hopper kernel (sm_90; ``qk_quant`` "auto"/"int8"; ``pv_quant``
-"auto"/"fp8" at head_dim up to 256, or the accurate tier's "none" up to 128, a head_dim the
-kernel is not built for zero-padded as :func:`sageattn` pads it; causal attention aligned either
-way) all the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``,
-docs/DESIGN.md#packed-sequences; bottom-right with fewer queries than keys in two, merged by
-their LSE as :func:`sageattn` merges one sequence's): each sequence's output is bit for bit what
-that kernel gives the sequence alone. Otherwise each runs as one :func:`sageattn` call on views
-of its tokens (``tensor_layout="NHD"``, no copies of the inputs): bit for bit that call's (the
-quantized kernel, or exact SDPA where the crossover says it is faster for that sequence's
-shape), one call's host time per sequence.
+its own tokens alone. Where :func:`sageattn` would run INT8 QK without Q smoothing on a kernel
+(the Hopper kernel's FP8 tier at head_dim up to 256 or its accurate tier up to 128; elsewhere
+the warp-level kernel up to 128, FP8 or 16-bit PV as its routes choose), a head_dim the kernel is
+not built for zero-padded as :func:`sageattn` pads it, causal attention aligned either way, all
+the sequences run in one launch of each kernel (``ops.sageattn_wgmma_varlen``,
+``ops.sageattn_mma_varlen``, docs/DESIGN.md#packed-sequences; bottom-right with fewer queries
+than keys in two, merged by their LSE as :func:`sageattn` merges one sequence's): each
+sequence's output is what that kernel gives the sequence alone (bit for bit, but for the
+warp-level kernel's FP8 PV, whose statistics over every key may differ in a mean's last bit).
+Otherwise each runs as one :func:`sageattn` call on views of its tokens
+(``tensor_layout="NHD"``, no copies of the inputs): bit for bit that call's (the quantized
+kernel, or exact SDPA where the crossover says it is faster for that sequence's shape), one
+call's host time per sequence.
 
 The boundaries are read on the host once per ``cu_seqlens`` tensor (one synchronisation when
 they live on the GPU; models pass the same tensors to every layer; ``_tensor_memo``: inference
@@ -142,14 +145,14 @@ def sageattn_varlen(
         if isinstance(given, bool) or not isinstance(given, int) or given < longest:
             raise ValueError(f"{name} must be an int at least the longest sequence ({longest}), "
                              f"got {given!r}")
-    head_dim = _one_launch(q, k, v, qk_quant, pv_quant, smooth_q)
-    if head_dim is not None:
-        d = q.shape[-1]
+    launch = _one_launch(q, k, v, qk_quant, pv_quant, smooth_q)
+    if launch is not None:
+        d, head_dim = q.shape[-1], launch.head_dim
         bottom_right = is_causal and causal_alignment == "bottom_right" and bounds_q != bounds_k
         run = functools.partial(
             _run_packed, *(_execute.kernel_input(t, head_dim) for t in (q, k, v)),
             sm_scale=1.0 / math.sqrt(d) if scale is None else scale,  # the true head_dim's, as sageattn
-            smooth_k=smooth_k, smooth_v=smooth_v_flag(smooth_v, d), accurate=pv_quant == "none")
+            smooth_k=smooth_k, smooth_v=smooth_v_flag(smooth_v, d), launch=launch)
         if bottom_right:
             out, lse = _run_bottom_right(run, bounds_q, bounds_k, return_lse)
         else:
@@ -164,22 +167,42 @@ def sageattn_varlen(
         causal_alignment=causal_alignment))
 
 
+class _Launch(NamedTuple):
+    """How the sequences run in one launch of each kernel."""
+
+    kernel: str    # "wgmma" (ops.sageattn_wgmma_varlen) or "mma" (ops.sageattn_mma_varlen)
+    head_dim: int  # the kernel's: the call's, or the next it is built for (zero-padded)
+    pv: str        # "fp8" or "input"
+
+
 def _one_launch(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, pv_quant: str,
-                smooth_q: bool | str) -> int | None:
-    """The head_dim at which the sequences run in one launch of each kernel
-    (``ops.sageattn_wgmma_varlen``), or None where each runs as its own :func:`sageattn` call:
-    the Hopper kernel's FP8 tier (head_dim up to 256) or its accurate tier (``pv_quant="none"``,
-    up to 128, V through a zero-padded copy), as :func:`sageattn` would route each sequence
-    there; a head_dim the kernel is not built for is zero-padded to the next it is, as
+                smooth_q: bool | str) -> _Launch | None:
+    """How the sequences run in one launch of each kernel, or None where each runs as its own
+    :func:`sageattn` call, following :func:`sageattn`'s routes (``_plan.ROUTES``) for INT8 QK
+    without Q smoothing: on the Hopper kernel its FP8 tier (head_dim up to 256) or its accurate
+    tier (``pv_quant="none"``, up to 128, V through a zero-padded copy); elsewhere the
+    warp-level kernel (up to 128) with FP8 PV where that is native or asked for, else 16-bit
+    PV. A head_dim the kernel is not built for is zero-padded to the next it is, as
     :func:`sageattn` pads it (``_plan.kernel_head_dim``)."""
-    built = ops.WGMMA_INPUT_PV_HEAD_DIMS if pv_quant == "none" else ops.WGMMA_HEAD_DIMS
     d = q.shape[-1]
     if not (qk_quant in ("auto", "int8") and smooth_q in ("auto", False)
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
-            and v.dtype == q.dtype and k.shape[-1] == d and v.shape[-1] == d and q.is_cuda
-            and _plan.target_of(q.device).wgmma and ops.has_op("sageattn_wgmma_varlen")):
+            and v.dtype == q.dtype and k.shape[-1] == d and v.shape[-1] == d and q.is_cuda):
         return None
-    return _plan.kernel_head_dim(d, built)
+    target = _plan.target_of(q.device)
+    if target.wgmma:
+        pv = "input" if pv_quant == "none" else "fp8"
+        head_dim = _plan.kernel_head_dim(
+            d, ops.WGMMA_INPUT_PV_HEAD_DIMS if pv == "input" else ops.WGMMA_HEAD_DIMS)
+        if head_dim is None or not ops.has_op("sageattn_wgmma_varlen"):
+            return None
+        return _Launch("wgmma", head_dim, pv)
+    fp8 = pv_quant == "fp8" or (pv_quant == "auto" and target.native_fp8 and target.mma_fp8)
+    head_dim = _plan.kernel_head_dim(d, ops.MMA_HEAD_DIMS)
+    if (head_dim is None or _plan.device_reason(q.device) is not None or (fp8 and not target.mma_fp8)
+            or not ops.has_op("sageattn_mma_varlen")):
+        return None
+    return _Launch("mma", head_dim, "fp8" if fp8 else "input")
 
 
 Span = Tuple[int, int, int, int]  # a sequence's packed rows: queries q0:q1, keys k0:k1
@@ -190,24 +213,27 @@ def _spans(bounds_q: tuple[int, ...], bounds_k: tuple[int, ...]) -> tuple[Span, 
 
 
 @functools.lru_cache(maxsize=64)
-def _packed_tables(spans: tuple[Span, ...]
+def _packed_tables(spans: tuple[Span, ...], every_key: bool = False
                    ) -> tuple[tuple[Tensor, Tensor] | None, int, tuple[tuple[int, int], ...]]:
     """The kernel's items and Q blocks of the spans with queries and keys (``ops.packed_items``,
     on the CPU; None if there is none), their code rows, and the query rows of the spans with
-    queries and no keys. Cached per spans: a model passes the same boundaries to every layer."""
+    queries and no keys. Each span's smoothing sample: ``smoothing_sample_stride``, or with
+    ``every_key`` every key (the warp-level kernel's FP8 PV, as ``sageattn_mma_chain``). Cached
+    per spans: a model passes the same boundaries to every layer."""
     runs = [s for s in spans if s[1] > s[0] and s[3] > s[2]]
     keyless = tuple((q0, q1) for q0, q1, k0, k1 in spans if q1 > q0 and k1 == k0)
     if not runs:
         return None, 0, keyless
-    items, blocks, code_rows = ops.packed_items(runs, smoothing_sample_stride)
+    items, blocks, code_rows = ops.packed_items(
+        runs, (lambda _: 1) if every_key else smoothing_sample_stride)
     return (items, blocks), code_rows, keyless
 
 
 @functools.lru_cache(maxsize=64)
-def _packed_items(spans: tuple[Span, ...], device: torch.device
+def _packed_items(spans: tuple[Span, ...], device: torch.device, every_key: bool = False
                   ) -> tuple[tuple[Tensor, Tensor] | None, int, tuple[tuple[int, int], ...]]:
     """:func:`_packed_tables` with the tables on ``device``."""
-    tables, code_rows, keyless = _packed_tables(spans)
+    tables, code_rows, keyless = _packed_tables(spans, every_key)
     if tables is None:
         return None, 0, keyless
     return (tables[0].to(device), tables[1].to(device)), code_rows, keyless
@@ -224,21 +250,26 @@ def _packed_v_rows(spans: tuple[Span, ...], total_k: int, device: torch.device) 
 
 def _run_packed(q: Tensor, k: Tensor, v: Tensor, spans: tuple[Span, ...], is_causal: bool,
                 return_lse: bool, *, sm_scale: float, smooth_k: bool, smooth_v: bool,
-                accurate: bool) -> tuple[Tensor, Tensor]:
+                launch: _Launch) -> tuple[Tensor, Tensor]:
     """The spans' attention in one launch of each kernel (``is_causal``: each span's diagonal
     top-left), into ``[total_q, H, D]`` and (``return_lse``) ``[H, total_q]``: a span with queries
     and no keys gets zeros (LSE -inf), as :func:`sageattn` gives it; the rows of no span are not
     written."""
-    tables, code_rows, keyless = _packed_items(spans, q.device)
+    every_key = launch.kernel == "mma" and launch.pv == "fp8"
+    tables, code_rows, keyless = _packed_items(spans, q.device, every_key)
     if tables is None:
         out = q.new_zeros((q.shape[0], q.shape[1], v.shape[2]))
         lse = q.new_full((q.shape[1], q.shape[0]) if return_lse else (0,), -math.inf,
                          dtype=torch.float32)
         return out, lse
     max_keys = max(k1 - k0 for _, _, k0, k1 in spans)
-    v_rows = _packed_v_rows(spans, k.shape[0], q.device) if accurate else None
-    out, lse = ops.sageattn_wgmma_varlen(q, k, v, *tables, max_keys, code_rows, smooth_k,
-                                         smooth_v, sm_scale, is_causal, return_lse, v_rows)
+    if launch.kernel == "mma":
+        out, lse = ops.sageattn_mma_varlen(q, k, v, *tables, max_keys, code_rows, launch.pv,
+                                           smooth_k, smooth_v, sm_scale, is_causal, return_lse)
+    else:
+        v_rows = _packed_v_rows(spans, k.shape[0], q.device) if launch.pv == "input" else None
+        out, lse = ops.sageattn_wgmma_varlen(q, k, v, *tables, max_keys, code_rows, smooth_k,
+                                             smooth_v, sm_scale, is_causal, return_lse, v_rows)
     for q0, q1 in keyless:
         out[q0:q1] = 0
         if return_lse:

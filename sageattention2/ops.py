@@ -71,6 +71,7 @@ __all__ = [
     "kernels_for_capability",
     "quantize_kv",
     "sageattn_mma",
+    "sageattn_mma_varlen",
     "sageattn_wgmma",
     "sageattn_wgmma_varlen",
     "smoothing_stats",
@@ -156,7 +157,7 @@ _OP_HANDLES: dict[str, Any] = {}
 # torch.compile'd caller (dynamo guards on it) is not recompiled when an op is first used.
 if HAS_EXTENSION:
     for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma", "sageattn_wgmma_varlen",
-                  "sageattn_mma"):
+                  "sageattn_mma", "sageattn_mma_varlen"):
         if hasattr(getattr(torch.ops, NAMESPACE), _name):
             _OP_HANDLES[_name] = getattr(getattr(torch.ops, NAMESPACE), _name).default
 
@@ -481,6 +482,46 @@ def sageattn_mma(
     return out, lse
 
 
+def sageattn_mma_varlen(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks: Tensor,
+                        max_seqlen_k: int, code_rows: int, pv_dtype: str, smooth_k: bool,
+                        smooth_v: bool, sm_scale: float, is_causal: bool,
+                        return_lse: bool) -> tuple[Tensor, Tensor]:
+    """The warp-level path over packed sequences in one op (docs/DESIGN.md#packed-sequences):
+    :func:`sageattn_mma_varlen_chain` in one launch per kernel, INT8 QK without Q smoothing,
+    head_dim 64 or 128; ``items`` and ``blocks`` as :func:`sageattn_wgmma_varlen`'s, the items'
+    sample strides 1 with ``pv_dtype`` "fp8" (V's per-channel scales need every key, and K's mean
+    takes them too, as :func:`sageattn_mma_chain`'s); ``is_causal``: each sequence top-left.
+    Returns ``out`` ``[total_q, Hq, D]`` and ``lse`` ``[Hq, total_q]`` (empty without
+    ``return_lse``)."""
+    out, lse = _op("sageattn_mma_varlen")(q, k, v, items, blocks, max_seqlen_k, code_rows, pv_dtype,
+                                          smooth_k, smooth_v, sm_scale, is_causal, return_lse)
+    return out, lse
+
+
+def sageattn_mma_varlen_chain(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks: Tensor,
+                              max_seqlen_k: int, code_rows: int, pv_dtype: str, smooth_k: bool,
+                              smooth_v: bool, sm_scale: float, is_causal: bool,
+                              return_lse: bool) -> tuple[Tensor, Tensor]:
+    """What sageattn_mma_varlen computes (its CPU implementation, and what the GPU tests compare
+    it with): each sequence's :func:`sageattn_mma_chain` (INT8 QK, no Q smoothing) on its own
+    queries and key range, its sample stride its own. The one launch's statistics reduce each
+    sequence in one CTA, the chain's over as many as fill the GPU: with FP8 PV (means over
+    every key) the two can differ in a mean's last bit; with 16-bit PV (a sample short enough
+    for one CTA) they agree bit for bit."""
+    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
+    lse = (q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse
+           else q.new_empty(0, dtype=torch.float32))
+    for (k0, k1, stride), (q0, q1, _) in zip(*items.tolist()):
+        part, part_lse = sageattn_mma_chain(
+            q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
+            v[k0:k1].transpose(0, 1)[None], "int8", pv_dtype, False, smooth_k, smooth_v, stride,
+            sm_scale, is_causal, True, return_lse)
+        out[q0:q1] = part[0].transpose(0, 1)
+        if return_lse:
+            lse[:, q0:q1] = part_lse[0]
+    return out, lse
+
+
 def channel_spread(x: Tensor, mean: Tensor) -> Tensor:
     """``[B, H]``: the largest of a head's per-channel ranges max_n |x_n - mean| over the mean of
     its nonzero ones (zero channels are a head_dim's padding, 40 -> 64, not spread); each range
@@ -572,7 +613,7 @@ def _register_python_impls() -> None:
     # Each composite runs its chain of ops (sageattn_<kernel>_chain), each looked up in this
     # module at call time (tests stand in for the attention ops, which have no CPU
     # implementation).
-    for name in ("sageattn_wgmma", "sageattn_wgmma_varlen", "sageattn_mma"):
+    for name in ("sageattn_wgmma", "sageattn_wgmma_varlen", "sageattn_mma", "sageattn_mma_varlen"):
         qualname = f"{NAMESPACE}::{name}"
         if has_op(name) and not torch._C._dispatch_has_kernel_for_dispatch_key(qualname, "CPU"):
             torch.library.register_kernel(

@@ -79,16 +79,21 @@ def variant(name: str) -> str:
     return f"{kernel}<{_QK_CODES[m.group(1)]}, {_PV_OPERANDS[m.group(2)]}>" if m else kernel
 
 
-def known_stack(name: str, arch: str, head_dim: int, causal: bool, smooth_q: bool) -> int:
+def known_stack(name: str, arch: str, head_dim: int, causal: bool, smooth_q: bool,
+                packed: bool = False) -> int:
     """The largest stack frame (bytes) an attention_mma variant (``name`` its variant()) may have.
     On sm_90 the FP8 and INT4 mma.sync are emulated (not the fast path there; the Hopper kernel
     is): their extra registers spill. INT8 + FP16 PV at head_dim 128 runs its loop at 255
     registers: its Q-smoothing variants, and built for sm_80/sm_89 its causal ones, keep one
-    8-byte value in local memory (at most one reload per tile). Every other variant spills
-    nothing: the sm_89 FP8 variants (the Ada fast path), and INT8 + FP16 PV without Q smoothing
-    (sageattn's default for INT8) on sm_90 and, non-causal, everywhere; the Hopper kernel."""
+    8-byte value in local memory (at most one reload per tile); its packed variant (mma_packed,
+    docs/DESIGN.md#packed-sequences), with the item's rows and counts beside, up to 56 bytes
+    (causal on sm_80/sm_89; both on sm_90). Every other variant spills nothing: the sm_89 FP8
+    variants (the Ada fast path), packed too, and INT8 + FP16 PV without Q smoothing (sageattn's
+    default for INT8) on sm_90 and, non-causal, everywhere; the Hopper kernel."""
     if "fp8" in name and arch == "sm_90":
         return 96
+    if packed and name.endswith("<int8, input>") and head_dim == 128 and (causal or arch == "sm_90"):
+        return 56
     if name.endswith("<int8, input>") and head_dim == 128 and (smooth_q or (causal and arch != "sm_90")):
         return 8
     return 0
@@ -228,6 +233,12 @@ def mma_flags(name: str) -> tuple[int, bool, bool]:
     return int(m.group(1)), m.group(2) == "1", m.group(3) == "1"
 
 
+def mma_packed(name: str) -> bool:
+    """Whether an attention_mma_kernel's mangled name is its packed-sequences variant (the last
+    template argument, kPacked, true)."""
+    return re.search(r"PvOperandsE\dELb1E", name) is not None
+
+
 def demangled_short(name: str) -> str:
     """attention_mma_kernel<fp16, 128, causal, smooth-q, int8, fp8> from the mangled name (enough
     to read a table)."""
@@ -242,6 +253,8 @@ def demangled_short(name: str) -> str:
     short += codes[codes.index("<") + 1:-1].join([", ", ""]) if "<" in codes else ""
     # attention_wgmma's variant of packed items (<T, head_dim, causal, fp8 PV, packed>)
     if m.group(1) == "attention_wgmma_kernel" and re.search(r"Li\d+ELb[01]ELb[01]ELb1E", name):
+        short += ", packed"
+    if m.group(1) == "attention_mma_kernel" and mma_packed(name):  # (its kPacked, the last argument)
         short += ", packed"
     return short + ">"
 
@@ -421,7 +434,7 @@ def check(kernels: list[Kernel], known_spill: str | None, loops: bool) -> int:
         want = EXPECTED[name].get(k.arch, ())
         missing = [w for w in want if not any(op.startswith(w) for op in k.instructions)]
         if "attention_mma_kernel" in k.name:  # (the stack frame bounds its loop's accesses)
-            limit, mufu_limit = known_stack(name, k.arch, *mma_flags(k.name)), None
+            limit, mufu_limit = known_stack(name, k.arch, *mma_flags(k.name), mma_packed(k.name)), None
             loop_limit = k.loop_spills
         else:
             loop_limit, limit, mufu_limit = hopper_limits(demangled_short(k.name))

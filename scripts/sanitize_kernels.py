@@ -133,7 +133,8 @@ def key_ranges() -> None:
 def packed_sequences() -> None:
     """sageattn_wgmma_varlen: packed sequences of 1 to 300 tokens (a keyless and a queryless one),
     queries and keys of different lengths, GQA, d 64/128/256, with and without smoothing, causal or
-    not; FP8 PV and (d 64/128) the accurate tier through V's zero-padded copy."""
+    not; FP8 PV and (d 64/128) the accurate tier through V's zero-padded copy. Then
+    sageattn_mma_varlen on the same sequences, d 64/128, 16-bit and FP8 PV."""
     from sageattention2 import _execute
 
     lengths_q, lengths_k = [1, 300, 0, 129, 2, 77], [3, 257, 5, 128, 1, 0]
@@ -152,8 +153,18 @@ def packed_sequences() -> None:
             for rows in (None, v_rows) if d in ops.WGMMA_INPUT_PV_HEAD_DIMS else (None,):
                 ops.sageattn_wgmma_varlen(q, k, v, items.cuda(), blocks.cuda(), 257, code_rows, smooth, smooth,
                                           d ** -0.5, causal, True, rows)
+    # The warp-level kernel's one launch (sageattn_mma_varlen; its FP8 PV takes every key's
+    # statistics: sample stride 1).
+    every_key = ops.packed_items(spans, lambda _: 1)
+    for dtype, d, smooth in ((torch.float16, 64, True), (torch.bfloat16, 128, False)):
+        q = torch.randn(bq[-1], 4, d, device="cuda", dtype=dtype)
+        k, v = (torch.randn(bk[-1], 2, d, device="cuda", dtype=dtype) for _ in range(2))
+        for pv, (its, blks, rows_) in (("input", (items, blocks, code_rows)), ("fp8", every_key)):
+            for causal in (False, True):
+                ops.sageattn_mma_varlen(q, k, v, its.cuda(), blks.cuda(), 257, rows_, pv, smooth, smooth,
+                                        d ** -0.5, causal, True)
     torch.cuda.synchronize()
-    print("sanitize: packed sequences (sageattn_wgmma_varlen) ran")
+    print("sanitize: packed sequences (sageattn_wgmma_varlen, sageattn_mma_varlen) ran")
 
 
 def sageattn_mma(fp8: bool) -> None:

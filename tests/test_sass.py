@@ -35,9 +35,11 @@ def test_attention_kernels_use_tensor_cores_and_do_not_spill() -> None:
         pytest.skip("no cuobjdump (CUDA toolkit or triton's copy)")
     kernels = [k for k in check.read_kernels(cuobjdump, ops._C.__file__) if "attention_mma_kernel" in k.name]
     built = {arch.rstrip("a") for arch in ops.build_info().archs}
-    # 3 variants x 2 dtypes x 2 head dims x causal on/off x Q smoothing on/off, on every arch.
+    # 3 variants x 2 dtypes x 2 head dims x causal on/off x Q smoothing on/off, on every arch;
+    # and the packed variants of INT8 QK without Q smoothing (2 PV x 2 dtypes x 2 x 2).
     assert {k.arch for k in kernels} == built
-    assert len(kernels) == 48 * len(built)
+    assert len(kernels) == (48 + 16) * len(built)
+    assert sum(check.mma_packed(k.name) for k in kernels) == 16 * len(built)
     variants = {check.variant(k.name) for k in kernels}
     assert variants == {f"attention_mma_kernel<{v}>" for v in ("int8, input", "int8, fp8", "int4, fp8")}
     for k in kernels:
@@ -47,7 +49,7 @@ def test_attention_kernels_use_tensor_cores_and_do_not_spill() -> None:
         if "fp8" in name and k.arch == "sm_80":
             assert not k.instructions, (k.name, k.instructions)  # a stub: no FP8 MMA before sm_89
         head_dim, causal, smooth_q = check.mma_flags(k.name)
-        assert k.stack <= check.known_stack(name, k.arch, head_dim, causal, smooth_q), (
+        assert k.stack <= check.known_stack(name, k.arch, head_dim, causal, smooth_q, check.mma_packed(k.name)), (
             k.arch, check.demangled_short(k.name), k.stack)
 
 

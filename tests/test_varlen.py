@@ -245,6 +245,12 @@ def test_packed_items() -> None:
         *range(130, 256), *range(257, 384), *range(384 + 269, code_rows)]
 
 
+def hopper_launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_quant: str, pv_quant: str,
+                  smooth_q: object) -> object:
+    """_varlen._one_launch as on the H100, for any head_dim."""
+    return _varlen._Launch("wgmma", q.shape[-1], "input" if pv_quant == "none" else "fp8")
+
+
 def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest.MonkeyPatch) -> None:
     """Routed to the one launch (the op stood in for by exact attention per item of its table):
     the op sees every sequence with queries and keys once, with its own sample stride; a
@@ -269,7 +275,7 @@ def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest
             lse[:, q0:q1] = l[0].float()
         return out, lse if return_lse else q.new_empty(0)
 
-    monkeypatch.setattr(_varlen, "_one_launch", lambda q, *_: q.shape[-1])
+    monkeypatch.setattr(_varlen, "_one_launch", hopper_launch)
     monkeypatch.setattr(ops, "sageattn_wgmma_varlen", stand_in)
     _varlen._packed_items.cache_clear()
     lengths_q, lengths_k = [5, 1, 0, 13, 7, 300], [5, 3, 4, 13, 0, 260]
@@ -310,11 +316,11 @@ def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest
     assert len(seen) == calls + 1  # (equal lengths: the two rules agree, one launch)
     # A head_dim the kernel is not built for: zero-padded (here 8 -> 24), the true one's scale,
     # the output cut back.
-    monkeypatch.setattr(_varlen, "_one_launch", lambda *_: 24)
+    monkeypatch.setattr(_varlen, "_one_launch", lambda *_: _varlen._Launch("wgmma", 24, "fp8"))
     out = sageattn_varlen(q, k, v, cu_q, cu_k, 300, 260)
     assert out.shape == q.shape and out.is_contiguous()
     torch.testing.assert_close(out.double(), want_top_left, atol=1e-6, rtol=0)
-    monkeypatch.setattr(_varlen, "_one_launch", lambda q, *_: q.shape[-1])
+    monkeypatch.setattr(_varlen, "_one_launch", hopper_launch)
     # The accurate tier: the same launch with each key's row in V's zero-padded copy (the keys
     # of the sequence without queries, 25..29, to the scratch row after the copy).
     assert rows_seen[-1] is None
@@ -322,6 +328,107 @@ def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest
     assert rows_seen[-1] == [*range(5), *range(128, 131), *[768] * 4, *range(256, 269), *range(384, 644),
                              *range(5, 128), *range(131, 256), *range(269, 384), *range(644, 768)]
     torch.testing.assert_close(out.double(), want_top_left, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("capability,wgmma", [((8, 9), False), ((8, 0), False), ((9, 0), True)])
+def test_one_launch_follows_the_routes(monkeypatch: pytest.MonkeyPatch, capability: tuple[int, int],
+                                       wgmma: bool) -> None:
+    """_one_launch takes sageattn's routes for INT8 QK without Q smoothing: the Hopper kernel's
+    tiers on sm_90; elsewhere the warp-level kernel, FP8 PV where it is native (sm_89) or asked
+    for, else 16-bit, up to head_dim 128 (smaller multiples of 8 padded); INT4, Q smoothing,
+    other dtypes and head dims the kernels do not run: one call per sequence (None)."""
+    from types import SimpleNamespace
+
+    from sageattention2 import _plan
+
+    target = _plan.Target("cuda", capability, True, True, mma_code=True, wgmma=wgmma, mma_fp8=True,
+                          native_fp8=_plan.native_fp8_mma(capability))
+    monkeypatch.setattr(_plan, "target_of", lambda device: target)
+    monkeypatch.setattr(_plan, "device_reason", lambda device: None)
+    monkeypatch.setattr(ops, "has_op", lambda name: True)
+
+    def launch(d: int, qk: str = "auto", pv: str = "auto", smooth_q: object = "auto",
+               dtype: torch.dtype = torch.float16) -> object:
+        t = SimpleNamespace(shape=(10, 4, d), dtype=dtype, is_cuda=True, device=None)
+        return _varlen._one_launch(t, t, t, qk, pv, smooth_q)
+
+    Launch = _varlen._Launch
+    if wgmma:
+        assert launch(128) == Launch("wgmma", 128, "fp8")
+        assert launch(160) == Launch("wgmma", 256, "fp8")
+        assert launch(96, pv="none") == Launch("wgmma", 128, "input")
+        assert launch(160, pv="none") is None
+    else:
+        auto_pv = "fp8" if capability == (8, 9) else "input"
+        assert launch(128) == Launch("mma", 128, auto_pv)
+        assert launch(40) == Launch("mma", 64, auto_pv)
+        assert launch(64, pv="none") == Launch("mma", 64, "input")
+        assert launch(64, pv="fp8") == Launch("mma", 64, "fp8")
+        assert launch(160) is None
+    assert launch(128, qk="int4") is None and launch(128, smooth_q=True) is None
+    assert launch(128, dtype=torch.float32) is None and launch(100) is None
+    # The warp-level kernel's FP8 PV takes its statistics over every key (sample stride 1).
+    spans = ((0, 5, 0, 300), (5, 9, 300, 301))
+    assert [r[2] for r in _varlen._packed_tables(spans, True)[0][0][0].tolist()] == [1, 1]
+    assert _varlen._packed_tables(spans)[0][0][0].tolist()[0][2] == _execute.smoothing_sample_stride(300)
+
+
+def test_mma_one_launch_op_checks_its_arguments() -> None:
+    """sageattn_mma_varlen's Meta implementation: its shapes, and the argument it refuses."""
+    if not ops.has_op("sageattn_mma_varlen"):
+        pytest.skip("no extension")
+    op = torch.ops.sageattention2.sageattn_mma_varlen
+    q, k, items = meta(30, 4, 64), meta(20, 2, 64), meta(2, 3, 3, dtype=torch.int32)
+    blocks = meta(3, 2, dtype=torch.int32)
+    out, lse = op(q, k, k, items, blocks, 16, 384, "fp8", True, False, 0.125, False, True)
+    assert out.shape == q.shape and lse.shape == (4, 30)
+    for args, message in [
+            ((meta(30, 4, 256), meta(20, 2, 256), meta(20, 2, 256), items, blocks, 16, 384, "fp8"),
+             "head_dim 64 or 128"),
+            ((q, k, k, items, blocks, 16, 384, "e5m2"), "pv_dtype must be 'fp8' or 'input'"),
+            ((q, k, k, items, blocks, 16, 100, "input"), "code_rows must be a positive multiple of 128")]:
+        with pytest.raises(RuntimeError, match=message):
+            op(*args, True, False, 0.125, False, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,dtype,pv,smooth_k,smooth_v,causal", [
+    (64, torch.float16, "input", True, False, False), (128, torch.bfloat16, "input", True, False, True),
+    (128, torch.float16, "input", False, False, False), (64, torch.bfloat16, "input", True, False, True),
+    (64, torch.float16, "fp8", True, True, False), (128, torch.bfloat16, "fp8", True, False, True),
+    (128, torch.float16, "fp8", False, True, False), (64, torch.bfloat16, "fp8", True, True, True)])
+def test_mma_one_launch_is_each_sequence_alone(attention_kernel: None, d: int, dtype: torch.dtype,
+                                               pv: str, smooth_k: bool, smooth_v: bool,
+                                               causal: bool) -> None:
+    """ops.sageattn_mma_varlen (the warp-level kernel; on the H100 forced, as on Ada/Ampere it is
+    sageattn_varlen's path): every sequence's output and LSE what sageattn_mma computes for it
+    alone (its chain), on poisoned memory, lengths 1 to 4K, primes, queries and keys of different
+    lengths, grouped-query heads; 16-bit PV bit for bit; FP8 PV, whose means over every key the
+    one launch sums in another order (one CTA per sequence and head), within 1e-3; every element
+    written and finite."""
+    from sageattention2.testing import poison_cuda_allocator, relative_l1
+
+    if pv == "fp8" and not ops.has_op("attention_mma"):
+        pytest.skip("no attention_mma")
+    g = torch.Generator(device="cuda").manual_seed(d + smooth_k + 2 * causal)
+    lengths_q = [1, 4096, 3, 1000, 2049, 77, 2, 513, 131, 127]
+    lengths_k = [1, 4096, 1, 999, 2049, 128, 300, 513, 2, 129]
+    q = _drawn(sum(lengths_q), 8, d, dtype, g)
+    k, v = (_drawn(sum(lengths_k), 2, d, dtype, g) for _ in range(2))
+    bq, bk = [0, *itertools.accumulate(lengths_q)], [0, *itertools.accumulate(lengths_k)]
+    stride = (lambda _: 1) if pv == "fp8" else _execute.smoothing_sample_stride
+    items, blocks, code_rows = ops.packed_items(list(zip(bq, bq[1:], bk, bk[1:])), stride)
+    args = (q, k, v, items.cuda(), blocks.cuda(), max(lengths_k), code_rows, pv, smooth_k, smooth_v,
+            d ** -0.5, causal, True)
+    poison_cuda_allocator()
+    out, lse = ops.sageattn_mma_varlen(*args)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    want, want_lse = ops.sageattn_mma_varlen_chain(*args)
+    if pv == "input" or not smooth_k and not smooth_v:
+        assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    else:
+        assert relative_l1(out.float(), want.float()) < 1e-3
+        assert (lse - want_lse).abs().max().item() < 1e-3
 
 
 def test_one_launch_op_checks_its_arguments() -> None:

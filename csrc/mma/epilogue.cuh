@@ -21,17 +21,20 @@ struct MmaEpilogue {
   using Smem = typename Traits::Smem;
   static constexpr int kHeadDim = Traits::kHeadDim, kSlabs = Traits::kSlabs, kDimTiles = Traits::kDimTiles;
   static constexpr bool kFp8Pv = Traits::kFp8Pv;
+  using Item = typename Traits::Item;
 
   Fp8PvChannels<kFp8Pv ? kDimTiles : 1> v_channels;
 
   // The thread's rows g and g + 8 of each slab of the warp (rows warp_row0 ...) of query block q0
-  // of head (b, h); the KV head's index is bhk.
-  __device__ void store(const AttentionMmaParams& p, const Smem& s, int b, int h, int64_t bhk, int64_t q0,
-                        int warp_row0, int g, int t, const float (&o)[kSlabs][kDimTiles][4],
+  // (counted from the item's first query) of head h of `item`; V's scales and means are those of
+  // the item's KV head, seq_hk (item.seq * kv_heads + its KV head).
+  __device__ void store(const AttentionMmaParams& p, const Smem& s, const Item& item, int h, int64_t seq_hk,
+                        int64_t q0, int warp_row0, int g, int t, const float (&o)[kSlabs][kDimTiles][4],
                         const MmaSoftmax<Traits>& softmax) {
-    T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h;
+    const int b = item.b;
+    T* out = static_cast<T*>(p.out) + b * p.out_stride_b + h * p.out_stride_h + item.q_first * p.out_stride_n;
     if constexpr (kFp8Pv)
-      v_channels.load(p.v_scale + bhk * kHeadDim, p.v_mean != nullptr ? p.v_mean + bhk * kHeadDim : nullptr, t);
+      v_channels.load(p.v_scale + seq_hk * kHeadDim, p.v_mean != nullptr ? p.v_mean + seq_hk * kHeadDim : nullptr, t);
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -40,7 +43,7 @@ struct MmaEpilogue {
         l += __shfl_xor_sync(0xffffffffu, l, 1);
         l += __shfl_xor_sync(0xffffffffu, l, 2);
         const int64_t query = q0 + warp_row0 + sl * 16 + g + 8 * r;
-        if (query >= p.q_len) continue;
+        if (query >= item.q_len(p)) continue;
         const float inv = l > 0.0f ? 1.0f / l : 0.0f;
         T* row = out + query * p.out_stride_n;
 #pragma unroll
@@ -56,7 +59,7 @@ struct MmaEpilogue {
           // which the LSE of the true scores includes (this thread wrote it, mma/q_quantizer.cuh).
           const float log2_l = __log2f(l) - (kFp8Pv ? kLog2Fp8Max : 0.0f);
           const float dropped = p.k_mean != nullptr ? p.sm_scale * s.row_constant()[warp_row0 + sl * 16 + g + 8 * r] : 0.0f;
-          p.lse[(static_cast<int64_t>(b) * p.q_heads + h) * p.q_len + query] =
+          p.lse[(static_cast<int64_t>(b) * p.q_heads + h) * p.q_len + item.q_first + query] =
               l > 0.0f ? (softmax.row_max[sl][r] + log2_l) * kLn2 + dropped : -INFINITY;
         }
       }

@@ -38,9 +38,12 @@
 
 namespace sageattention2 {
 
-template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
+// kPacked: the variant that runs packed sequences (mma/item.cuh; INT8 QK without Q smoothing),
+// launched only with packed_blocks, which the others never read.
+template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv, bool kPacked = false>
 struct AttentionMmaKernel {
-  using Traits = MmaTraits<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>;
+  using Traits = MmaTraits<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv, kPacked>;
+  using Item = typename Traits::Item;
   using Smem = typename Traits::Smem;
   using Loader = MmaKvLoader<Traits>;
   using KvHead = typename Loader::KvHead;
@@ -60,29 +63,28 @@ struct AttentionMmaKernel {
     const Smem s{smem_base};
     const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;  // accumulator fragment: rows g, g+8; columns 2t, 2t+1
-    const int q_blocks = static_cast<int>(gridDim.x);
-    // Causal: the heaviest query blocks (most keys) are scheduled first.
-    const int qb = kCausal ? q_blocks - 1 - static_cast<int>(blockIdx.x) : static_cast<int>(blockIdx.x);
-    const int h = blockIdx.y, b = blockIdx.z;
+    // Causal: the heaviest query blocks (most keys) are scheduled first (Item::of).
+    const Item item = Item::template of<kCausal>(p);
+    const int h = blockIdx.y;
     const int hk = h / (p.q_heads / p.kv_heads);
-    const int64_t q0 = static_cast<int64_t>(qb) * kBlockQ;
+    const int64_t q0 = static_cast<int64_t>(item.qb) * kBlockQ;  // from the item's first query
 
-    int64_t tiles = (p.kv_len + kBlockK - 1) / kBlockK;
+    int64_t tiles = (item.kv_len(p) + kBlockK - 1) / kBlockK;
     if constexpr (kCausal) {
-      const int64_t last_query = (q0 + kBlockQ < p.q_len ? q0 + kBlockQ : p.q_len) - 1;
+      const int64_t last_query = (q0 + kBlockQ < item.q_len(p) ? q0 + kBlockQ : item.q_len(p)) - 1;
       const int64_t needed = last_query / kBlockK + 1;
       tiles = needed < tiles ? needed : tiles;
     }
     const int kv_tiles = static_cast<int>(tiles);  // 32-bit loop counters: registers are short
-    const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
+    const int64_t seq_hk = static_cast<int64_t>(item.seq) * p.kv_heads + hk;
     const int warp_row0 = warp * kRowsPerWarp;
     // One Q scale per thread and slab: its rows g and g+8 of slab j are both in group 8j + g (Eq. 8).
     float q_scale[kSlabs];
-    QQuantizer::quantize_block(p, s, b, h, q0, warp_row0, g, t, q_scale);
-    const KvHead head = KvHead::of(p);
+    QQuantizer::quantize_block(p, s, item, h, q0, warp_row0, g, t, q_scale);
+    const KvHead head = KvHead::of(p, item);
     // Prologue: tiles 0 .. kStages-2 one cp.async group each.
     for (int i = 0; i < kStages - 1; ++i) {
-      if (i < kv_tiles) Loader::load_tile(p, s, i, head, static_cast<int64_t>(i) * kBlockK);
+      if (i < kv_tiles) Loader::load_tile(p, s, i, head, static_cast<int64_t>(i) * kBlockK, item);
       ptx::cp_async_commit();
     }
 
@@ -97,7 +99,7 @@ struct AttentionMmaKernel {
     softmax.init();
 
     // The warp's rows that are queries (< q_len): its row j is one iff j < warp_queries.
-    const int64_t queries_left = p.q_len - q0 - warp_row0;
+    const int64_t queries_left = item.q_len(p) - q0 - warp_row0;
     const int warp_queries = static_cast<int>(queries_left < kRowsPerWarp ? queries_left : kRowsPerWarp);
     // The warp's Q fragments (A operands, one per 32 bytes of codes).
     uint32_t qa[kSlabs][kQkSteps][4];
@@ -112,8 +114,8 @@ struct AttentionMmaKernel {
       // pointers (which spilled at 255 registers).
       const int ahead = kHeadPerTile ? opaque(it + kStages - 1) : it + kStages - 1;
       if (ahead < kv_tiles)
-        Loader::load_tile(p, s, ahead % kStages, kHeadPerTile ? KvHead::of(p) : head,
-                          static_cast<int64_t>(ahead) * kBlockK);
+        Loader::load_tile(p, s, ahead % kStages, kHeadPerTile ? KvHead::of(p, item) : head,
+                          static_cast<int64_t>(ahead) * kBlockK, item);
       ptx::cp_async_commit();
       // ---- S = Q K^T (INT8 or INT4, exact int32 accumulation) ----
       int32_t acc[kSlabs][kKeyTiles][4];
@@ -122,10 +124,10 @@ struct AttentionMmaKernel {
       // ---- dequantize (one scale per thread), Delta-S, masks ----
       float qk_scale[kSlabs];
       Softmax::scales(s, stage, t, q_scale, qk_scale);
-      const bool needs_mask = Mask::needed(p, k0, q0, warp_row0);
+      const bool needs_mask = Mask::needed(p, item, k0, q0, warp_row0);
       float sc[kSlabs][kKeyTiles][4];
       Softmax::dequantize(s, stage, t, qk_scale, acc, sc);
-      if (needs_mask) Mask::apply(p, k0, q0, warp_row0, g, t, sc);
+      if (needs_mask) Mask::apply(p, item, k0, q0, warp_row0, g, t, sc);
 
       // ---- online softmax ----
       float tile_max[kSlabs][2];
@@ -138,7 +140,7 @@ struct AttentionMmaKernel {
     // ---- epilogue: normalise (FP8: times V's channel scale, plus its mean), write O (and the
     // natural-log LSE) ----
     Epilogue epilogue;
-    epilogue.store(p, s, b, h, bhk, q0, warp_row0, g, t, o, softmax);
+    epilogue.store(p, s, item, h, seq_hk, q0, warp_row0, g, t, o, softmax);
   }
 };
 
@@ -157,8 +159,8 @@ inline constexpr bool kCompilingFp8Mma = true;
 template <PvOperands kPv>
 inline constexpr int kMmaMinBlocksPerSm = kPv == PvOperands::kInput ? 2 : 1;
 
-template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
-__global__ void __launch_bounds__(AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>::kThreads,
+template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv, bool kPacked = false>
+__global__ void __launch_bounds__(AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv, kPacked>::kThreads,
                                   kMmaMinBlocksPerSm<kPv>) attention_mma_kernel(const __grid_constant__ AttentionMmaParams p) {
   extern __shared__ __align__(128) unsigned char smem[];
   if constexpr (kPv == PvOperands::kFp8 && !kCompilingFp8Mma) {
@@ -173,7 +175,7 @@ __global__ void __launch_bounds__(AttentionMmaKernel<T, kHeadDim, kCausal, kSmoo
                        static_cast<int>(blockIdx.y) / (p.q_heads / p.kv_heads)] != p.int8_heads_run)
         return;
     }
-    AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>::run(p, smem);
+    AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv, kPacked>::run(p, smem);
   }
 }
 

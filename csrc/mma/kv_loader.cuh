@@ -14,6 +14,7 @@ template <typename Traits>
 struct MmaKvLoader {
   using T = typename Traits::T;
   using Smem = typename Traits::Smem;
+  using Item = typename Traits::Item;
   static constexpr int kHeadDim = Traits::kHeadDim, kThreads = Traits::kThreads, kBlockK = Traits::kBlockK;
   static constexpr int kQkRowBytes = Traits::kQkRowBytes, kQkChunks = Traits::kQkChunks;
   static constexpr int kVRows = Traits::kVRows, kVRowBytes = Traits::kVRowBytes, kVChunks = Traits::kVChunks;
@@ -40,7 +41,7 @@ struct MmaKvLoader {
   using KCopy = TileCopy<kQkChunks, kBlockK>;
   using VCopy = TileCopy<kVChunks, kVRows>;
 
-  // Per-(batch, head) base pointers of everything a KV tile reads, held through the KV loop, or
+  // Per-(item, head) base pointers of everything a KV tile reads, held through the KV loop, or
   // derived from the block index again at every tile where their 8 registers would spill
   // (kHeadPerTile: INT8 + FP16 PV at head_dim 128, whose loop runs at 255 registers; at head_dim
   // 64 holding them measured 8-12 % faster on the H100, docs/DECISIONS.md#d22).
@@ -50,22 +51,25 @@ struct MmaKvLoader {
     const void* v;       // the head's V rows (kInput) or its transposed E4M3 V (kFp8)
     const float* delta;  // kSmoothQ only
 
-    __device__ static KvHead of(const AttentionMmaParams& p) {
-      const int h = blockIdx.y, b = blockIdx.z;
+    // (Packed: the item's codes from its code row of its head's slab, its V from its first key.)
+    __device__ static KvHead of(const AttentionMmaParams& p, const Item& item) {
+      const int h = blockIdx.y, b = item.b;
       const int hk = h / (p.q_heads / p.kv_heads);
       const int64_t bhk = static_cast<int64_t>(b) * p.kv_heads + hk;
       KvHead head;
-      head.k = p.k_codes + bhk * p.k_padded * kQkRowBytes;
-      head.k_scale = p.k_scale + bhk * (p.k_padded / kMmaBlockK) * 4;
-      head.v = kFp8Pv ? static_cast<const void*>(static_cast<const uint8_t*>(p.v) + bhk * kHeadDim * p.k_padded)
-                      : static_cast<const void*>(static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h);
+      head.k = p.k_codes + (bhk * p.k_padded + item.code_row) * kQkRowBytes;
+      head.k_scale = p.k_scale + (bhk * (p.k_padded / kMmaBlockK) + item.code_row / kMmaBlockK) * 4;
+      head.v = kFp8Pv ? static_cast<const void*>(static_cast<const uint8_t*>(p.v) + bhk * kHeadDim * p.k_padded +
+                                                 item.code_row)
+                      : static_cast<const void*>(static_cast<const T*>(p.v) + b * p.v_stride_b + hk * p.v_stride_h +
+                                                 item.k_first * p.v_stride_n);
       head.delta = kSmoothQ ? p.delta_s + (static_cast<int64_t>(b) * p.q_heads + h) * p.k_padded : nullptr;
       return head;
     }
   };
 
   __device__ static void load_tile(const AttentionMmaParams& p, const Smem& s, int stage, const KvHead& head,
-                                   int64_t k0) {
+                                   int64_t k0, const Item& item) {
     const int8_t* kg = head.k + (k0 + KCopy::row()) * kQkRowBytes + KCopy::chunk() * 16;
     unsigned char* ks = s.k(stage) + KCopy::smem_offset();
 #pragma unroll
@@ -85,7 +89,7 @@ struct MmaKvLoader {
       const T* vg = v_head + v_row * p.v_stride_n + VCopy::chunk() * 8;
 #pragma unroll
       for (int j = 0; j < VCopy::kPasses; ++j) {
-        const bool valid = v_row + j * VCopy::kRowStep < p.kv_len;
+        const bool valid = v_row + j * VCopy::kRowStep < item.kv_len(p);
         ptx::cp_async_16(vs + j * VCopy::kRowStep * kVRowBytes,
                          valid ? vg + j * VCopy::kRowStep * p.v_stride_n : v_head, valid);
       }

@@ -10,10 +10,10 @@
 namespace sageattention2 {
 namespace mma_launch {
 
-template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv>
+template <typename T, int kHeadDim, bool kCausal, bool kSmoothQ, QkCodes kQk, PvOperands kPv, bool kPacked = false>
 cudaError_t launch(const AttentionMmaParams& p, cudaStream_t stream) {
-  using Kernel = AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>;
-  constexpr auto kernel = attention_mma_kernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv>;
+  using Kernel = AttentionMmaKernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv, kPacked>;
+  constexpr auto kernel = attention_mma_kernel<T, kHeadDim, kCausal, kSmoothQ, kQk, kPv, kPacked>;
   int device = 0, smem_limit = 0;
   cudaError_t status = cudaGetDevice(&device);
   if (status != cudaSuccess) return status;
@@ -30,14 +30,24 @@ cudaError_t launch(const AttentionMmaParams& p, cudaStream_t stream) {
   if (Kernel::kSmemBytes > smem_limit) return cudaErrorNotSupported;  // INT8 + FP16 PV, hd128, on a 99 KB SM
   status = allow_dynamic_smem_once<kernel>(device, Kernel::kSmemBytes);
   if (status != cudaSuccess) return status;
-  const dim3 grid(static_cast<unsigned>((p.q_len + kMmaBlockQ - 1) / kMmaBlockQ), p.q_heads, p.batch);
+  // Packed: one CTA per entry of the sequences' block table (mma/item.cuh) and head.
+  const dim3 grid = kPacked ? dim3(static_cast<unsigned>(p.packed_entries), p.q_heads, 1)
+                            : dim3(static_cast<unsigned>((p.q_len + kMmaBlockQ - 1) / kMmaBlockQ), p.q_heads, p.batch);
   return launch_kernel(kernel, grid, dim3(Kernel::kThreads), Kernel::kSmemBytes, stream, p.after_quantize_kv, p);
 }
 
 // Q smoothing is a variant, not a runtime test: its Delta-S operand (16 registers a tile at
 // head_dim 128) pushed the INT8 + FP16 PV loop, at 255 registers, into spilling.
+// Packed sequences are a variant too (INT8 QK without Q smoothing only: 16 kernels), which
+// leaves the others' code as it was.
 template <typename T, int kHeadDim, bool kCausal, QkCodes kQk, PvOperands kPv>
 cudaError_t launch_smooth_q(const AttentionMmaParams& p, cudaStream_t stream) {
+  if (p.packed_blocks != nullptr) {
+    if constexpr (kQk == QkCodes::kInt8) {
+      if (p.q_mean == nullptr) return launch<T, kHeadDim, kCausal, false, kQk, kPv, true>(p, stream);
+    }
+    return cudaErrorInvalidValue;  // validated by torch/attention_shapes.cpp
+  }
   return p.q_mean != nullptr ? launch<T, kHeadDim, kCausal, true, kQk, kPv>(p, stream)
                              : launch<T, kHeadDim, kCausal, false, kQk, kPv>(p, stream);
 }

@@ -15,15 +15,17 @@ template <typename Traits>
 struct MmaMask {
   static constexpr int kBlockK = Traits::kBlockK, kSlabs = Traits::kSlabs, kKeyTiles = Traits::kKeyTiles;
   static constexpr bool kCausal = Traits::kCausal;
+  using Item = typename Traits::Item;
 
-  // Whether the tile of keys k0 .. k0 + kBlockK - 1 hides keys from some row of the warp.
-  __device__ static bool needed(const AttentionMmaParams& p, int64_t k0, int64_t q0, int warp_row0) {
-    return k0 + kBlockK > p.kv_len || (kCausal && k0 + kBlockK - 1 > q0 + warp_row0);
+  // Whether the tile of keys k0 .. k0 + kBlockK - 1 hides keys from some row of the warp (k0 and
+  // q0 count from the item's first key and query: packed, each sequence's diagonal top-left).
+  __device__ static bool needed(const AttentionMmaParams& p, const Item& item, int64_t k0, int64_t q0, int warp_row0) {
+    return k0 + kBlockK > item.kv_len(p) || (kCausal && k0 + kBlockK - 1 > q0 + warp_row0);
   }
 
   // The scores of the keys the thread's rows do not see to -inf.
-  __device__ static void apply(const AttentionMmaParams& p, int64_t k0, int64_t q0, int warp_row0, int g, int t,
-                               float (&sc)[kSlabs][kKeyTiles][4]) {
+  __device__ static void apply(const AttentionMmaParams& p, const Item& item, int64_t k0, int64_t q0, int warp_row0,
+                               int g, int t, float (&sc)[kSlabs][kKeyTiles][4]) {
 #pragma unroll
     for (int sl = 0; sl < kSlabs; ++sl)
 #pragma unroll
@@ -31,7 +33,7 @@ struct MmaMask {
         // The row's last visible key as an offset into the tile, in [-1, kBlockK - 1] (int32
         // compares: the int64 ones cost the registers that spilled at head_dim 128): the
         // tail of kv_len and, causal, the query's own position.
-        int64_t last = p.kv_len - 1 - k0;
+        int64_t last = item.kv_len(p) - 1 - k0;
         if (kCausal) {
           const int64_t query = q0 + warp_row0 + sl * 16 + g + 8 * r;
           last = query - k0 < last ? query - k0 : last;

@@ -74,6 +74,17 @@ struct AttentionMmaParams {
   // flagged 1, into one output; a CTA of a head flagged otherwise than `int8_heads_run` exits.
   const uint8_t* int8_heads = nullptr;
   uint8_t int8_heads_run = 0;
+  // Packed sequences (docs/DESIGN.md#packed-sequences; INT8 QK without Q smoothing): [S][3]
+  // int32 key_ranges (each sequence's first and end row of v, and its sample stride) and
+  // packed_items (its first and end row of q, out and lse, and its first code row), and
+  // packed_blocks [n][2] (sequence, block of 128 queries): one CTA per entry and head
+  // (mma/item.cuh); null otherwise. q, out and lse are then one batch item of q_len rows in
+  // all; the K codes, K scales and FP8 V one slab per KV head of k_padded code rows; k_mean,
+  // v_scale and v_mean per sequence, [S, Hkv, D].
+  const int* key_ranges = nullptr;
+  const int* packed_items = nullptr;
+  const int* packed_blocks = nullptr;
+  int packed_entries = 0;
 };
 
 // dtype is q's and the output's (and, for PvOperands::kInput, V's). cudaErrorNotSupported for an FP8

@@ -19,6 +19,7 @@ struct MmaQQuantizer {
   static constexpr int kHeadDim = Traits::kHeadDim, kSlabs = Traits::kSlabs, kQkChunks = Traits::kQkChunks;
   static constexpr bool kSmoothQ = Traits::kSmoothQ;
   static constexpr QkCodes kQk = Traits::kQk;
+  using Item = typename Traits::Item;
 
   // The CTA's Q block to per-thread codes in shared memory (paper Eq. 8, the groups and the
   // arithmetic of reference.quantize_q_reference(block_q=128, warps=8): the same codes and scales, bit for bit), so
@@ -29,15 +30,17 @@ struct MmaQQuantizer {
   // stay out of the max. Returns the thread's Q scale of each slab, times sm_scale * log2(e).
   // With the LSE and K smoothing, q . k_mean of each row (raw q: the row constant K smoothing
   // drops from every score) goes to shared memory for the epilogue.
-  __device__ static void quantize_block(const AttentionMmaParams& p, const Smem& s, int b, int h, int64_t q0,
-                                        int warp_row0, int g, int t, float (&q_scale)[kSlabs]) {
+  // q0: the block's first query, counted from the item's first (packed: its q_first).
+  __device__ static void quantize_block(const AttentionMmaParams& p, const Smem& s, const Item& item, int h,
+                                        int64_t q0, int warp_row0, int g, int t, float (&q_scale)[kSlabs]) {
     constexpr int kVecs = kHeadDim / 8 / 4;  // 16-byte vectors of a row per quad thread
     using Codes = IntCodes<kQk == QkCodes::kInt4>;
-    const T* q_head = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h;
+    const int b = item.b;
+    const T* q_head = static_cast<const T*>(p.q) + b * p.q_stride_b + h * p.q_stride_h + item.q_first * p.q_stride_n;
     const int64_t bh = static_cast<int64_t>(b) * p.q_heads + h;
     const float* mean = kSmoothQ ? p.q_mean + bh * kHeadDim : nullptr;
     const float* k_mean = p.lse != nullptr && p.k_mean != nullptr
-                              ? p.k_mean + (static_cast<int64_t>(b) * p.kv_heads + h / (p.q_heads / p.kv_heads)) * kHeadDim
+                              ? p.k_mean + (static_cast<int64_t>(item.seq) * p.kv_heads + h / (p.q_heads / p.kv_heads)) * kHeadDim
                               : nullptr;
 #pragma unroll 1
     for (int sl = 0; sl < kSlabs; ++sl) {
@@ -47,7 +50,7 @@ struct MmaQQuantizer {
         const int64_t query = q0 + warp_row0 + sl * 16 + g + 8 * r;
 #pragma unroll
         for (int j = 0; j < kVecs; ++j)
-          raw[r][j] = query < p.q_len ? ptx::ld_global_nc_v4(q_head + query * p.q_stride_n + (4 * j + t) * 8)
+          raw[r][j] = query < item.q_len(p) ? ptx::ld_global_nc_v4(q_head + query * p.q_stride_n + (4 * j + t) * 8)
                                       : make_uint4(0, 0, 0, 0);
       }
       // Launched after quantize_kv (after_quantize_kv), the kernel may read only the caller's Q
@@ -58,7 +61,7 @@ struct MmaQQuantizer {
       float x[2][kVecs][8];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const bool valid = q0 + warp_row0 + sl * 16 + g + 8 * r < p.q_len;
+        const bool valid = q0 + warp_row0 + sl * 16 + g + 8 * r < item.q_len(p);
         float dot = 0.0f;
 #pragma unroll
         for (int j = 0; j < kVecs; ++j) {

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "mma/item.cuh"
 #include "mma/params.h"
 
 namespace sageattention2 {
@@ -23,9 +24,13 @@ __device__ __forceinline__ int swizzled_offset(int row, int chunk) {
 }
 
 // The variant's template parameters and everything derived from them.
-template <typename T_, int kHeadDim_, bool kCausal_, bool kSmoothQ_, QkCodes kQk_, PvOperands kPv_>
+template <typename T_, int kHeadDim_, bool kCausal_, bool kSmoothQ_, QkCodes kQk_, PvOperands kPv_,
+          bool kPacked_ = false>
 struct MmaTraits {
   using T = T_;
+  // kPacked: the variant that runs packed sequences (mma/item.cuh), INT8 QK without Q smoothing.
+  static constexpr bool kPacked = kPacked_;
+  using Item = MmaItem<kPacked>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kCausal = kCausal_, kSmoothQ = kSmoothQ_;
   static constexpr QkCodes kQk = kQk_;
@@ -90,6 +95,7 @@ struct MmaTraits {
   static_assert(kHeadDim == 64 || kHeadDim == 128, "head_dim 64 or 128");
   static_assert(127 * 127 * kHeadDim < (1 << 22), "small_int_to_float needs |QK int32| < 2^22");
   static_assert(kQk == QkCodes::kInt8 || kFp8Pv, "INT4 QK is built with FP8 PV only (the 4-bit kernel)");
+  static_assert(!kPacked || (kQk == QkCodes::kInt8 && !kSmoothQ), "packed sequences: INT8 QK, no Q smoothing");
 
   // Shared memory: the Q codes, the row constants of the LSE, then kStages pipeline stages of
   // {K codes, V, Delta-S}. Stage addresses are computed, not indexed from an array, so nothing

@@ -98,6 +98,18 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
     int64_t total_k,
     double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv);
 
+// attention_mma over packed sequences (docs/DESIGN.md#packed-sequences), after
+// quantize_kv_packed_cuda: INT8 K codes and scales in code rows, v the FP8 codes (v_scale per
+// sequence, [S, Hkv, D]) or the caller's packed [total_k, Hkv, D] V (read at each sequence's key
+// range); packed_blocks ([blocks][2]: sequence, block) one CTA each per head. Returns out
+// [total_q, Hq, D] and lse [Hq, total_q] (or empty). Internal to sageattn_mma_varlen, which made
+// and validated every input.
+std::tuple<at::Tensor, at::Tensor> attention_mma_packed_cuda(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v,
+    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_mean,
+    const std::optional<at::Tensor>& k_mean, const int* key_ranges, const int* packed_items, const int* packed_blocks,
+    int64_t blocks, int64_t max_seqlen_k, double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv);
+
 // The Hopper path of a sageattn call in one op (docs/DESIGN.md#composite-ops): smoothing_stats
 // over every sample_stride-th token (K's mean with smooth_k, V's with smooth_v and FP8 PV),
 // quantize_kv for block_k 128 (V with one scale per tile where pv_dtype is "fp8"; "input": K
@@ -162,5 +174,22 @@ AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::T
                                                 const at::Tensor& items, const at::Tensor& blocks,
                                                 int64_t max_seqlen_k, int64_t code_rows, bool return_lse,
                                                 const std::optional<at::Tensor>& v_rows);
+
+// The warp-level path over packed sequences in one op (sageattn_varlen on GPUs without the Hopper
+// kernel): the same tables as sageattn_wgmma_varlen (items' sample strides: K's smoothing sample
+// with pv_dtype "input"; 1 with "fp8", whose V scales need every key), head_dim 64 or 128, INT8
+// QK without Q smoothing; each sequence is what sageattn_mma computes for it alone
+// (smoothing_stats over its keys, quantize_kv into its code rows, attention_mma over its block
+// table entries), in one launch of each kernel.
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& items,
+                                                            const at::Tensor& blocks, int64_t max_seqlen_k,
+                                                            int64_t code_rows, const std::string& pv_dtype,
+                                                            bool smooth_k, bool smooth_v, double sm_scale,
+                                                            bool is_causal, bool return_lse);
+AttentionOutputs allocate_sageattn_mma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& items, const at::Tensor& blocks,
+                                              int64_t max_seqlen_k, int64_t code_rows, const std::string& pv_dtype,
+                                              bool return_lse);
 
 }  // namespace sageattention2

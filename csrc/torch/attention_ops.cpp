@@ -40,15 +40,25 @@ void set_shared_params(Params& p, const at::Tensor& q, const at::Tensor& k_codes
 
 namespace {
 
+// The tables of packed sequences (mma/params.h), for attention_mma_packed_cuda.
+struct MmaPackedTables {
+  const int* key_ranges;
+  const int* packed_items;
+  const int* packed_blocks;
+  int64_t entries;
+};
+
 // attention_mma into `out` (allocated by allocate_attention_mma), over the heads whose
-// int8_heads flag is int8_heads_run (all heads without int8_heads).
+// int8_heads flag is int8_heads_run (all heads without int8_heads); with `packed`, over packed
+// sequences (q, v, out and lse one batch item of all their rows).
 void launch_attention_mma_into(const AttentionOutputs& out, const at::Tensor& q,
                                const std::optional<at::Tensor>& q_mean, const at::Tensor& k_codes,
                                const at::Tensor& k_scale, const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
                                const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_mean,
                                const std::optional<at::Tensor>& k_mean, const std::string& qk_dtype, int64_t kv_len,
                                double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv,
-                               const std::optional<at::Tensor>& int8_heads, bool int8_heads_run) {
+                               const std::optional<at::Tensor>& int8_heads, bool int8_heads_run,
+                               const MmaPackedTables* packed = nullptr) {
   check_launchable(q, "q");
   const c10::cuda::CUDAGuard guard(q.device());
   const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
@@ -77,6 +87,12 @@ void launch_attention_mma_into(const AttentionOutputs& out, const at::Tensor& q,
   if (int8_heads) {
     p.int8_heads = int8_heads_pointer(*int8_heads, q.size(0), k_codes.size(1), "attention_mma");
     p.int8_heads_run = int8_heads_run ? 1 : 0;
+  }
+  if (packed != nullptr) {
+    p.key_ranges = packed->key_ranges;
+    p.packed_items = packed->packed_items;
+    p.packed_blocks = packed->packed_blocks;
+    p.packed_entries = static_cast<int>(packed->entries);
   }
   const InputDtype dtype = q.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   const cudaError_t status = launch_attention_mma(p, dtype, at::cuda::getCurrentCUDAStream());
@@ -115,6 +131,27 @@ void attention_mma_heads_into_cuda(const AttentionOutputs& out, const at::Tensor
   // (No shape checks of its own: its caller, sageattn_mma, made every input.)
   launch_attention_mma_into(out, q, q_mean, k_codes, k_scale, delta_s, v, v_scale, v_mean, k_mean, qk_dtype, kv_len,
                             sm_scale, is_causal, return_lse, false, int8_heads, int8_heads_run);
+}
+
+std::tuple<at::Tensor, at::Tensor> attention_mma_packed_cuda(
+    const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v,
+    const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_mean,
+    const std::optional<at::Tensor>& k_mean, const int* key_ranges, const int* packed_items, const int* packed_blocks,
+    int64_t blocks, int64_t max_seqlen_k, double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv) {
+  const int64_t total_q = q.size(0), heads = q.size(1), d = q.size(2);
+  at::Tensor out = at::empty({total_q, heads, d}, q.options());
+  at::Tensor lse = return_lse ? at::empty({heads, total_q}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  // The packed [total, H, D] tensors as one batch item [1, H, total, D] (FP8 V: its codes
+  // [1, Hkv, D, code_rows] as they are).
+  const auto one_item = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
+  const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
+  const MmaPackedTables tables{key_ranges, packed_items, packed_blocks, blocks};
+  launch_attention_mma_into(AttentionOutputs{one_item(out), return_lse ? lse.unsqueeze(0) : lse}, one_item(q),
+                            std::nullopt, k_codes, k_scale, std::nullopt, fp8_v ? v : one_item(v), v_scale, v_mean,
+                            k_mean, "int8", max_seqlen_k, sm_scale, is_causal, return_lse, after_quantize_kv,
+                            std::nullopt, false, &tables);
+  return {out, lse};
 }
 
 std::tuple<at::Tensor, at::Tensor> attention_mma_cuda(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,

@@ -252,6 +252,50 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& 
                                      sm_scale, is_causal, return_lse, programmatic);
 }
 
+AttentionOutputs allocate_sageattn_mma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                              const at::Tensor& items, const at::Tensor& blocks,
+                                              int64_t max_seqlen_k, int64_t code_rows, const std::string& pv_dtype,
+                                              bool return_lse) {
+  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, std::nullopt);
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "the warp-level kernel runs packed sequences at head_dim 64 or "
+              "128, got ", q.size(2));
+  TORCH_CHECK(pv_dtype == "fp8" || pv_dtype == "input", "pv_dtype must be 'fp8' or 'input', got '", pv_dtype, "'");
+  return allocate_sageattn_wgmma_varlen(q, k, v, items, blocks, max_seqlen_k, code_rows, return_lse, std::nullopt);
+}
+
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& items,
+                                                            const at::Tensor& blocks, int64_t max_seqlen_k,
+                                                            int64_t code_rows, const std::string& pv_dtype,
+                                                            bool smooth_k, bool smooth_v, double sm_scale,
+                                                            bool is_causal, bool return_lse) {
+  allocate_sageattn_mma_varlen(q, k, v, items, blocks, max_seqlen_k, code_rows, pv_dtype, false);  // (checks only)
+  const int64_t sequences = items.size(1);
+  const int* ranges = items.data_ptr<int>();
+  const int* packed = ranges + 3 * sequences;
+  const at::Tensor k_items = items_view(k, sequences), v_items = items_view(v, sequences);
+  const bool fp8 = pv_dtype == "fp8";
+  smooth_v = smooth_v && fp8;  // (16-bit V is not quantized)
+  // As sageattn_mma: one statistics launch, K's mean (over the items' sample: every key with FP8
+  // PV, whose V range needs them all) and FP8 V's range and mean; the outputs live until the end.
+  std::optional<at::Tensor> k_mean, v_mean, v_scale;
+  std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> stats;
+  if (smooth_k || fp8) {
+    stats = smoothing_stats_key_ranges_cuda(smooth_k ? std::optional<at::Tensor>(k_items) : std::nullopt,
+                                            fp8 ? std::optional<at::Tensor>(v_items) : std::nullopt, smooth_v, ranges);
+    if (smooth_k) k_mean = std::get<1>(stats);
+    if (smooth_v) v_mean = std::get<2>(stats);
+    if (fp8) v_scale = std::get<3>(stats);
+  }
+  const bool programmatic = programmatic_launches();
+  const int64_t item_padded = (max_seqlen_k + kMmaBlockK - 1) / kMmaBlockK * kMmaBlockK;
+  auto kv = quantize_kv_packed_cuda(k_items, fp8 ? std::optional<at::Tensor>(v_items) : std::nullopt, k_mean, v_mean,
+                                    ranges, packed, code_rows, item_padded, programmatic && (smooth_k || fp8), v_scale);
+  return attention_mma_packed_cuda(q, std::get<0>(kv), std::get<1>(kv), fp8 ? std::get<2>(kv) : v, v_scale, v_mean,
+                                   k_mean, ranges, packed, blocks.data_ptr<int>(), blocks.size(0), max_seqlen_k,
+                                   sm_scale, is_causal, return_lse, programmatic);
+}
+
 namespace {
 
 // What sageattn_mma's steps take, from its arguments (ops.sageattn_mma_chain is the same in

@@ -70,6 +70,16 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_meta(const at::Tensor& 
   return {o.out, o.lse};
 }
 
+std::tuple<at::Tensor, at::Tensor> sageattn_mma_varlen_meta(const at::Tensor& q, const at::Tensor& k,
+                                                            const at::Tensor& v, const at::Tensor& items,
+                                                            const at::Tensor& blocks, int64_t max_seqlen_k,
+                                                            int64_t code_rows, const std::string& pv_dtype,
+                                                            bool /*smooth_k*/, bool /*smooth_v*/, double /*sm_scale*/,
+                                                            bool /*is_causal*/, bool return_lse) {
+  auto o = allocate_sageattn_mma_varlen(q, k, v, items, blocks, max_seqlen_k, code_rows, pv_dtype, return_lse);
+  return {o.out, o.lse};
+}
+
 std::tuple<at::Tensor, at::Tensor> sageattn_mma_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const std::string& qk_dtype, const std::string& pv_dtype,
                                                      bool smooth_q, bool smooth_k, bool smooth_v,
@@ -113,6 +123,10 @@ TORCH_LIBRARY(sageattention2, m) {
       "sageattn_mma(Tensor q, Tensor k, Tensor v, str qk_dtype, str pv_dtype, bool smooth_q, bool smooth_k, "
       "bool smooth_v, int sample_stride, float sm_scale, bool is_causal, bool out_nhd, bool return_lse, "
       "float int4_guard=0.0) -> (Tensor out, Tensor lse)");
+  m.def(
+      "sageattn_mma_varlen(Tensor q, Tensor k, Tensor v, Tensor items, Tensor blocks, int max_seqlen_k, "
+      "int code_rows, str pv_dtype, bool smooth_k, bool smooth_v, float sm_scale, bool is_causal, "
+      "bool return_lse) -> (Tensor out, Tensor lse)");
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
@@ -123,6 +137,7 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_cuda);
   m.impl("sageattn_wgmma_varlen", &sageattention2::sageattn_wgmma_varlen_cuda);
   m.impl("sageattn_mma", &sageattention2::sageattn_mma_cuda);
+  m.impl("sageattn_mma_varlen", &sageattention2::sageattn_mma_varlen_cuda);
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
@@ -133,4 +148,5 @@ TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_meta);
   m.impl("sageattn_wgmma_varlen", &sageattention2::sageattn_wgmma_varlen_meta);
   m.impl("sageattn_mma", &sageattention2::sageattn_mma_meta);
+  m.impl("sageattn_mma_varlen", &sageattention2::sageattn_mma_varlen_meta);
 }

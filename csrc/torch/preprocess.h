@@ -100,9 +100,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
 // slab of code_rows rows per head: k_codes [1, Hkv, code_rows, D], k_scale [1, Hkv, code_rows /
 // 128, 4], v_fp8 [1, Hkv, D, code_rows], v_tile_scale [1, Hkv, code_rows / 128] (without v: K
 // only, the last two undefined). item_padded: the longest item's keys rounded up to 128 (the grid).
+// With v_scale ([items, Hkv, D], the warp-level kernel's per-channel scales) V takes those, and
+// v_tile_scale is undefined.
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cuda(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const int* key_ranges, const int* packed_items, int64_t code_rows,
-    int64_t item_padded, bool after_smoothing_stats);
+    int64_t item_padded, bool after_smoothing_stats, const std::optional<at::Tensor>& v_scale = std::nullopt);
 
 }  // namespace sageattention2

@@ -257,8 +257,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cuda(
     const at::Tensor& k, const std::optional<at::Tensor>& v, const std::optional<at::Tensor>& k_mean,
     const std::optional<at::Tensor>& v_mean, const int* key_ranges, const int* packed_items, int64_t code_rows,
-    int64_t item_padded, bool after_smoothing_stats) {
-  constexpr int64_t kBlock = 128;  // the Hopper kernel's key tile
+    int64_t item_padded, bool after_smoothing_stats, const std::optional<at::Tensor>& v_scale) {
+  constexpr int64_t kBlock = 128;  // both kernels' key block
   TORCH_CHECK(code_rows > 0 && code_rows % kBlock == 0 && item_padded > 0 && item_padded % kBlock == 0,
               "quantize_kv (packed): code_rows and item_padded must be positive multiples of 128, got ", code_rows,
               " and ", item_padded);
@@ -266,6 +266,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cu
   check_optional_launchable(v, "v");
   check_optional_launchable(k_mean, "k_mean");
   check_optional_launchable(v_mean, "v_mean");
+  check_optional_launchable(v_scale, "v_scale");
   const c10::cuda::CUDAGuard guard(k.device());
   const int64_t heads = k.size(1), d = k.size(3);
   QuantizeKVOutputs out;
@@ -273,9 +274,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cu
   out.k_scales = at::empty({1, heads, code_rows / kBlock, 4}, k.options().dtype(at::kFloat));
   if (v) {
     out.v_codes = at::empty({1, heads, d, code_rows}, k.options().dtype(at::kFloat8_e4m3fn));
-    out.v_tile_scale = at::empty({1, heads, code_rows / kBlock}, k.options().dtype(at::kFloat));
+    if (!v_scale) out.v_tile_scale = at::empty({1, heads, code_rows / kBlock}, k.options().dtype(at::kFloat));
   }
-  QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, std::nullopt, std::nullopt, kBlock, 1.0, out);
+  QuantizeKVParams p = quantize_kv_params(k, v, k_mean, v_mean, v_scale, std::nullopt, kBlock, 1.0, out);
   p.v_overlaps_prior_grid = after_smoothing_stats;
   p.k.ranges = p.v.ranges = key_ranges;
   p.packed_items = packed_items;
