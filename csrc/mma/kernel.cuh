@@ -12,9 +12,11 @@
 // m16n8k32.e4m3 into a fresh accumulator per tile folded into O: paper 3.3 and 3.4).
 //
 // This file composes the pieces, each with one job: mma/traits.cuh (tiles, shared memory,
-// per-variant choices), q_quantizer.cuh (the CTA's Q block to codes), kv_loader.cuh (the K/V
-// tile pipeline), qk.cuh (S = Q K^T), softmax.cuh (dequantization and online softmax), mask.cuh
-// (which keys a row sees), pv.cuh (O += P V) and epilogue.cuh (O and the LSE to global memory).
+// per-variant choices), item.cuh (which block of which batch item or packed sequence a CTA
+// runs, and where its rows and codes are), q_quantizer.cuh (the CTA's Q block to codes),
+// kv_loader.cuh (the K/V tile pipeline), qk.cuh (S = Q K^T), softmax.cuh (dequantization and
+// online softmax), mask.cuh (which keys a row sees), pv.cuh (O += P V) and epilogue.cuh (O and
+// the LSE to global memory).
 // The per-tile arrays, O and the state of the softmax and the epilogue are declared here, in the
 // order of the single function the kernel was: the order of local arrays decides NVVM's PTX
 // register numbering, which ptxas's allocation follows (swapping the softmax's row_max and
