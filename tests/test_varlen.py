@@ -373,6 +373,47 @@ def test_one_launch_follows_the_routes(monkeypatch: pytest.MonkeyPatch, capabili
     assert _varlen._packed_tables(spans)[0][0][0].tolist()[0][2] == _execute.smoothing_sample_stride(300)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,alignment", [(128, "top_left"), (96, "bottom_right"), (64, "bottom_right")])
+def test_varlen_as_on_a_gpu_without_the_hopper_kernel(attention_kernel: None,
+                                                      monkeypatch: pytest.MonkeyPatch, d: int,
+                                                      alignment: str) -> None:
+    """sageattn_varlen routed as on Ampere (the warp-level kernel, 16-bit PV; here on the H100
+    with the Hopper kernel hidden from the routes): one launch (or two, bottom-right with fewer
+    queries than keys), each sequence bit for bit its own sageattn call under the same routes,
+    head_dim 96 padded to 128, rows that see no key 0 and -inf, on poisoned memory."""
+    from sageattention2 import _plan
+    from sageattention2.testing import poison_cuda_allocator
+
+    hopper = _plan.target_of(torch.device("cuda"))
+    ampere = hopper._replace(wgmma=False, native_fp8=False)
+    monkeypatch.setattr(_plan, "target_of", lambda device: ampere)
+    launches: list[object] = []
+    run_packed = _varlen._run_packed
+    monkeypatch.setattr(_varlen, "_run_packed",
+                        lambda *a, **kw: launches.append(kw["launch"]) or run_packed(*a, **kw))
+    lengths_q, lengths_k = [1, 2000, 300, 5, 129, 0], [3, 2000, 257, 0, 1000, 9]
+    g = torch.Generator(device="cuda").manual_seed(d)
+    q = _drawn(sum(lengths_q), 4, d, torch.float16, g)
+    k, v = (_drawn(sum(lengths_k), 2, d, torch.float16, g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    options = dict(is_causal=True, causal_alignment=alignment, qk_quant="int8", return_lse=True)
+    poison_cuda_allocator()
+    out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 2000, 2000, **options)
+    assert launches and all(x == _varlen._Launch("mma", 128 if d > 64 else 64, "input") for x in launches)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i, n in enumerate(lengths_q):
+        if n:
+            alone, alone_lse = sageattn(q[None, bq[i]:bq[i + 1]], k[None, bk[i]:bk[i + 1]],
+                                        v[None, bk[i]:bk[i + 1]], tensor_layout="NHD",
+                                        enable_gqa=True, **options)
+            assert torch.equal(out[bq[i]:bq[i + 1]], alone[0]), i
+            assert torch.equal(lse[:, bq[i]:bq[i + 1]], alone_lse[0]), i
+    assert (out[bq[3]:bq[4]] == 0).all() and (lse[:, bq[3]:bq[4]] == -math.inf).all()
+
+
 def test_mma_one_launch_op_checks_its_arguments() -> None:
     """sageattn_mma_varlen's Meta implementation: its shapes, and the argument it refuses."""
     if not ops.has_op("sageattn_mma_varlen"):
