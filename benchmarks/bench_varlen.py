@@ -6,10 +6,11 @@ caller without varlen runs) and through SDPA with the key-padding mask.
 
     python3 benchmarks/bench_varlen.py [--sequences 16] [--max 8192] [--heads 16] [--d 128] [--equal]
                                        [--causal] [--pv-quant auto|none|fp8] [--prefill N]
-                                       [--kernel mma]
+                                       [--kernel mma] [--qk-quant auto|int8]
 
 --equal: every sequence --max tokens (no padding: the packed path against the batched call).
 --pv-quant none: the accurate tier in every sageattn row (fp8: FP8 PV).
+--qk-quant int8: every sageattn row quantized (no crossover to exact SDPA per sequence).
 --kernel mma: route as on a GPU without the Hopper kernel (Ampere, Ada): every sageattn row runs
 the warp-level kernel (on sm_90 its FP8 mma.sync is emulated: time --pv-quant fp8 there only to
 compare the two sageattn_varlen rows).
@@ -44,6 +45,7 @@ def main() -> None:
     parser.add_argument("--pv-quant", default="auto", choices=("auto", "none", "fp8"),
                         help="none: the accurate tier (P and V in the input dtype)")
     parser.add_argument("--kernel", choices=("mma",), help="the warp-level kernel's routes")
+    parser.add_argument("--qk-quant", default="auto", choices=("auto", "int8"))
     parser.add_argument("--prefill", type=int, default=0,
                         help="queries per sequence, its last tokens, causal bottom-right")
     args = parser.parse_args()
@@ -51,7 +53,8 @@ def main() -> None:
         from sageattention2 import _plan
         hopper = _plan.target_of(torch.device("cuda"))
         _plan.target_of = lambda device: hopper._replace(wgmma=False)
-    options = dict(is_causal=args.causal or args.prefill > 0, pv_quant=args.pv_quant)
+    options = dict(is_causal=args.causal or args.prefill > 0, pv_quant=args.pv_quant,
+                   qk_quant=args.qk_quant)
     if args.prefill:
         options["causal_alignment"] = "bottom_right"
     warnings.simplefilter("ignore")
@@ -92,7 +95,7 @@ def main() -> None:
             pq.transpose(1, 2), pk.transpose(1, 2), pv.transpose(1, 2), attn_mask=mask)
     table = timing.Table(["call", "ms"], f"{torch.cuda.get_device_name()} | {len(lengths)} sequences of "
                          f"{min(lengths)}-{longest} tokens ({total} in all), H{h} D{d}, causal={args.causal}, "
-                         f"prefill={args.prefill}, "
+                         f"prefill={args.prefill}, qk_quant={args.qk_quant}, "
                          f"pv_quant={args.pv_quant}")
     for name, fn in rows.items():
         table.row(name, f"{timing.median_ms(fn):.3f}")
