@@ -414,6 +414,56 @@ def test_varlen_as_on_a_gpu_without_the_hopper_kernel(attention_kernel: None,
     assert (out[bq[3]:bq[4]] == 0).all() and (lse[:, bq[3]:bq[4]] == -math.inf).all()
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(24))
+def test_varlen_random_configurations(attention_kernel: None, monkeypatch: pytest.MonkeyPatch,
+                                      seed: int) -> None:
+    """Random packed batches (1-6 sequences of 0 to 1,500 queries and keys, primes among them;
+    grouped-query heads; head_dim 40-256, padded where the kernel is not built for it; fp16 or
+    bf16; causal top-left or bottom-right or not; FP8 PV or the accurate tier; the Hopper routes
+    or, every other seed, the warp-level kernel's as on Ampere): every sequence bit for bit its
+    own sageattn call (qk_quant="int8"), on poisoned memory, every element finite."""
+    import random
+
+    from sageattention2 import _plan
+    from sageattention2.testing import poison_cuda_allocator
+
+    rng = random.Random(seed)
+    if seed % 2:
+        ampere = _plan.target_of(torch.device("cuda"))._replace(wgmma=False, native_fp8=False)
+        monkeypatch.setattr(_plan, "target_of", lambda device: ampere)
+    lengths = (0, 1, 2, 3, 7, 31, 127, 128, 129, 257, 500, 1021, 1500)
+    sequences = rng.randint(1, 6)
+    lengths_q = [rng.choice(lengths) for _ in range(sequences)]
+    lengths_k = [rng.choice(lengths) for _ in range(sequences)]
+    if sum(lengths_q) == 0:
+        lengths_q[0] = 5
+    hkv = rng.choice((1, 2))
+    hq = hkv * rng.choice((1, 2))
+    d = rng.choice((40, 64, 96, 128, 160, 256))
+    dtype = rng.choice((torch.float16, torch.bfloat16))
+    causal = rng.random() < 0.6
+    options = dict(is_causal=causal, qk_quant="int8", return_lse=True,
+                   causal_alignment=rng.choice(("top_left", "bottom_right")) if causal else "top_left",
+                   pv_quant=rng.choice(("auto", "none")))
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = _drawn(sum(lengths_q), hq, d, dtype, g)
+    k, v = (_drawn(sum(lengths_k), hkv, d, dtype, g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    poison_cuda_allocator()
+    out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **options)
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i, n in enumerate(lengths_q):
+        if n:
+            alone, alone_lse = sageattn(q[None, bq[i]:bq[i + 1]], k[None, bk[i]:bk[i + 1]],
+                                        v[None, bk[i]:bk[i + 1]], tensor_layout="NHD",
+                                        enable_gqa=True, **options)
+            assert torch.equal(out[bq[i]:bq[i + 1]], alone[0]), (i, lengths_q, lengths_k, d, options)
+            assert torch.equal(lse[:, bq[i]:bq[i + 1]], alone_lse[0]), (i, lengths_q, lengths_k, d, options)
+
+
 def test_mma_one_launch_op_checks_its_arguments() -> None:
     """sageattn_mma_varlen's Meta implementation: its shapes, and the argument it refuses."""
     if not ops.has_op("sageattn_mma_varlen"):
