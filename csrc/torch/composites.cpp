@@ -193,6 +193,25 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
 }
 
+// sageattn_mma_varlen's arguments: sageattn_wgmma_varlen's, at the warp-level kernel's head dims,
+// and its PV type.
+void check_mma_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& items,
+                             const at::Tensor& blocks, int64_t max_seqlen_k, int64_t code_rows,
+                             const std::string& pv_dtype) {
+  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, std::nullopt);
+  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "the warp-level kernel runs packed sequences at head_dim 64 or "
+              "128, got ", q.size(2));
+  TORCH_CHECK(pv_dtype == "fp8" || pv_dtype == "input", "pv_dtype must be 'fp8' or 'input', got '", pv_dtype, "'");
+}
+
+// Both packed ops' outputs: out [total_q, Hq, D] and lse [Hq, total_q] (or empty).
+AttentionOutputs varlen_outputs(const at::Tensor& q, const at::Tensor& v, bool return_lse) {
+  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
+  at::Tensor lse = return_lse ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
 }  // namespace
 
 AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -200,10 +219,7 @@ AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::T
                                                 int64_t max_seqlen_k, int64_t code_rows, bool return_lse,
                                                 const std::optional<at::Tensor>& v_rows) {
   check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, v_rows);
-  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  at::Tensor lse = return_lse ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
-                              : at::empty({0}, q.options().dtype(at::kFloat));
-  return {out, lse};
+  return varlen_outputs(q, v, return_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
@@ -256,11 +272,8 @@ AttentionOutputs allocate_sageattn_mma_varlen(const at::Tensor& q, const at::Ten
                                               const at::Tensor& items, const at::Tensor& blocks,
                                               int64_t max_seqlen_k, int64_t code_rows, const std::string& pv_dtype,
                                               bool return_lse) {
-  check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, std::nullopt);
-  TORCH_CHECK(q.size(2) == 64 || q.size(2) == 128, "the warp-level kernel runs packed sequences at head_dim 64 or "
-              "128, got ", q.size(2));
-  TORCH_CHECK(pv_dtype == "fp8" || pv_dtype == "input", "pv_dtype must be 'fp8' or 'input', got '", pv_dtype, "'");
-  return allocate_sageattn_wgmma_varlen(q, k, v, items, blocks, max_seqlen_k, code_rows, return_lse, std::nullopt);
+  check_mma_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, pv_dtype);
+  return varlen_outputs(q, v, return_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> sageattn_mma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
@@ -269,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor> sageattn_mma_varlen_cuda(const at::Tensor& q,
                                                             int64_t code_rows, const std::string& pv_dtype,
                                                             bool smooth_k, bool smooth_v, double sm_scale,
                                                             bool is_causal, bool return_lse) {
-  allocate_sageattn_mma_varlen(q, k, v, items, blocks, max_seqlen_k, code_rows, pv_dtype, false);  // (checks only)
+  check_mma_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, pv_dtype);
   const int64_t sequences = items.size(1);
   const int* ranges = items.data_ptr<int>();
   const int* packed = ranges + 3 * sequences;
