@@ -439,14 +439,22 @@ def sageattn_wgmma_varlen_chain(q: Tensor, k: Tensor, v: Tensor, items: Tensor, 
     it with bit for bit): each sequence's :func:`sageattn_wgmma_chain` on its own queries and
     key range (FP8 PV; with ``v_rows`` the accurate tier), its sample stride its own."""
     pv_dtype = "fp8" if v_rows is None else "input"
+    return _per_sequence(q, k, v, items, return_lse, lambda qs, ks, vs, stride: sageattn_wgmma_chain(
+        qs, ks, vs, pv_dtype, smooth_k, smooth_v, stride, sm_scale, is_causal, True, return_lse))
+
+
+def _per_sequence(q: Tensor, k: Tensor, v: Tensor, items: Tensor, return_lse: bool,
+                  chain: Callable[[Tensor, Tensor, Tensor, int], tuple[Tensor, Tensor]]
+                  ) -> tuple[Tensor, Tensor]:
+    """The packed ops' references: ``chain(q, k, v, sample_stride)`` (a kernel path's chain with
+    ``out_nhd``) on each sequence of ``items`` alone, as ``[1, H, n, D]`` views of its packed rows,
+    into ``[total_q, H, D]`` and ``[H, total_q]``."""
     out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
     lse = (q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse
            else q.new_empty(0, dtype=torch.float32))
     for (k0, k1, stride), (q0, q1, _) in zip(*items.tolist()):
-        part, part_lse = sageattn_wgmma_chain(
-            q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
-            v[k0:k1].transpose(0, 1)[None], pv_dtype, smooth_k, smooth_v, stride, sm_scale, is_causal,
-            True, return_lse)
+        part, part_lse = chain(q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
+                               v[k0:k1].transpose(0, 1)[None], stride)
         out[q0:q1] = part[0].transpose(0, 1)  # (out_nhd: a [1, H, n, D] view of [n, H, D] rows)
         if return_lse:
             lse[:, q0:q1] = part_lse[0]
@@ -508,18 +516,9 @@ def sageattn_mma_varlen_chain(q: Tensor, k: Tensor, v: Tensor, items: Tensor, bl
     sequence in one CTA, the chain's over as many as fill the GPU: with FP8 PV (means over
     every key) the two can differ in a mean's last bit; with 16-bit PV (a sample short enough
     for one CTA) they agree bit for bit."""
-    out = q.new_empty((q.shape[0], q.shape[1], v.shape[2]))
-    lse = (q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32) if return_lse
-           else q.new_empty(0, dtype=torch.float32))
-    for (k0, k1, stride), (q0, q1, _) in zip(*items.tolist()):
-        part, part_lse = sageattn_mma_chain(
-            q[q0:q1].transpose(0, 1)[None], k[k0:k1].transpose(0, 1)[None],
-            v[k0:k1].transpose(0, 1)[None], "int8", pv_dtype, False, smooth_k, smooth_v, stride,
-            sm_scale, is_causal, True, return_lse)
-        out[q0:q1] = part[0].transpose(0, 1)
-        if return_lse:
-            lse[:, q0:q1] = part_lse[0]
-    return out, lse
+    return _per_sequence(q, k, v, items, return_lse, lambda qs, ks, vs, stride: sageattn_mma_chain(
+        qs, ks, vs, "int8", pv_dtype, False, smooth_k, smooth_v, stride, sm_scale, is_causal, True,
+        return_lse))
 
 
 def channel_spread(x: Tensor, mean: Tensor) -> Tensor:

@@ -65,6 +65,21 @@ def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
     return torch.cat(outs), torch.cat(lses, dim=1)
 
 
+def assert_each_sequence_alone(out: torch.Tensor, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                               v: torch.Tensor, cu_q: torch.Tensor, cu_k: torch.Tensor,
+                               options: dict, context: object = None) -> None:
+    """Each sequence with queries: sageattn_varlen's output and LSE rows bit for bit its own
+    sageattn call's (``options`` sageattn_varlen's, with return_lse)."""
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        if bq[i + 1] > bq[i]:
+            alone, alone_lse = sageattn(q[None, bq[i]:bq[i + 1]], k[None, bk[i]:bk[i + 1]],
+                                        v[None, bk[i]:bk[i + 1]], tensor_layout="NHD",
+                                        enable_gqa=True, **options)
+            assert torch.equal(out[bq[i]:bq[i + 1]], alone[0]), (i, context, options)
+            assert torch.equal(lse[:, bq[i]:bq[i + 1]], alone_lse[0]), (i, context, options)
+
+
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_varlen_is_attention_per_sequence(is_causal: bool) -> None:
     lengths_q, lengths_k = [5, 1, 0, 13, 7], [5, 3, 4, 13, 0]
@@ -191,15 +206,8 @@ def test_one_launch_padded_and_bottom_right(wgmma_kernel: None, d: int, pv_quant
     # (causal spans; bottom-right also the unmasked keys of the sequences with n_q < n_k)
     assert calls == ([True, False] if alignment == "bottom_right" else [True])
     assert out.shape == q.shape and out.is_contiguous()
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for i in range(len(lengths_q)):
-        if lengths_q[i] == 0:
-            continue
-        alone, alone_lse = sageattn(q[None, bq[i]:bq[i + 1]], k[None, bk[i]:bk[i + 1]],
-                                    v[None, bk[i]:bk[i + 1]], tensor_layout="NHD",
-                                    enable_gqa=True, **options)
-        assert torch.equal(out[bq[i]:bq[i + 1]], alone[0]), i
-        assert torch.equal(lse[:, bq[i]:bq[i + 1]], alone_lse[0]), i
+    bq = cu_q.tolist()
+    assert_each_sequence_alone(out, lse, q, k, v, cu_q, cu_k, options)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
     blind = lengths_q[3] if alignment == "top_left" else lengths_q[2] - lengths_k[2]
     rows = slice(bq[2], bq[2] + blind) if alignment == "bottom_right" else slice(bq[3], bq[4])
@@ -403,14 +411,8 @@ def test_varlen_as_on_a_gpu_without_the_hopper_kernel(attention_kernel: None,
     out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 2000, 2000, **options)
     assert launches and all(x == _varlen._Launch("mma", 128 if d > 64 else 64, "input") for x in launches)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for i, n in enumerate(lengths_q):
-        if n:
-            alone, alone_lse = sageattn(q[None, bq[i]:bq[i + 1]], k[None, bk[i]:bk[i + 1]],
-                                        v[None, bk[i]:bk[i + 1]], tensor_layout="NHD",
-                                        enable_gqa=True, **options)
-            assert torch.equal(out[bq[i]:bq[i + 1]], alone[0]), i
-            assert torch.equal(lse[:, bq[i]:bq[i + 1]], alone_lse[0]), i
+    assert_each_sequence_alone(out, lse, q, k, v, cu_q, cu_k, options)
+    bq = cu_q.tolist()
     assert (out[bq[3]:bq[4]] == 0).all() and (lse[:, bq[3]:bq[4]] == -math.inf).all()
 
 
@@ -454,14 +456,7 @@ def test_varlen_random_configurations(attention_kernel: None, monkeypatch: pytes
     poison_cuda_allocator()
     out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), **options)
     assert torch.isfinite(out).all() and not torch.isnan(lse).any()
-    bq, bk = cu_q.tolist(), cu_k.tolist()
-    for i, n in enumerate(lengths_q):
-        if n:
-            alone, alone_lse = sageattn(q[None, bq[i]:bq[i + 1]], k[None, bk[i]:bk[i + 1]],
-                                        v[None, bk[i]:bk[i + 1]], tensor_layout="NHD",
-                                        enable_gqa=True, **options)
-            assert torch.equal(out[bq[i]:bq[i + 1]], alone[0]), (i, lengths_q, lengths_k, d, options)
-            assert torch.equal(lse[:, bq[i]:bq[i + 1]], alone_lse[0]), (i, lengths_q, lengths_k, d, options)
+    assert_each_sequence_alone(out, lse, q, k, v, cu_q, cu_k, options, (lengths_q, lengths_k, d))
 
 
 def test_mma_one_launch_op_checks_its_arguments() -> None:
