@@ -103,9 +103,10 @@ def hopper_limits(short_name: str) -> tuple[int, int, int | None]:
     """What a Hopper kernel variant (its demangled_short() name) may have: (local loads/stores in
     its KV loop, stack bytes, longest run of back-to-back MUFUs in the loop; None: no limit).
     - head_dim 256 (docs/DECISIONS.md#d39): O's 128 registers beside two PV chunk accumulators
-      leave the item's state a few spills per item (120-136 bytes of frame) and 5 accesses per
-      tile in the non-causal loop (none causal, D43), faster than the spill-free arrangements
-      measured; the packed variants (D44) one access per tile more. The loop runs a tile's
+      leave the item's state a few spills per item (112-152 bytes of frame) and 4 accesses per
+      tile in the non-causal loop (one causal: 8 before D43, none from D43 to the item-start
+      barrier per ring slot of session 37, which ptxas allocated so), faster than the
+      spill-free arrangements measured; the packed variants (D44) one access per tile more. The loop runs a tile's
       GEMMs and softmax one after the other (the other warpgroup fills the tensor cores), so
       its exponentials come in one run.
     - The accurate tier at head_dim 64 non-causal (D45): its exponentials run before the wait
@@ -113,8 +114,8 @@ def hopper_limits(short_name: str) -> tuple[int, int, int | None]:
     - Everything else spills nothing, and its exponentials are interleaved (D12)."""
     if ", 256, " in short_name:
         causal, packed = ", causal, " in short_name, ", packed>" in short_name
-        spills, stack = {(True, False): (0, 136), (False, False): (5, 120), (True, True): (1, 152),
-                         (False, True): (6, 112)}[causal, packed]
+        spills, stack = {(True, False): (1, 136), (False, False): (4, 120), (True, True): (2, 152),
+                         (False, True): (5, 120)}[causal, packed]
         return spills, stack, None
     if ", 64, full, input" in short_name:
         return 0, 0, None

@@ -307,13 +307,15 @@ def test_opcheck_attention_wgmma() -> None:
 
 
 @pytest.mark.usefixtures("wgmma_kernel")
-@pytest.mark.parametrize("pv", ["fp8", "input", "fp8-hd256"])
+@pytest.mark.parametrize("pv", ["fp8", "input", "fp8-hd64", "fp8-hd256"])
 def test_items_of_one_or_two_tiles_do_not_hang(pv: str) -> None:
     """Causal 4096 queries on 256 keys, 64 heads: a persistent grid whose CTAs walk ~15 items of
-    one or two tiles each. The consumer warpgroups' item-start handshake let warpgroup 0 arrive
-    twice before warpgroup 1 synced once, and one call in a few hung (D35); 40 calls here (a
-    hang stops the run at device_check's step limit). Each call gives the first one's output."""
-    d = 256 if pv.endswith("hd256") else 128
+    one or two tiles each. Warpgroup 0 then starts items ahead of warpgroup 1 (up to the ring's
+    depth: 2 to 6 tiles, so each head_dim's ring is here); with one barrier for the item-start
+    handshake its arrivals over-counted and one call in a few hung (D35), hence a barrier per ring
+    slot (hopper/mainloop.cuh, item_start_barrier). 40 calls here (a hang stops the run at
+    device_check's step limit). Each call gives the first one's output."""
+    d = int(pv.split("-hd")[1]) if "-hd" in pv else 128
     q4, k4, v4 = make_qkv(1, 64, 64, 4096, 256, d, torch.float16, seed=29, bias=(1.0, 2.0, 1.0))
     options = dict(is_causal=True, qk_quant="int8", pv_quant="none" if pv == "input" else "fp8",
                    strict=True)

@@ -271,6 +271,16 @@ template <int kId, int kThreads>
 __device__ __forceinline__ void named_barrier_arrive() {
   asm volatile("bar.arrive %0, %1;" ::"n"(kId), "n"(kThreads) : "memory");
 }
+// The same two with the barrier's number in a register (PTX ISA: operand a, "an immediate constant
+// or register with value 0 through 15").
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_sync(uint32_t id) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
+template <int kThreads>
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id) {
+  asm volatile("bar.arrive %0, %1;" ::"r"(id), "n"(kThreads) : "memory");
+}
 // PTX ISA, "prefetch.tensormap": bring a tensor map (a kernel parameter) into the cache.
 __device__ __forceinline__ void prefetch_tensor_map(const void* tensor_map) {
   asm volatile("prefetch.tensormap [%0];" ::"l"(tensor_map) : "memory");

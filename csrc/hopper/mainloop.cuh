@@ -169,6 +169,22 @@ struct WgmmaMainloop {
     else return ptx::mnmajor_descriptor_128b(s.v[stage], Geometry::kVChunkBytes);
   }
 
+  // The named barrier on which the consumer warpgroups order an item's start, warpgroup 0
+  // arriving once it has tile 0's P, warpgroup 1 waiting before its first QK: barrier 3 + the
+  // ring slot of the item's first tile (0-2 are __syncthreads' and each warpgroup's own). Each
+  // phase then has one blocking instruction, the aligned bar.sync's contract (D35's rendezvous,
+  // both warpgroups blocking on barrier 3 from two sites, is what synccheck reported). One
+  // barrier for every item over-counts: with items of a tile or two warpgroup 0 can start
+  // several items before warpgroup 1 starts one, and two arrivals of its 128 threads completed
+  // the 256-thread phase alone; warpgroup 1 then waited an item behind and, at the CTA's last
+  // item, forever (causal 4096 queries x 256 keys x 64 heads hung within seconds; D35). One per
+  // slot cannot: two items on one barrier start kStages or more tiles apart, and warpgroup 0
+  // reaches the later one's tile 0 only once the producer has refilled that slot, i.e. once
+  // every consumer warp has freed the earlier item's tile 0 there, which warpgroup 1 does after
+  // its wait.
+  static_assert(3 + kStages <= 16, "a CTA has 16 named barriers");
+  __device__ static uint32_t item_start_barrier(uint32_t seq) { return 3 + seq % kStages; }
+
   // Everything of one KV tile between its QK product and its PV product: free the K stage, then
   // the softmax (masked as `mask` says when kMasked).
   template <bool kMasked>
@@ -247,16 +263,12 @@ struct WgmmaMainloop {
     const TileMask unmasked{false, kBlockK, 0};
     const int stage0 = seq % kStages;
     ptx::mbarrier_wait(&s.full_k[stage0], (seq / kStages) & 1);
-    // Warpgroup 1 starts an item once warpgroup 0 has its tile 0's P (barrier 3, below): the two
-    // then run the KV loop a fraction of a tile apart instead of in step. Left to itself, their
-    // offset depended on the per-item code by accident, and the loop tile took 1,644 cycles at
-    // 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; docs/DECISIONS.md#d11). Both sync
-    // there (D35): with items of a tile or two warpgroup 0 could start two items before warpgroup
-    // 1 started one (the ring holds 3-6 tiles), and two mere arrivals of warpgroup 0 completed the
-    // barrier's phase alone; warpgroup 1 then waited one item behind and, at the CTA's last item,
-    // forever (causal 4096 queries x 256 keys x 64 heads hung within seconds). Warpgroup 1,
-    // behind by a fraction of a tile, is normally there first, so warpgroup 0 rarely waits.
-    if (consumer == 1) ptx::named_barrier_sync<3, 256>();
+    // Warpgroup 1 starts an item once warpgroup 0 has its tile 0's P (item_start_barrier, below):
+    // the two then run the KV loop a fraction of a tile apart instead of in step. Left to itself,
+    // their offset depended on the per-item code by accident, and the loop tile took 1,644 cycles
+    // at 0.3-0.4 tiles apart, 1,960 in step (head_dim 64, N 1K; docs/DECISIONS.md#d11).
+    const uint32_t start_barrier = item_start_barrier(seq);
+    if (consumer == 1) ptx::named_barrier_sync<256>(start_barrier);
     issue_qk(sacc, q_desc, ptx::kmajor_descriptor<Geometry::kSpanRowBytes>(s.k[stage0]));
     ptx::wgmma_wait<0>();
 #pragma unroll
@@ -270,7 +282,7 @@ struct WgmmaMainloop {
       rescale_to_tile(alpha_prev, sum);
     }
     pack_p(x, pa);
-    if (consumer == 0) ptx::named_barrier_sync<3, 256>();  // once per item in both warpgroups
+    if (consumer == 0) ptx::named_barrier_arrive<256>(start_barrier);
 
     // Tile it: QK(it) and PV(it - 1) go to the tensor cores together; S(it)'s row maxima are
     // taken while PV(it - 1) computes (ptxas waits for the PV before the exponentials:
@@ -421,8 +433,8 @@ struct WgmmaMainloop {
   // the softmax, then PV(it) in four channel ranges, each folded into its part of O as soon as it
   // is done (paper 3.4, with alpha of tile it itself). O's 128 registers leave room for S or for
   // one range's accumulator, not for QK(it + 1) beside PV(it) as at 64 and 128: the tensor cores
-  // are kept busy by the other consumer warpgroup, a fraction of a tile apart (barrier 3), and
-  // a tile's GEMMs here take twice as long against the same softmax.
+  // are kept busy by the other consumer warpgroup, a fraction of a tile apart
+  // (item_start_barrier), and a tile's GEMMs here take twice as long against the same softmax.
   template <typename BeforeLastPv, typename Finish>
   __device__ static void run_in_chunks(const AttentionWgmmaParams& p, Smem& s, const WgmmaWorkItem& w,
                                        const WgmmaQRows& q, uint32_t seq, int consumer,
@@ -445,6 +457,7 @@ struct WgmmaMainloop {
     const int last = __shfl_sync(0xffffffffu, w.kv_tiles - 1, 0);  // warp-uniform (see run())
     seq = __shfl_sync(0xffffffffu, seq, 0);
     const TileMask unmasked{false, kBlockK, 0};
+    const uint32_t start_barrier = item_start_barrier(seq);
     // One tile; only the last can need a mask.
     auto tile = [&](int it, const TileMask& mask, auto masked) {
       constexpr bool kMasked = decltype(masked)::value;
@@ -452,7 +465,7 @@ struct WgmmaMainloop {
       const int stage = pos % kStages;
       const uint32_t phase = (pos / kStages) & 1;
       ptx::mbarrier_wait(&s.full_k[stage], phase);
-      if (it == 0 && consumer == 1) ptx::named_barrier_sync<3, 256>();  // as in run()
+      if (it == 0 && consumer == 1) ptx::named_barrier_sync<256>(start_barrier);  // as in run()
       issue_qk(sacc, q_desc, ptx::kmajor_descriptor<Geometry::kSpanRowBytes>(s.k[stage]));
       const float tile_scale = __ldcg(v_tile_scale + it);  // lands while QK(it) runs
       ptx::wgmma_wait<0>();
@@ -460,7 +473,7 @@ struct WgmmaMainloop {
       for (int j = 0; j < kSRegs; ++j) ptx::register_fence(sacc[j]);
       scores_to_p<kMasked>(s, stage, s.k_scale[stage][t], q, mask, lane, t, sacc, x, m, alpha);
       pack_p(x, pa);
-      if (it == 0 && consumer == 0) ptx::named_barrier_sync<3, 256>();
+      if (it == 0 && consumer == 0) ptx::named_barrier_arrive<256>(start_barrier);
       if (it == last) before_last_pv();
       const float units = __fdividef(o_scale, tile_scale);  // s_O / s_tile, exact (powers of two)
       const float factor[2] = {alpha[0] * units, alpha[1] * units};
