@@ -83,6 +83,10 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_after_cuda(
 // its own rows of the one memory (its key range, its packed_items rows).
 at::Tensor items_view(const at::Tensor& t, int64_t items);
 
+// The packed ops' outputs: out [total_q, Hq, D] (q's shape: the packed ops take one head_dim for
+// q, k and v) and lse [Hq, total_q], or an empty lse without return_lse.
+AttentionOutputs allocate_packed_outputs(const at::Tensor& q, bool return_lse);
+
 // attention_wgmma over packed sequences (docs/DESIGN.md#packed-sequences), after
 // quantize_kv_packed_cuda: q [total_q, Hq, D] packed, each of `items` items its queries from
 // packed_items' rows, its keys key_ranges' (of total_k), its codes from its code row, the

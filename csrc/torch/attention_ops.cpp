@@ -133,24 +133,31 @@ void attention_mma_heads_into_cuda(const AttentionOutputs& out, const at::Tensor
                             sm_scale, is_causal, return_lse, false, int8_heads, int8_heads_run);
 }
 
+at::Tensor items_view(const at::Tensor& t, int64_t items) {
+  return t.transpose(0, 1).unsqueeze(0).expand({items, t.size(1), t.size(0), t.size(2)});
+}
+
+AttentionOutputs allocate_packed_outputs(const at::Tensor& q, bool return_lse) {
+  at::Tensor out = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  at::Tensor lse = return_lse ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
+                              : at::empty({0}, q.options().dtype(at::kFloat));
+  return {out, lse};
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_mma_packed_cuda(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v,
     const std::optional<at::Tensor>& v_scale, const std::optional<at::Tensor>& v_mean,
     const std::optional<at::Tensor>& k_mean, const int* key_ranges, const int* packed_items, const int* packed_blocks,
     int64_t blocks, int64_t max_seqlen_k, double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv) {
-  const int64_t total_q = q.size(0), heads = q.size(1), d = q.size(2);
-  at::Tensor out = at::empty({total_q, heads, d}, q.options());
-  at::Tensor lse = return_lse ? at::empty({heads, total_q}, q.options().dtype(at::kFloat))
-                              : at::empty({0}, q.options().dtype(at::kFloat));
+  const auto [out, lse] = allocate_packed_outputs(q, return_lse);
   // The packed [total, H, D] tensors as one batch item [1, H, total, D] (FP8 V: its codes
   // [1, Hkv, D, code_rows] as they are).
-  const auto one_item = [](const at::Tensor& t) { return t.transpose(0, 1).unsqueeze(0); };
   const bool fp8_v = v.scalar_type() == at::kFloat8_e4m3fn;
   const MmaPackedTables tables{key_ranges, packed_items, packed_blocks, blocks};
-  launch_attention_mma_into(AttentionOutputs{one_item(out), return_lse ? lse.unsqueeze(0) : lse}, one_item(q),
-                            std::nullopt, k_codes, k_scale, std::nullopt, fp8_v ? v : one_item(v), v_scale, v_mean,
-                            k_mean, "int8", max_seqlen_k, sm_scale, is_causal, return_lse, after_quantize_kv,
-                            std::nullopt, false, &tables);
+  launch_attention_mma_into(AttentionOutputs{items_view(out, 1), return_lse ? lse.unsqueeze(0) : lse},
+                            items_view(q, 1), std::nullopt, k_codes, k_scale, std::nullopt,
+                            fp8_v ? v : items_view(v, 1), v_scale, v_mean, k_mean, "int8", max_seqlen_k, sm_scale,
+                            is_causal, return_lse, after_quantize_kv, std::nullopt, false, &tables);
   return {out, lse};
 }
 
@@ -233,10 +240,6 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_cuda(const at::Tensor& q, con
                       return_lse, false);
 }
 
-at::Tensor items_view(const at::Tensor& t, int64_t items) {
-  return t.transpose(0, 1).unsqueeze(0).expand({items, t.size(1), t.size(0), t.size(2)});
-}
-
 std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
     const at::Tensor& q, const at::Tensor& k_codes, const at::Tensor& k_scale, const at::Tensor& v,
     const std::optional<at::Tensor>& v_tile_scale, const std::optional<at::Tensor>& v_mean,
@@ -246,10 +249,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
     double sm_scale, bool is_causal, bool return_lse, bool after_quantize_kv) {
   check_launchable(q, "q");
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t total_q = q.size(0), heads = q.size(1), d = q.size(2);
-  at::Tensor out = at::empty({total_q, heads, d}, q.options());
-  at::Tensor lse = return_lse ? at::empty({heads, total_q}, q.options().dtype(at::kFloat))
-                              : at::empty({0}, q.options().dtype(at::kFloat));
+  const auto [out, lse] = allocate_packed_outputs(q, return_lse);
   AttentionWgmmaParams p;
   set_shared_params(p, items_view(q, items), k_codes, AttentionOutputs{items_view(out, items), lse}, total_k,
                     return_lse);
@@ -257,7 +257,7 @@ std::tuple<at::Tensor, at::Tensor> attention_wgmma_packed_cuda(
   p.batch = 1;
   p.q_len = blocks * kWgmmaBlockQ;
   p.packed_blocks = packed_blocks;
-  p.lse_rows = total_q;
+  p.lse_rows = q.size(0);
   p.k_codes = k_codes.data_ptr<int8_t>();
   p.k_scale = k_scale.data_ptr<float>();
   p.fp8_pv = v_tile_scale.has_value();

@@ -204,14 +204,6 @@ void check_mma_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at:
   TORCH_CHECK(pv_dtype == "fp8" || pv_dtype == "input", "pv_dtype must be 'fp8' or 'input', got '", pv_dtype, "'");
 }
 
-// Both packed ops' outputs: out [total_q, Hq, D] and lse [Hq, total_q] (or empty).
-AttentionOutputs varlen_outputs(const at::Tensor& q, const at::Tensor& v, bool return_lse) {
-  at::Tensor out = at::empty({q.size(0), q.size(1), v.size(2)}, q.options());
-  at::Tensor lse = return_lse ? at::empty({q.size(1), q.size(0)}, q.options().dtype(at::kFloat))
-                              : at::empty({0}, q.options().dtype(at::kFloat));
-  return {out, lse};
-}
-
 }  // namespace
 
 AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -219,7 +211,7 @@ AttentionOutputs allocate_sageattn_wgmma_varlen(const at::Tensor& q, const at::T
                                                 int64_t max_seqlen_k, int64_t code_rows, bool return_lse,
                                                 const std::optional<at::Tensor>& v_rows) {
   check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, v_rows);
-  return varlen_outputs(q, v, return_lse);
+  return allocate_packed_outputs(q, return_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
@@ -273,7 +265,7 @@ AttentionOutputs allocate_sageattn_mma_varlen(const at::Tensor& q, const at::Ten
                                               int64_t max_seqlen_k, int64_t code_rows, const std::string& pv_dtype,
                                               bool return_lse) {
   check_mma_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, pv_dtype);
-  return varlen_outputs(q, v, return_lse);
+  return allocate_packed_outputs(q, return_lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> sageattn_mma_varlen_cuda(const at::Tensor& q, const at::Tensor& k,
