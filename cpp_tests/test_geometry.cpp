@@ -1,13 +1,16 @@
 // Host-side arithmetic of the kernels: group geometry (paper Eq. 8 / appendix A.6), the V key
-// permutation, launch geometry and the quantizer arithmetic of docs/DESIGN.md#quantizer-arithmetic.
+// permutation, launch geometry, the quantizer arithmetic of docs/DESIGN.md#quantizer-arithmetic
+// and the tile scheduler's division by multiply and shift.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <limits>
+#include <random>
 #include <set>
 #include <tuple>
 #include <vector>
 
+#include "common/fast_divisor.h"
 #include "common/geometry.h"
 #include "common/quant_math.cuh"
 
@@ -107,4 +110,21 @@ TEST(Int4Packing, RoundTripsAllPairs) {
       EXPECT_EQ(unpack_int4_high(b), hi);
     }
   EXPECT_EQ(pack_int4x2(1, -1), 0xF1);
+}
+
+TEST(FastDivisor, QuotientEqualsIntegerDivision) {
+  // Every divisor up to 4096 and the largest ones, against dividends at both ends of [0, 2^31)
+  // and random ones: the bound of common/fast_divisor.h is tightest at large n and d.
+  std::mt19937 random(37);
+  std::vector<uint32_t> divisors;
+  for (uint32_t d = 1; d <= 4096; ++d) divisors.push_back(d);
+  for (uint32_t d : {(1u << 31) - 1, (1u << 30) + 1, (1u << 30), 3u << 29, 65537u, 1u << 16})
+    divisors.push_back(d);
+  for (int i = 0; i < 2000; ++i) divisors.push_back(1 + random() % ((1u << 31) - 1));
+  for (uint32_t d : divisors) {
+    const FastDivisor f = FastDivisor::of(d);
+    std::vector<uint32_t> dividends = {0, 1, d - 1, d, (1u << 31) - 1, (1u << 31) - 2, (1u << 31) - d};
+    for (int i = 0; i < 64; ++i) dividends.push_back(random() % (1u << 31));
+    for (uint32_t n : dividends) ASSERT_EQ(f.quotient(n), n / d) << n << " / " << d;
+  }
 }

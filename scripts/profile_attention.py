@@ -1,7 +1,7 @@
 """The profiler driver (GPU), on the speed inputs of docs/PROTOCOL.md#speed-inputs (B4 H32 fp16
 randn, HND; benchmarks/timing.py):
 
-    python3 scripts/profile_attention.py launch [--mma] [--kernel] [--n 4096] [--d 128] [--causal]
+    python3 scripts/profile_attention.py launch [--mma] [--kernel] [--n 4096] [--d 128] [--shape B,H,NQ,NK,D] [--causal]
     python3 scripts/profile_attention.py breakdown [--mma] [--n 1024 4096 16384] [--d 128] [--causal]
     python3 scripts/profile_attention.py breakdown --shape 2,8,1024,1024,128 [--shape ...] [--causal] [--smooth-v]
 
@@ -56,7 +56,12 @@ def calls(args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor,
 
 
 def launch(args: argparse.Namespace) -> None:
-    q, k, v = timing.anchors_inputs(args.n[0], args.d)
+    if args.shape:
+        b, h, n_q, n_k, d = args.shape[0]
+        q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.float16)
+        k, v = (torch.randn(b, h, n_k, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    else:
+        q, k, v = timing.anchors_inputs(args.n[0], args.d)
     full, alone = calls(args, q, k, v)
     fn = alone if args.kernel else full
     for _ in range(args.calls):
@@ -123,7 +128,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--n", type=int, nargs="+", help="sequence lengths (launch: the first; default 4096, "
                         "breakdown: 1024 4096 16384)")
     parser.add_argument("--d", type=int, default=128, help="head_dim")
-    parser.add_argument("--shape", type=_shape, action="append", help="breakdown: B,H,NQ,NK,D (repeatable)")
+    parser.add_argument("--shape", type=_shape, action="append",
+                        help="B,H,NQ,NK,D: breakdown's shapes (repeatable), launch's inputs (the first)")
     parser.add_argument("--causal", action="store_true")
     parser.add_argument("--smooth-v", action="store_true",
                         help="the full call with smooth_v=True (the kernel alone runs without V's means)")

@@ -48,7 +48,7 @@ template <typename T, int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = fa
 struct AttentionWgmmaKernel {
   using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
   using Smem = typename Geometry::Smem;
-  using Scheduler = WgmmaTileScheduler<kCausal, kItemKeys<kHeadDim, kCausal> || kPacked, kPacked>;
+  using Scheduler = WgmmaSchedulerOf<kHeadDim, kCausal, kPacked>;
   static constexpr int kThreads = Geometry::kThreads, kSmemBytes = Geometry::kSmemBytes;
   static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages, kVBytes = Geometry::kVBytes;
   static constexpr int kConsumers = Geometry::kConsumers, kQSlots = Geometry::kQSlots, kORegs = Geometry::kORegs;

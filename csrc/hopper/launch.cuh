@@ -31,12 +31,18 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   launched.unit_items = 2;
   int64_t units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, 2).units;
   bool persistent = units <= 8 * static_cast<int64_t>(sms);
-  if (units > 0x7fffffff) persistent = true;  // gridDim.x's limit
   if (persistent && !kCausal) {
     launched.unit_items = 1;
     units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, 1).units;
   }
   const int64_t ctas = persistent && units > sms ? sms : units;
+  // The scheduler divides unit indices below `units` (FastDivisor: below 2^31; 2^31 units of 128
+  // queries would be 2^38 query rows).
+  if (units >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
+  launched.units_per_head = FastDivisor::of(static_cast<uint32_t>(
+      Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, launched.unit_items).units_per_head));
+  launched.q_heads_divisor = FastDivisor::of(static_cast<uint32_t>(p.q_heads));
+  launched.group_divisor = FastDivisor::of(static_cast<uint32_t>(p.q_heads / p.kv_heads));
   // After quantize_kv (after_quantize_kv): a programmatic dependent launch, which starts once that
   // grid's last CTAs have started, and waits for its end at griddepcontrol.wait
   // (hopper/kernel.cuh).

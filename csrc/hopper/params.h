@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "common/fast_divisor.h"
 #include "common/input_dtype.h"
 
 namespace sageattention2 {
@@ -63,6 +64,9 @@ struct AttentionWgmmaParams {
   // call: the CTAs start, load their first Q and set up while that launch ends, and wait for it
   // before anything it writes is read (AttentionWgmmaKernel).
   bool after_quantize_kv = false;
+  // The tile scheduler's divisors (set by the launch): the units of a head, q_heads and the query
+  // heads per KV head.
+  FastDivisor units_per_head, q_heads_divisor, group_divisor;
 };
 
 // cudaErrorNotSupported when this build has no sm_90a code.

@@ -20,7 +20,7 @@ namespace sageattention2 {
 template <int kHeadDim, bool kCausal, bool kFp8Pv, bool kPacked = false>
 struct WgmmaProducer {
   using Geometry = WgmmaGeometry<kHeadDim, kFp8Pv>;
-  using Scheduler = WgmmaTileScheduler<kCausal, kItemKeys<kHeadDim, kCausal> || kPacked, kPacked>;
+  using Scheduler = WgmmaSchedulerOf<kHeadDim, kCausal, kPacked>;
   static constexpr int kBlockK = Geometry::kBlockK, kStages = Geometry::kStages;
   static constexpr int kKBytes = Geometry::kKBytes, kVBytes = Geometry::kVBytes;
 
