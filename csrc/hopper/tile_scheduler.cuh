@@ -77,8 +77,8 @@ inline constexpr bool kItemKeys = !kCausal || kHeadDim == 256;
 // set up by the launch) instead of 64-bit and 32-bit divisions, ~500 fewer instructions per
 // kernel: at 512-1K tokens, where a CTA walks many short items, the divisions were ~7 % of the
 // kernel's warp samples (ncu), and without them the call runs 3-4 % faster (A/B/A, H100,
-// session 37). Not at head_dim 256: there ptxas then serialized a causal kernel's wgmma for lack
-// of registers, in each of the three forms compiled.
+// docs/DECISIONS.md#d46). Not at head_dim 256: there ptxas then serialized a causal kernel's
+// wgmma for lack of registers, in each of the three forms compiled.
 template <bool kCausal, bool kItemKeyCount = !kCausal, bool kPacked = false, bool kByMultiply = true>
 struct WgmmaTileScheduler {
   static constexpr int kBlockQ = kWgmmaBlockQ, kBlockK = kWgmmaBlockK;
