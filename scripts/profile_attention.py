@@ -55,13 +55,15 @@ def calls(args: argparse.Namespace, q: torch.Tensor, k: torch.Tensor,
     return full, timing.kernel_call(q, k, v, args.causal)
 
 
+def _shape_inputs(b: int, h: int, n_q: int, n_k: int, d: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp16 randn q [b, h, n_q, d], k and v [b, h, n_k, d] (--shape's inputs)."""
+    q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.float16)
+    k, v = (torch.randn(b, h, n_k, d, device="cuda", dtype=torch.float16) for _ in range(2))
+    return q, k, v
+
+
 def launch(args: argparse.Namespace) -> None:
-    if args.shape:
-        b, h, n_q, n_k, d = args.shape[0]
-        q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.float16)
-        k, v = (torch.randn(b, h, n_k, d, device="cuda", dtype=torch.float16) for _ in range(2))
-    else:
-        q, k, v = timing.anchors_inputs(args.n[0], args.d)
+    q, k, v = _shape_inputs(*args.shape[0]) if args.shape else timing.anchors_inputs(args.n[0], args.d)
     full, alone = calls(args, q, k, v)
     fn = alone if args.kernel else full
     for _ in range(args.calls):
@@ -74,8 +76,7 @@ def breakdown(args: argparse.Namespace) -> None:
 
     cases = args.shape or [(timing.BATCH, timing.HEADS, n, n, args.d) for n in args.n]
     for b, h, n_q, n_k, d in cases:
-        q = torch.randn(b, h, n_q, d, device="cuda", dtype=torch.float16)
-        k, v = (torch.randn(b, h, n_k, d, device="cuda", dtype=torch.float16) for _ in range(2))
+        q, k, v = _shape_inputs(b, h, n_q, n_k, d)
         call, alone = calls(args, q, k, v)
         for _ in range(5):
             out = call()

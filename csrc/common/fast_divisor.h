@@ -22,7 +22,6 @@
 namespace sageattention2 {
 
 struct FastDivisor {
-  uint32_t divisor = 1;
   uint32_t multiplier = 1u << 31;  // (divisor 1: l = 0)
   uint32_t shift = 31;
 
@@ -31,7 +30,6 @@ struct FastDivisor {
     FastDivisor f;
     uint32_t l = 0;
     while ((uint64_t{1} << l) < d) ++l;
-    f.divisor = d;
     f.shift = 31 + l;
     f.multiplier = static_cast<uint32_t>(((uint64_t{1} << f.shift) + d - 1) / d);
     return f;

@@ -29,18 +29,17 @@ cudaError_t launch(const AttentionWgmmaParams& p, const CUtensorMap& k_map, cons
   // one (hopper/tile_scheduler.cuh: the busiest CTA at most one item above the average).
   AttentionWgmmaParams launched = p;
   launched.unit_items = 2;
-  int64_t units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, 2).units;
-  bool persistent = units <= 8 * static_cast<int64_t>(sms);
+  auto sc = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, 2);
+  const bool persistent = sc.units <= 8 * static_cast<int64_t>(sms);
   if (persistent && !kCausal) {
     launched.unit_items = 1;
-    units = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, 1).units;
+    sc = Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, 1);
   }
-  const int64_t ctas = persistent && units > sms ? sms : units;
+  const int64_t units = sc.units, ctas = persistent && units > sms ? sms : units;
   // The scheduler divides unit indices below `units` (FastDivisor: below 2^31; 2^31 units of 128
   // queries would be 2^38 query rows).
   if (units >= (int64_t{1} << 31)) return cudaErrorInvalidValue;
-  launched.units_per_head = FastDivisor::of(static_cast<uint32_t>(
-      Kernel::Scheduler::schedule(p.q_len, p.batch, p.q_heads, launched.unit_items).units_per_head));
+  launched.units_per_head = FastDivisor::of(static_cast<uint32_t>(sc.units_per_head));
   launched.q_heads_divisor = FastDivisor::of(static_cast<uint32_t>(p.q_heads));
   launched.group_divisor = FastDivisor::of(static_cast<uint32_t>(p.q_heads / p.kv_heads));
   // After quantize_kv (after_quantize_kv): a programmatic dependent launch, which starts once that

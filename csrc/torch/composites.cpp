@@ -193,6 +193,22 @@ void check_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Ten
   }
 }
 
+// The validated items tensor of both packed composites ([2, S, 3] int32: the key ranges, then
+// the packed items) and the caller's K and V as one batch entry per sequence (items_view).
+struct PackedSequences {
+  int64_t count;
+  const int* ranges;
+  const int* packed;
+  at::Tensor k_items, v_items;
+
+  PackedSequences(const at::Tensor& items, const at::Tensor& k, const at::Tensor& v)
+      : count(items.size(1)),
+        ranges(items.data_ptr<int>()),
+        packed(ranges + 3 * count),
+        k_items(items_view(k, count)),
+        v_items(items_view(v, count)) {}
+};
+
 // sageattn_mma_varlen's arguments: sageattn_wgmma_varlen's, at the warp-level kernel's head dims,
 // and its PV type.
 void check_mma_varlen_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& items,
@@ -221,10 +237,9 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& 
                                                               double sm_scale, bool is_causal, bool return_lse,
                                                               const std::optional<at::Tensor>& v_rows) {
   check_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, v_rows);
-  const int64_t sequences = items.size(1);
-  const int* ranges = items.data_ptr<int>();
-  const int* packed = ranges + 3 * sequences;
-  const at::Tensor k_items = items_view(k, sequences), v_items = items_view(v, sequences);
+  const PackedSequences seqs(items, k, v);
+  const int *ranges = seqs.ranges, *packed = seqs.packed;
+  const at::Tensor &k_items = seqs.k_items, &v_items = seqs.v_items;
   // The accurate tier reads V through the copy engine in tiles of 128 keys: a copy with each
   // sequence's keys from its code row and zeros up to the next, so that no sequence's last tile
   // reaches the next one's keys (the last row takes the keys of sequences without queries, and
@@ -256,7 +271,7 @@ std::tuple<at::Tensor, at::Tensor> sageattn_wgmma_varlen_cuda(const at::Tensor& 
                                     ranges, packed, code_rows, item_padded, programmatic && (smooth_k || smooth_v));
   return attention_wgmma_packed_cuda(q, std::get<0>(kv), std::get<1>(kv), fp8 ? std::get<2>(kv) : v_padded,
                                      fp8 ? std::optional<at::Tensor>(std::get<3>(kv)) : std::nullopt, v_mean, k_mean,
-                                     ranges, packed, sequences, blocks.data_ptr<int>(), blocks.size(0), k.size(0),
+                                     ranges, packed, seqs.count, blocks.data_ptr<int>(), blocks.size(0), k.size(0),
                                      sm_scale, is_causal, return_lse, programmatic);
 }
 
@@ -275,10 +290,9 @@ std::tuple<at::Tensor, at::Tensor> sageattn_mma_varlen_cuda(const at::Tensor& q,
                                                             bool smooth_k, bool smooth_v, double sm_scale,
                                                             bool is_causal, bool return_lse) {
   check_mma_varlen_inputs(q, k, v, items, blocks, max_seqlen_k, code_rows, pv_dtype);
-  const int64_t sequences = items.size(1);
-  const int* ranges = items.data_ptr<int>();
-  const int* packed = ranges + 3 * sequences;
-  const at::Tensor k_items = items_view(k, sequences), v_items = items_view(v, sequences);
+  const PackedSequences seqs(items, k, v);
+  const int *ranges = seqs.ranges, *packed = seqs.packed;
+  const at::Tensor &k_items = seqs.k_items, &v_items = seqs.v_items;
   const bool fp8 = pv_dtype == "fp8";
   smooth_v = smooth_v && fp8;  // (16-bit V is not quantized)
   // As sageattn_mma: one statistics launch, K's mean (over the items' sample: every key with FP8
