@@ -53,19 +53,38 @@ def _info() -> str:
     return "\n".join(lines)
 
 
+def _without_gpu(command: str, why: str) -> bool:
+    """True, after saying so in one line, when no CUDA GPU is available for ``command`` (what
+    ``check`` does too: a command that measures the GPU it runs on ends with exit code 1 and
+    no traceback, instead of failing halfway or running something else)."""
+    if torch.cuda.is_available():
+        return False
+    print(f"{command}: needs a CUDA GPU ({why})")
+    return True
+
+
 def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``bench``: the shapes and/or the models; what cannot run here is said and skipped, or an
-    error where it was asked for by name."""
+    error where it was asked for by name. Without a CUDA GPU it runs nothing unless ``--device``
+    names another device: the full model suite on a CPU takes an hour, which no one asks for by
+    typing ``bench`` alone."""
+    if args.gpus is not None:
+        return _bench_gpus(parser, args)
     shapes = args.shapes or args.models is None
     models = args.models is not None or not args.shapes
     unknown = sorted(set(args.models or ()) - {c.key for c in _model_suite.CASES})
     if unknown:
         parser.error(f"bench --models: unknown model(s) {', '.join(unknown)}")
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(args.device or "cuda")
+    if device.type == "cuda" and _without_gpu(
+            "bench", "it times sageattn against SDPA there; --models --device cpu runs the models "
+                     "on the CPU"):
+        return 1
     if shapes:
         if device.type != "cuda":
             if args.shapes:
-                parser.error("bench --shapes needs a CUDA GPU")
+                print(f"bench: --shapes needs a CUDA GPU, not --device {args.device}")
+                return 1
             print("bench: the ANCHORS shapes need a CUDA GPU: skipped", file=sys.stderr)
         else:
             from . import _bench_shapes
@@ -87,6 +106,63 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_gpus(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``bench --models [KEY...] --gpus N``: the context-parallel suite on N GPUs of this host."""
+    from . import _bench_parallel
+
+    if args.shapes or args.models is None:
+        parser.error("bench --gpus runs models: give --models [KEY ...] "
+                     f"({', '.join(_bench_parallel.CASES)})")
+    keys = args.models or list(_bench_parallel.CASES)
+    unknown = sorted(set(keys) - set(_bench_parallel.CASES))
+    if unknown:
+        parser.error(f"bench --gpus: unknown model(s) {', '.join(unknown)}; context parallelism "
+                     f"runs {', '.join(_bench_parallel.CASES)}")
+    if args.gpus < 2:
+        parser.error(f"bench --gpus: at least 2, got {args.gpus}")
+    if _without_gpu("bench", "context parallelism runs on GPUs"):
+        return 1
+    if torch.cuda.device_count() < args.gpus:
+        print(f"bench: --gpus {args.gpus} needs {args.gpus} GPUs, this machine has "
+              f"{torch.cuda.device_count()}")
+        return 1
+    _bench_parallel.run(keys, args.gpus, max(1, min(args.reps, 5)), args.out)
+    return 0
+
+
+def _check_command(args: argparse.Namespace) -> int:
+    """``check``: its exit code is the check's (1 when a variant fails or no GPU is here)."""
+    from . import _check
+
+    return _check.run(args.quick, args.path)
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    """``tune --dtypes``: comma-separated float16 and/or bfloat16 (argparse's type: a bad list
+    is a usage error before anything runs)."""
+    from . import _tune
+
+    dtypes = tuple(text.split(","))
+    if not set(dtypes) <= set(_tune.DTYPES):  # ("" and "float16," name "" too)
+        raise argparse.ArgumentTypeError(
+            f"must name float16 and/or bfloat16 (comma-separated), got {text!r}")
+    return dtypes
+
+
+def _tune_command(args: argparse.Namespace) -> int:
+    """``tune``: measure and write the crossover table of this GPU."""
+    from . import _tune
+
+    if _without_gpu("tune", "it measures the crossover of the GPU it runs on"):
+        return 1
+    causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
+    path = _tune.tune(axes=_tune.QUICK_AXES if args.quick else None,
+                      head_dims=args.head_dims or _tune.HEAD_DIMS, dtypes=args.dtypes,
+                      causal=causal, out=args.out, base=args.base, pv_quant=args.pv_quant)
+    print(f"wrote {path}")
+    return 0
+
+
 def _ints(text: str) -> tuple[int, ...]:
     return tuple(int(x) for x in text.split(",") if x)
 
@@ -103,7 +179,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune.add_argument("--quick", action="store_true", help="a coarser grid (a few seconds)")
     tune.add_argument("--head-dims", type=_ints, default=None,
                       help="comma-separated head_dims (default: 40,64,80,128,160,256)")
-    tune.add_argument("--dtypes", default="float16,bfloat16", help="float16 and/or bfloat16")
+    tune.add_argument("--dtypes", type=_dtypes, default=("float16", "bfloat16"),
+                      help="float16 and/or bfloat16, comma-separated (default: both)")
     tune.add_argument("--causal", choices=("both", "yes", "no"), default="both",
                       help="the causal classes, the others, or both (default)")
     tune.add_argument("--base", type=Path, default=None,
@@ -142,33 +219,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                            c.key for c in _model_suite.CASES))
     bench.add_argument("--tiny", action="store_true",
                        help="tiny widths and resolutions: every call site, in seconds")
-    bench.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    bench.add_argument("--device", default=None,
+                       help="default: cuda (without a CUDA GPU bench runs nothing: --device cpu "
+                            "runs the models on the CPU, slowly)")
     bench.add_argument("--reps", type=int, default=10, help="timed forwards per mode (median), at least")
     bench.add_argument("--seconds", type=float, default=2.0,
                        help="--models: time each mode this long at least (more forwards for short "
                             "models, up to 400; 0: exactly --reps)")
     bench.add_argument("--out", type=Path, default=None,
                        help="folder for the tables and charts (shapes.md/png, models.md/png)")
+    bench.add_argument("--gpus", type=int, default=None, metavar="N",
+                       help="--models on N GPUs of this host under context parallelism (diffusers' "
+                            "native backends against ours, each mode; parallel.md): wan, wan14b, "
+                            "flux2k")
     args = parser.parse_args(argv)
     if args.command == "info":
         print(_info())
     elif args.command == "routing-table":
         print(routing_table_markdown())
     elif args.command == "tune":
-        from . import _tune
-
-        dtypes = tuple(args.dtypes.split(","))
-        if not set(dtypes) <= set(_tune.DTYPES) or not dtypes:
-            parser.error(f"--dtypes must name float16 and/or bfloat16, got {args.dtypes!r}")
-        causal = {"both": (False, True), "yes": (True,), "no": (False,)}[args.causal]
-        path = _tune.tune(axes=_tune.QUICK_AXES if args.quick else None,
-                          head_dims=args.head_dims or _tune.HEAD_DIMS, dtypes=dtypes,
-                          causal=causal, out=args.out, base=args.base, pv_quant=args.pv_quant)
-        print(f"wrote {path}")
+        return _tune_command(args)
     elif args.command == "check":
-        from . import _check
-
-        return _check.run(args.quick, args.path)
+        return _check_command(args)
     elif args.command == "bench":
         return _bench(parser, args)
     elif args.command == "calibrate":

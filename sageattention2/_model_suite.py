@@ -94,9 +94,11 @@ def sdxl_unet(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[tor
                        added_cond_kwargs=added)
 
 
-def flux_dev(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[torch.nn.Module, Inputs]:
+def flux_dev(device: torch.device, dtype: torch.dtype, tiny: bool,
+             pixels: int = 1024) -> tuple[torch.nn.Module, Inputs]:
     """FLUX.1-dev's transformer with 2 of its 19 double and 4 of its 38 single blocks, 1024 px:
-    4096 image + 512 text tokens, 24 heads of head_dim 128 (joint attention, the dispatcher)."""
+    4096 image + 512 text tokens (2048 px: 16384 + 512), 24 heads of head_dim 128 (joint
+    attention, the dispatcher)."""
     from diffusers import FluxTransformer2DModel
 
     config: dict[str, Any] = dict(
@@ -107,7 +109,7 @@ def flux_dev(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[torc
         config.update(num_layers=1, num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
                       joint_attention_dim=32, pooled_projection_dim=16, axes_dims_rope=(4, 6, 6))
     model = _module(FluxTransformer2DModel, device, dtype, **config)
-    side, n_text = (4, 8) if tiny else (64, 512)  # 128x128 latents in 2x2 patches
+    side, n_text = (4, 8) if tiny else (pixels // 16, 512)  # latents of pixels / 8 in 2x2 patches
     img_ids = torch.zeros(side * side, 3, device=device)
     img_ids[:, 1] = torch.arange(side, device=device).repeat_interleave(side)
     img_ids[:, 2] = torch.arange(side, device=device).repeat(side)
@@ -143,17 +145,29 @@ def cogvideox_5b(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[
 def wan21_1_3b(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[torch.nn.Module, Inputs]:
     """Wan2.1-T2V-1.3B's transformer with 4 of its 30 blocks, 81 frames at 480x832: 32760 video
     tokens, 12 heads of head_dim 128; cross-attention to 512 text tokens (the dispatcher)."""
+    return _wan21(device, dtype, tiny, dict(num_attention_heads=12, ffn_dim=8960, num_layers=4),
+                  (21, 60, 104))
+
+
+def wan21_14b(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple[torch.nn.Module, Inputs]:
+    """Wan2.1-T2V-14B's transformer with 2 of its 40 blocks, 81 frames at 720x1280: 75600 video
+    tokens, 40 heads of head_dim 128 (the context-parallel suite)."""
+    return _wan21(device, dtype, tiny, dict(num_attention_heads=40, ffn_dim=13824, num_layers=2),
+                  (21, 90, 160))
+
+
+def _wan21(device: torch.device, dtype: torch.dtype, tiny: bool, size: dict[str, int],
+           latents: tuple[int, int, int]) -> tuple[torch.nn.Module, Inputs]:
     from diffusers import WanTransformer3DModel
 
     config: dict[str, Any] = dict(
-        patch_size=(1, 2, 2), num_attention_heads=12, attention_head_dim=128, in_channels=16, out_channels=16,
-        text_dim=4096, freq_dim=256, ffn_dim=8960, num_layers=4, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads")
+        patch_size=(1, 2, 2), attention_head_dim=128, in_channels=16, out_channels=16,
+        text_dim=4096, freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", **size)
     if tiny:
         config.update(num_attention_heads=2, attention_head_dim=16, text_dim=32, freq_dim=16, ffn_dim=64,
                       num_layers=1)
     model = _module(WanTransformer3DModel, device, dtype, **config)
-    frames, height, width, n_text = (2, 8, 8, 8) if tiny else (21, 60, 104, 512)
+    frames, height, width, n_text = (2, 8, 8, 8) if tiny else (*latents, 512)
     return model, dict(hidden_states=_randn(1, 16, frames, height, width, dtype=dtype, device=device),
                        timestep=torch.tensor([500], device=device),
                        encoder_hidden_states=_randn(1, n_text, config["text_dim"], dtype=dtype, device=device))
@@ -233,4 +247,10 @@ CASES: tuple[ModelCase, ...] = (
     ModelCase("Llama-3-8B (2 layers), 8K prefill", "llama8k", torch.bfloat16, llama3_8b(8192), "transformers"),
     ModelCase("Llama-3-8B (2 layers), 32K prefill", "llama32k", torch.bfloat16, llama3_8b(32768), "transformers"),
     ModelCase("BERT-base, padded 16 x 512", "bert", torch.float16, bert_base, "transformers"),
+)
+# Sizes people run on several GPUs (bench --gpus N, ``_bench_parallel``), beside CASES' "wan".
+PARALLEL_CASES: tuple[ModelCase, ...] = (
+    ModelCase("Wan2.1-14B (2 blocks), 81 x 720x1280", "wan14b", torch.bfloat16, wan21_14b, "diffusers"),
+    ModelCase("Flux-dev (2+4 blocks), 2048 px", "flux2k", torch.bfloat16,
+              lambda device, dtype, tiny: flux_dev(device, dtype, tiny, pixels=2048), "diffusers"),
 )

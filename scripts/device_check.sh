@@ -15,7 +15,8 @@ options
   --quick           --check, --bench and --ab in their quick forms (hd128, N 1K/4K)
 steps
   --info            GPU, driver, `python3 -m sageattention2 info`, the libstdc++ the build links
-  --tests [K]       pytest of tests/ from /tmp with --import-mode=importlib (-k K if given)
+  --tests [K]       pytest of tests/ from /tmp with --import-mode=importlib (-k K if given);
+                    MiniLM's weights must be there (carry .minilm: tests/minilm.py)
   --check           python -m sageattention2 check: every kernel variant vs its emulation and
                     float64 (the input families against their documented bounds)
   --bench           benchmarks/bench_attention.py, the protocol's speed table ($OUT/bench_attention.md;
@@ -31,6 +32,9 @@ steps
   --grid            benchmarks/bench_grid.py: one call on 44 shapes vs SDPA's backends ($OUT/grid.md)
   --models          python -m sageattention2 bench --models: whole models, default SDPA vs sageattn ($OUT/models.md,
                     models.png); diffusers comes from the wheels in .whl/ (carried) where the image lacks it
+  --parallel KEYS   python -m sageattention2 bench --models KEYS --gpus <every GPU here>: diffusers'
+                    context parallelism, native backends against ours ($OUT/parallel.md;
+                    KEYS space-separated in one argument: "wan flux2k")
   --profile MODEL   scripts/profile_model.py MODEL: a suite model's kernels per forward, default SDPA
                     vs sageattn ($OUT/profile_MODEL.md; repeatable)
   --host            benchmarks/host_overhead.py --tiny: CPU time of short calls vs SDPA ($OUT/host.md)
@@ -47,14 +51,14 @@ R=$(pwd); QUICK=; STEP_TIMEOUT=
 export OUT R QUICK PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a
 steps=()
 while [ $# -gt 0 ]; do
-  case $1 in --arch|--timeout|--ncu|--ab|--profile) [ $# -gt 1 ] || { echo "$1 needs a value" >&2; exit 2; } ;; esac
+  case $1 in --arch|--timeout|--ncu|--ab|--profile|--parallel) [ $# -gt 1 ] || { echo "$1 needs a value" >&2; exit 2; } ;; esac
   case $1 in
     --arch) TORCH_CUDA_ARCH_LIST=$2; shift ;;
     --timeout) STEP_TIMEOUT=$2; shift ;;
     --quick) QUICK=--quick ;;
     --info|--check|--bench|--sanitize|--sass|--tune|--grid|--models|--host) steps+=("${1#--}") ;;
     --tests) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("tests $2"); shift; else steps+=(tests); fi ;;
-    --ncu|--ab|--profile) steps+=("${1#--} $2"); shift ;;
+    --ncu|--ab|--profile|--parallel) steps+=("${1#--} $2"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -83,7 +87,7 @@ step_info() {
     || echo "NO shared libstdc++"
 }
 step_tests() {
-  cd /tmp && python3 -m pytest "$R/tests" -q -p no:cacheprovider --import-mode=importlib -rxf ${1:+-k "$1"} \
+  cd /tmp && SAGEATTN_REQUIRE_MINILM=1 python3 -m pytest "$R/tests" -q -p no:cacheprovider --import-mode=importlib -rxf ${1:+-k "$1"} \
     > "$OUT/pytest.txt" 2>&1
   local rc=$?; grep -vE '^[.sxXF]+( +\[ *[0-9]+%\])?$' "$OUT/pytest.txt" | tail -25; return $rc
 }
@@ -158,6 +162,11 @@ step_models() {
   cd /tmp && python3 -m sageattention2 bench --models --reps 6 --out "$OUT" > "$OUT/models.txt" 2>&1
   local rc=$?; grep -E "^\|" "$OUT/models.txt" | tail -12; tail -2 "$OUT/models.txt"; return $rc
 }
+step_parallel() {  # NVLink multicast stays off (the machine's README): NCCL_NVLS_ENABLE=0
+  cd /tmp && NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m sageattention2 bench \
+    --models $1 --gpus "$(nvidia-smi -L | wc -l)" --reps 5 --out "$OUT" > "$OUT/parallel.txt" 2>&1
+  local rc=$?; grep -E "^\||Error" "$OUT/parallel.txt" | tail -40; return $rc
+}
 step_profile() {
   cd /tmp && python3 "$R/scripts/profile_model.py" "$1" > "$OUT/profile_$1.md" 2>&1
   local rc=$?; cat "$OUT/profile_$1.md"; return $rc
@@ -189,10 +198,11 @@ step_ab() {
   python3 "$R/benchmarks/timing.py" merge "${runs[@]}" | tee "$OUT/ab.md"
 }
 export -f step_install step_info step_tests step_check step_bench step_sanitize step_sass step_ncu step_ab \
-  step_tune step_grid step_models step_profile step_host
+  step_tune step_grid step_models step_profile step_host step_parallel
 
 declare -A LIMIT=([install]=480 [info]=60 [tests]=420 [check]=300 [bench]=420 [sanitize]=540 [sass]=120
-                  [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [profile]=240 [host]=120)
+                  [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [profile]=240 [host]=120
+                  [parallel]=420)
 summary=(); first_rc=0; installed=0
 run() {  # run NAME [ARG]: one step under its time limit, its exit code and time in the summary
   local name=$1 t0=$SECONDS rc

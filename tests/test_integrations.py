@@ -135,26 +135,149 @@ def test_cli_routing_table(tmp_path: Path) -> None:
     assert run_cli("routing-table", cwd=tmp_path) == _plan.routing_table_markdown() + "\n"
 
 
-def test_cli_bench_models(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """``python -m sageattention2 bench --models KEY... --tiny``: a row per model, every output at
-    cosine 1 on the CPU (the exact path), the table and chart written; unknown names refused."""
+def recorder(monkeypatch: pytest.MonkeyPatch, module: Any, returns: Any = None,
+             name: str = "run", calls: list[tuple[str, dict[str, Any]]] | None = None,
+             ) -> list[tuple[str, dict[str, Any]]]:
+    """Replace ``module.<name>`` (what a CLI command runs) by a recorder of its arguments, bound
+    by name to the real function's signature (defaults filled in), so that a test sees what the
+    command passed however it passes it; each call returns ``returns``. Returns the list of
+    (module name, arguments) it appends to: ``calls`` when given (one record of the order in
+    which several functions ran)."""
+    real = getattr(module, name)
+    signature = inspect.signature(real)
+    calls = [] if calls is None else calls
+
+    def record(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        calls.append((module.__name__, dict(bound.arguments)))
+        return returns
+
+    record.__signature__ = signature  # type: ignore[attr-defined]  (a recorder of it binds alike)
+    monkeypatch.setattr(module, name, record)
+    return calls
+
+
+def test_cli_bench_models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    """``_bench_models.run`` (``bench --models KEY... --tiny``) on the CPU, its clock fixed (4 ms a
+    forward under default SDPA, 2 ms under sageattn, 1 ms of attention): a row per model with
+    those times, their speedup (2x) and attention share (25 %), every output at cosine 1 on the
+    CPU (the exact path), the table and chart written; unknown names refused. No measured time
+    decides anything here (the timing itself is the benchmarks' business)."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
     from sageattention2 import _bench_models
 
-    rows = _bench_models.run(["sd15", "bert"], torch.device("cpu"), tiny=True, reps=1,
+    def fixed_ms(clock: Any, fn: Any) -> float:
+        fn()
+        return 4.0 if F.scaled_dot_product_attention is ORIGINAL_SDPA else 2.0  # patch_sdpa on
+
+    monkeypatch.setattr(_bench_models.Clock, "ms", fixed_ms)
+    monkeypatch.setattr(_bench_models, "attention_ms", lambda calls, clock, reps: 1.0)
+    rows = _bench_models.run(["sd15", "bert"], torch.device("cpu"), tiny=True, reps=3,
                              out=tmp_path)
     assert [r["model"] for r in rows] == ["SD1.5 UNet, 512 px, batch 2", "BERT-base, padded 16 x 512"]
     for row in rows:
         assert row["calls"] > 0 and row["quantized"] == 0 and row["cosine"] > 0.999999
-        assert row["default_ms"] > 0 and row["sage_ms"] > 0
+        assert (row["default_ms"], row["sage_ms"], row["speedup"], row["attention_share"],
+                row["reps"]) == (4.0, 2.0, 2.0, 0.25, 3)
     table = (tmp_path / "models.md").read_text()
-    assert table.count("\n| ") == 3 and "geomean speedup" in table  # header and two rows
+    assert table.count("\n| ") == 3  # header and two rows
+    assert "| 4.00 | 2.00 | 2.000x | 25 % |" in table and "geomean speedup 2.000x" in table
     from sageattention2.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--models", "nope"])
     assert exit_info.value.code == 2 and "unknown model(s) nope" in capsys.readouterr().err
+
+
+def test_bench_attention_time_replays_each_kind_of_call_once() -> None:
+    """The attention share's time: the recorded SDPA calls grouped by what makes them cost the
+    same (shapes, strides, dtypes, the other arguments), each group timed ``reps`` times (the
+    median) and counted as often as it occurred: a clock that reads 1 ms for the first group's
+    runs and 3 ms for the second's gives 2 x 1 + 1 x 3 ms."""
+    from sageattention2 import _bench_models
+
+    q, k, v = qkv()
+    small = qkv(nq=5)
+    calls = [((q, k, v), {}), (small, {"is_causal": True}), ((q, k, v), {})]
+    readings = iter([1.0, 1.0, 1.0, 3.0, 3.0, 3.0])
+
+    class FixedClock:
+        def ms(self, fn: Any) -> float:
+            fn()
+            return next(readings)
+
+    assert _bench_models.attention_ms(calls, FixedClock(), reps=3) == 5.0  # type: ignore[arg-type]
+    assert next(readings, None) is None  # two groups of 3 runs: each kind of call timed once
+
+
+def test_cli_bench_needs_a_gpu_unless_a_device_is_named(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Without a CUDA GPU, ``bench`` (any selection) runs nothing and says so in one line, exit
+    code 1 as ``check``'s (not the whole model suite on the CPU, an hour); ``--shapes`` with
+    ``--device cpu`` likewise. Unknown models are a usage error first."""
+    from sageattention2 import _bench_models, _bench_shapes
+    from sageattention2.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    ran = recorder(monkeypatch, _bench_shapes)
+    recorder(monkeypatch, _bench_models, returns=[], calls=ran)
+    for argv in (["bench"], ["bench", "--models"], ["bench", "--shapes"],
+                 ["bench", "--models", "bert", "--tiny", "--reps", "1"]):
+        assert main(argv) == 1, argv
+        out = capsys.readouterr().out
+        assert out.startswith("bench: needs a CUDA GPU (") and out.count("\n") == 1, (argv, out)
+    assert main(["bench", "--shapes", "--device", "cpu"]) == 1
+    assert capsys.readouterr().out == "bench: --shapes needs a CUDA GPU, not --device cpu\n"
+    assert ran == []
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--models", "nope"])
+    assert exit_info.value.code == 2
+
+
+def test_cli_bench_with_no_flags_runs_the_shapes_then_the_models(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench`` alone on a GPU (pretended: both runs are recorders): the ANCHORS shapes, then
+    every model of the suite on cuda with the defaults (10 reps at least, 2 s per mode, full
+    size, no output folder)."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from sageattention2 import _bench_models, _bench_shapes
+    from sageattention2.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    ran = recorder(monkeypatch, _bench_shapes)
+    recorder(monkeypatch, _bench_models, returns=[], calls=ran)
+    assert main(["bench"]) == 0
+    assert ran == [("sageattention2._bench_shapes", dict(out=None, shapes=_bench_shapes.SHAPES)),
+                   ("sageattention2._bench_models", dict(
+                       keys=None, device=torch.device("cuda"), tiny=False, reps=10, out=None,
+                       seconds=2.0))]
+
+
+def test_cli_bench_models_passes_its_flags(monkeypatch: pytest.MonkeyPatch,
+                                           tmp_path: Path) -> None:
+    """``bench --models KEY... --tiny --reps --seconds --out --device``: each parsed value reaches
+    the model suite's run (which is recorded, not run); the shapes do not run; ``--models``
+    without keys is every model."""
+    pytest.importorskip("diffusers")
+    pytest.importorskip("transformers")
+    from sageattention2 import _bench_models, _bench_shapes
+    from sageattention2.__main__ import main
+
+    ran = recorder(monkeypatch, _bench_shapes)
+    recorder(monkeypatch, _bench_models, returns=[], calls=ran)
+    assert main(["bench", "--models", "sd15", "bert", "--tiny", "--reps", "3", "--seconds", "0.5",
+                 "--out", str(tmp_path), "--device", "cpu"]) == 0
+    assert main(["bench", "--models", "--device", "cpu"]) == 0
+    assert ran == [("sageattention2._bench_models", dict(
+                       keys=["sd15", "bert"], device=torch.device("cpu"), tiny=True, reps=3,
+                       out=tmp_path, seconds=0.5)),
+                   ("sageattention2._bench_models", dict(
+                       keys=[], device=torch.device("cpu"), tiny=False, reps=10, out=None,
+                       seconds=2.0))]
 
 
 def test_patch_sdpa_reaches_multihead_attention(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -208,6 +331,73 @@ def test_cli_check_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
     assert "check: needs a CUDA GPU" in capsys.readouterr().out
 
 
+def test_cli_check_passes_its_path_and_exit_code(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``check [--quick] [--path all|wgmma|mma]``: the parsed values reach the check (recorded,
+    not run), whose result is the exit code: 0 when it passes, 1 when it fails; another path is
+    a usage error."""
+    from sageattention2 import _check
+    from sageattention2.__main__ import main
+
+    passes = recorder(monkeypatch, _check, returns=0)
+    assert main(["check"]) == 0
+    assert main(["check", "--quick", "--path", "mma"]) == 0
+    assert main(["check", "--path", "wgmma"]) == 0
+    assert [arguments for _, arguments in passes] == [
+        dict(quick=False, path="all"), dict(quick=True, path="mma"), dict(quick=False, path="wgmma")]
+    fails = recorder(monkeypatch, _check, returns=1)
+    assert main(["check", "--path", "all"]) == 1
+    assert [arguments for _, arguments in fails] == [dict(quick=False, path="all")]
+    with pytest.raises(SystemExit) as exit_info:
+        main(["check", "--path", "sm80"])
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("dtypes", ["float32", "", "float16,", "half,bfloat16"])
+def test_cli_tune_refuses_other_dtypes(dtypes: str, monkeypatch: pytest.MonkeyPatch,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """``tune --dtypes`` other than float16 and/or bfloat16 (an empty name too) is a usage error
+    (exit code 2, saying what it takes), before anything is measured, on any machine."""
+    from sageattention2 import _tune
+    from sageattention2.__main__ import main
+
+    tuned = recorder(monkeypatch, _tune, name="tune")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["tune", "--quick", "--dtypes", dtypes])
+    assert exit_info.value.code == 2 and tuned == []
+    assert "--dtypes: must name float16 and/or bfloat16" in capsys.readouterr().err
+
+
+def test_cli_tune_passes_its_dtypes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """``tune --dtypes``, on a GPU (pretended; tune recorded, not run): the names reach tune, both
+    by default."""
+    from sageattention2 import _tune
+    from sageattention2.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    tuned = recorder(monkeypatch, _tune, returns=tmp_path / "table.json", name="tune")
+    assert main(["tune", "--quick", "--dtypes", "bfloat16"]) == 0
+    assert main(["tune", "--quick", "--dtypes", "bfloat16,float16"]) == 0
+    assert main(["tune", "--quick"]) == 0
+    assert [arguments["dtypes"] for _, arguments in tuned] == [
+        ("bfloat16",), ("bfloat16", "float16"), ("float16", "bfloat16")]
+    assert all(arguments["axes"] == _tune.QUICK_AXES for _, arguments in tuned)
+
+
+def test_cli_tune_needs_a_gpu(monkeypatch: pytest.MonkeyPatch,
+                              capsys: pytest.CaptureFixture[str]) -> None:
+    """``tune`` without a CUDA GPU: one line saying it needs one, exit code 1 (as ``check``), no
+    traceback, nothing measured."""
+    from sageattention2 import _tune
+    from sageattention2.__main__ import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    tuned = recorder(monkeypatch, _tune, name="tune")
+    assert main(["tune", "--quick"]) == 1
+    assert capsys.readouterr().out == (
+        "tune: needs a CUDA GPU (it measures the crossover of the GPU it runs on)\n")
+    assert tuned == []
+
+
 @pytest.mark.gpu
 def test_cli_check_passes(attention_kernel: None, capsys: pytest.CaptureFixture[str]) -> None:
     """``check --quick --path wgmma`` passes on this GPU (the full check: device_check.sh)."""
@@ -219,20 +409,31 @@ def test_cli_check_passes(attention_kernel: None, capsys: pytest.CaptureFixture[
     assert main(["check", "--quick", "--path", "wgmma"]) == 0, capsys.readouterr().out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the shapes run here")
-def test_cli_bench_shapes_needs_a_gpu(capsys: pytest.CaptureFixture[str]) -> None:
-    from sageattention2.__main__ import main
-
-    with pytest.raises(SystemExit) as exit_info:
-        main(["bench", "--shapes"])
-    assert exit_info.value.code == 2 and "needs a CUDA GPU" in capsys.readouterr().err
-
-
 @pytest.mark.gpu
-def test_cli_bench_shapes(attention_kernel: None, tmp_path: Path) -> None:
-    """One ANCHORS shape: every column timed, the table written."""
+def test_cli_bench_shapes(attention_kernel: None, tmp_path: Path,
+                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """One ANCHORS shape on the GPU, each column's call run once and its time fixed (1, 2, 4 and
+    8 ms in the order of COLUMNS): TOPS = the work over that time in every column (SDPA flash
+    and cuDNN: or None where this GPU's SDPA refuses the backend), the int8 / cuDNN ratio from
+    them, the table written. No measured time decides anything here."""
     from sageattention2 import _bench_shapes
 
+    fixed = iter([1.0, 2.0, 4.0, 8.0])
+
+    def fixed_ms(fn: Any, reps: int = 30) -> float:
+        ms = next(fixed)
+        fn()  # the column's call runs (a backend that refuses raises here: None)
+        torch.cuda.synchronize()
+        return ms
+
+    monkeypatch.setattr(_bench_shapes, "median_ms", fixed_ms)
     rows = _bench_shapes.run(tmp_path, shapes=[(128, 1024, False)])
-    assert len(rows) == 1 and all(rows[0][c] and rows[0][c] > 0 for c in _bench_shapes.COLUMNS)
-    assert "hd128 N1K" in (tmp_path / "shapes.md").read_text()
+    work = 4 * _bench_shapes.BATCH * _bench_shapes.HEADS * 1024 * 1024 * 128
+    assert len(rows) == 1 and next(fixed, None) is None
+    row = rows[0]
+    for column, ms in zip(_bench_shapes.COLUMNS, (1.0, 2.0, 4.0, 8.0)):
+        assert row[column] == work / ms / 1e9 or (column.startswith("SDPA") and row[column] is None), \
+            (column, row)
+    table = (tmp_path / "shapes.md").read_text()
+    assert "hd128 N1K" in table
+    assert ("8.00x" in table) == (row["SDPA cuDNN"] is not None)

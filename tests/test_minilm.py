@@ -6,6 +6,7 @@ key-padding mask, equal rows: the kernel on each sentence's keys). Issue 35's bo
 the same nearest neighbour (on the FP8-PV tier, except near ties: test_minilm_on_the_gpu)."""
 from __future__ import annotations
 
+import os
 import warnings
 
 import pytest
@@ -16,6 +17,9 @@ import minilm
 pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 MODEL = minilm.model_dir()
+if MODEL is None and os.environ.get(minilm.REQUIRED_ENVIRONMENT):
+    raise RuntimeError(f"{minilm.REQUIRED_ENVIRONMENT} is set but no MiniLM weights were found "
+                       "(tests/minilm.py says where they are looked for)")
 pytestmark = pytest.mark.skipif(MODEL is None, reason="no MiniLM weights here (tests/minilm.py)")
 
 

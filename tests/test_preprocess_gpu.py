@@ -9,9 +9,11 @@ Exactness contract:
 - Block-mode Q smoothing computes its mean inside the kernel, so there the codes may differ by
   one step where the float32 and float64 means straddle a rounding tie: at most 1e-4 of them.
 
-Every op allocates its outputs itself, so each call is preceded by freeing a block of 0xFF bytes
-to the caching allocator (the outputs then land on poisoned memory); an element the kernel
-forgot to write fails the bit-exact comparison.
+Every op allocates its outputs itself, so each call is preceded by freeing blocks of 0xFF bytes
+to both pools of the caching allocator (``testing.poison_cuda_allocator``: the large pool, and
+the small one, <= 1 MB, where the scales, means and Delta-S of small shapes land): the outputs
+then land on poisoned memory (NaN in float32), and an element the kernel forgot to write fails
+the bit-exact comparison.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 from sageattention2 import reference as ref
+from sageattention2.testing import poison_cuda_allocator
 
 pytestmark = pytest.mark.gpu
 
@@ -27,12 +30,6 @@ if not getattr(ops, "HAS_EXTENSION", False):
     pytest.skip("compiled extension not available", allow_module_level=True)
 
 LOG2E = 1.4426950408889634
-
-
-def poison_allocator(nbytes: int = 64 << 20) -> None:
-    block = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    block.fill_(0xFF)
-    del block
 
 
 def make_qkv(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int,
@@ -99,7 +96,7 @@ LAYOUTS = ["hnd", "nhd", "strided"]
 def test_smoothing_stats(shape, layout, dtype):
     q, k, v = make_qkv(*shape, dtype=dtype, layout=layout, seed=hash((shape, layout)) % 1000)
     for smooth_v in (False, True):
-        poison_allocator()
+        poison_cuda_allocator()
         q_mean, k_mean, v_mean, v_scale = ops.smoothing_stats(q, k, v, smooth_v)
         rq, rk, rv, _ = ref.smoothing_stats_reference(cpu(q), cpu(k), cpu(v), smooth_v)
         for name, got, want in (("q_mean", q_mean, rq), ("k_mean", k_mean, rk)):
@@ -132,7 +129,7 @@ def test_quantize_kv_bit_exact(shape, layout, dtype, qk_dtype, block_k):
         v_mean_arg = v_mean if smooth_v else None
         q_mean_arg = q_mean if with_delta_s else None
         v_scale_arg = None if per_tile else v_scale
-        poison_allocator()
+        poison_cuda_allocator()
         out = ops.quantize_kv(k, v, k_mean_arg, v_mean_arg, v_scale_arg, q_mean_arg, block_k, qk_dtype, multiplier)
         want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean_arg), cpu(v_mean_arg), cpu(v_scale_arg),
                                          cpu(q_mean_arg), block_k, qk_dtype, multiplier)
@@ -147,7 +144,7 @@ def test_quantize_kv_bit_exact(shape, layout, dtype, qk_dtype, block_k):
             assert out[4].numel() == 0
         # K alone (the warp-level INT8 + FP16 PV path): the same codes and scales, written by
         # K's CTAs with no V tile staged (no shared-memory tile at all for K from registers).
-        poison_allocator()
+        poison_cuda_allocator()
         k_only = ops.quantize_kv(k, None, k_mean_arg, None, None, q_mean_arg, block_k, qk_dtype, multiplier)
         assert_bits_equal(k_only[0], want[0], f"k codes, K only ({tag})")
         assert_bits_equal(k_only[1], want[1], f"k scales, K only ({tag})")
@@ -260,7 +257,7 @@ def test_v_tile_codes_bit_exact_at_the_range_edges(dtype):
     tiles[0][:, 1] = 0.0
     v = v.to(dtype)
     k_mean = ops.smoothing_stats(None, k, None, False).k_mean
-    poison_allocator()
+    poison_cuda_allocator()
     out = ops.quantize_kv(k, v, k_mean, None, None, None, 128, "int8", 1.0)
     want = ref.quantize_kv_reference(cpu(k), cpu(v), cpu(k_mean), None, None, None, 128, "int8", 1.0)
     if dtype == torch.float16:
@@ -280,7 +277,7 @@ def test_v_tile_scales_dequantize():
     v[:, :, 128:256] = 0
     v[:, 1, 128:256] = torch.randn(128, 128, device="cuda", dtype=torch.float16) * 1e-4
     k_mean = ops.smoothing_stats(None, k, None, False).k_mean
-    poison_allocator()
+    poison_cuda_allocator()
     out = ops.quantize_kv(k, v, k_mean, None, None, None, 128, "int8", 1.0)
     v_fp8, tile_scale = out[2], out[4]
     assert tile_scale.shape == (1, 2, 3)

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from helpers import meta
+from helpers import meta, stand_in_kernel
 from sageattention2 import _execute, _varlen, ops, sageattn, sageattn_varlen
 from sageattention2 import reference as ref
 
@@ -37,10 +37,11 @@ def packed(lengths_q: list[int], lengths_k: list[int], hq: int, hkv: int, d: int
 
 
 def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                 cu_k: torch.Tensor, is_causal: bool, bottom_right: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 cu_k: torch.Tensor, is_causal: bool, bottom_right: bool = False,
+                 scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """float64 attention and LSE of each sequence alone, packed (``bottom_right``: causal under
-    FlashAttention's rule, query i seeing keys j <= i + n_k - n_q; a row that sees none 0, -inf)."""
+    FlashAttention's rule, query i seeing keys j <= i + n_k - n_q; a row that sees none 0, -inf;
+    ``scale``: the softmax scale, None for 1 / sqrt(D))."""
     outs, lses = [], []
     bq, bk = cu_q.tolist(), cu_k.tolist()
     for i in range(len(bq) - 1):
@@ -56,10 +57,10 @@ def per_sequence(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.
             n_q, n_k = qi.shape[2], ki.shape[2]
             mask = torch.ones(n_q, n_k, dtype=torch.bool).tril(n_k - n_q)
             out, lse = ref.exact_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True,
-                                           return_lse=True)
+                                           scale=scale, return_lse=True)
         else:
             out, lse = ref.exact_attention(qi, ki, vi, is_causal=is_causal, enable_gqa=True,
-                                           return_lse=True)
+                                           scale=scale, return_lse=True)
         outs.append(out[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.cat(outs), torch.cat(lses, dim=1)
@@ -151,14 +152,23 @@ def test_compiles_without_graph_breaks() -> None:
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_varlen_on_the_gpu(attention_kernel: None, d: int, is_causal: bool) -> None:
-    """Lengths from 1 to 8K: each sequence bit for bit its own sageattn call (the kernel forced),
-    every output finite, and the shorter ones within the 8-bit bound of float64 attention."""
-    from sageattention2.testing import relative_l1
+    """Lengths from 1 to 8K, inputs with channel offsets and an outlier channel (as real Q, K, V:
+    _drawn), on poisoned memory: every output element written and finite, each sequence bit for
+    bit its own sageattn call (the kernel forced), and the shorter ones within the documented
+    8-bit bound of float64 attention for the kernel that serves them (gpu_helpers.EXACT_L1_OF:
+    rel. L1 0.05 with FP8 PV; the emulation of the Hopper kernel gives 0.019-0.034 on these
+    inputs)."""
+    from gpu_helpers import exact_l1_bound, sageattn_kernel
+    from sageattention2.testing import poison_cuda_allocator, relative_l1
 
     g = torch.Generator().manual_seed(d + is_causal)
     lengths = [1, 8192, 3, 1000, 4097, 77, 2, 513]
     lengths += torch.randint(1, 8193, (4,), generator=g).tolist()
-    q, k, v, cu_q, cu_k = packed(lengths, lengths, 8, 2, d, torch.bfloat16, "cuda", seed=d)
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    q = _drawn(sum(lengths), 8, d, torch.bfloat16, gen)
+    k, v = (_drawn(sum(lengths), 2, d, torch.bfloat16, gen) for _ in range(2))
+    cu_q = cu_k = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device="cuda")
+    poison_cuda_allocator()
     out = sageattn_varlen(q, k, v, cu_q, cu_k, max(lengths), max(lengths), is_causal=is_causal,
                           qk_quant="int8")
     assert torch.isfinite(out).all()
@@ -170,9 +180,11 @@ def test_varlen_on_the_gpu(attention_kernel: None, d: int, is_causal: bool) -> N
         assert torch.equal(out[s:e], alone[0]), i
     for i in (2, 3, 5, 7):  # the shorter ones against float64 (the long ones: their own calls)
         s, e = bounds[i], bounds[i + 1]
-        want = ref.exact_attention(*(t[None, s:e].transpose(1, 2) for t in (q, k, v)),
-                                   is_causal=is_causal, enable_gqa=True)
-        assert relative_l1(out[None, s:e].transpose(1, 2), want) < 0.06, i
+        q4, k4, v4 = (t[None, s:e].transpose(1, 2) for t in (q, k, v))
+        want = ref.exact_attention(q4, k4, v4, is_causal=is_causal, enable_gqa=True)
+        kernel = sageattn_kernel(q4, k4, v4, is_causal=is_causal, enable_gqa=True, qk_quant="int8")
+        error = relative_l1(out[None, s:e].transpose(1, 2), want)
+        assert error <= exact_l1_bound(kernel, None, want, out.dtype), (i, kernel, error)
 
 
 @pytest.mark.gpu
@@ -273,15 +285,7 @@ def test_one_launch_runs_the_sequences_with_queries_and_keys(monkeypatch: pytest
                  v_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         seen.append((items.tolist(), blocks.tolist(), code_rows, max_k, smooth_k, smooth_v, is_causal))
         rows_seen.append(None if v_rows is None else v_rows.tolist())
-        out = torch.full((q.shape[0], q.shape[1], v.shape[2]), math.nan, dtype=q.dtype)
-        lse = torch.full((q.shape[1], q.shape[0]), math.nan)
-        for (k0, k1, _), (q0, q1, _) in zip(*items.tolist()):
-            o, l = ref.exact_attention(*(t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
-                                       is_causal=is_causal, scale=sm_scale, enable_gqa=True,
-                                       return_lse=True)
-            out[q0:q1] = o[0].transpose(0, 1).to(q.dtype)
-            lse[:, q0:q1] = l[0].float()
-        return out, lse if return_lse else q.new_empty(0)
+        return exact_items(q, k, v, items, sm_scale, is_causal, return_lse)
 
     monkeypatch.setattr(_varlen, "_one_launch", hopper_launch)
     monkeypatch.setattr(ops, "sageattn_wgmma_varlen", stand_in)
@@ -379,6 +383,167 @@ def test_one_launch_follows_the_routes(monkeypatch: pytest.MonkeyPatch, capabili
     spans = ((0, 5, 0, 300), (5, 9, 300, 301))
     assert [r[2] for r in _varlen._packed_tables(spans, True)[0][0][0].tolist()] == [1, 1]
     assert _varlen._packed_tables(spans)[0][0][0].tolist()[0][2] == _execute.smoothing_sample_stride(300)
+
+
+# ------------------------------------------------------------------------------------------------
+# The options of sageattn_varlen reach what runs: each sequence's sageattn call, or the one launch
+# ------------------------------------------------------------------------------------------------
+
+
+def kernel_fields(call: _execute.KernelCall) -> dict[str, object]:
+    """What of a sequence's kernel call the options decide."""
+    return dict(sm_scale=call.sm_scale, smooth_k=call.smooth_k, smooth_q=call.smooth_q,
+                smooth_v=call.smooth_v, kernel=call.choice.kernel, qk=call.choice.qk)
+
+
+# A sequence's kernel call with sageattn_varlen's defaults at head_dim 16 on an H100: the scale
+# 1 / sqrt(16), K smoothed, Q and V not (INT8 QK; smooth_v "auto" is off up to 128), the Hopper
+# kernel.
+DEFAULT_KERNEL_CALL = dict(sm_scale=0.25, smooth_k=True, smooth_q=False, smooth_v=False,
+                           kernel="wgmma", qk="int8")
+
+
+@pytest.mark.parametrize("option, changed", [
+    pytest.param(dict(scale=0.3), dict(sm_scale=0.3), id="scale"),
+    pytest.param(dict(smooth_k=False), dict(smooth_k=False), id="smooth_k"),
+    # (Q smoothing runs on the warp-level kernel: the Hopper kernel does not smooth Q)
+    pytest.param(dict(smooth_q=True), dict(smooth_q=True, kernel="mma"), id="smooth_q"),
+    pytest.param(dict(smooth_v=True), dict(smooth_v=True), id="smooth_v"),
+    # (INT4 QK: the warp-level kernel, Q smoothed by smooth_q="auto")
+    pytest.param(dict(qk_quant="int4"), dict(qk="int4", kernel="mma", smooth_q=True), id="int4"),
+])
+def test_options_reach_each_sequences_call(monkeypatch: pytest.MonkeyPatch,
+                                           option: dict[str, object],
+                                           changed: dict[str, object]) -> None:
+    """Where each sequence runs as its own sageattn call (CPU tensors: no one launch; routed as
+    on an H100, each kernel call stood in for by exact attention with its scale), the option
+    reaches every sequence's kernel call, which differs from the default call in what the
+    option changes and nothing else; each sequence's output and LSE are its own sageattn call's
+    with the option, bit for bit; with ``scale``, float64 attention at that scale."""
+    calls = stand_in_kernel(monkeypatch, lambda call, q, k: (call,))
+    lengths_q, lengths_k = [5, 0, 13, 7, 2], [9, 4, 13, 1, 0]  # no queries; no keys (no call)
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 16, torch.float16)
+    out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 13, 13, return_lse=True, **option)
+    assert [kernel_fields(c) for (c,) in calls] == [{**DEFAULT_KERNEL_CALL, **changed}] * 3
+    assert_each_sequence_alone(out, lse, q, k, v, cu_q, cu_k, {**option, "return_lse": True})
+    if "scale" in option:
+        want, want_lse = per_sequence(q, k, v, cu_q, cu_k, False, scale=0.3)
+        torch.testing.assert_close(out.double(), want, atol=1e-3, rtol=0)
+        torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+        assert not torch.equal(out, sageattn_varlen(q, k, v, cu_q, cu_k, 13, 13))
+
+
+def test_strict_reaches_each_sequences_call() -> None:
+    """strict=True raises where a sequence's call would fall back to exact attention (on the CPU
+    every call does: no GPU), naming the reason, as sageattn does; without it the fallback
+    warns and computes."""
+    q, k, v, cu_q, cu_k = packed([3, 4], [3, 4], 2, 2, 8)
+    with pytest.raises(NotImplementedError, match="strict=True"):
+        sageattn_varlen(q, k, v, cu_q, cu_k, 4, 4, strict=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        out = sageattn_varlen(q, k, v, cu_q, cu_k, 4, 4)
+    assert any("exact" in str(w.message) for w in record)
+    torch.testing.assert_close(out.double(), per_sequence(q, k, v, cu_q, cu_k, False)[0], atol=1e-6, rtol=0)
+
+
+def exact_items(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: torch.Tensor,
+                sm_scale: float, is_causal: bool, return_lse: bool
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """What a one-launch op computes, in float64 per item of its table: its queries over its keys
+    at ``sm_scale`` (rows of no item NaN)."""
+    out = torch.full((q.shape[0], q.shape[1], v.shape[2]), math.nan, dtype=q.dtype)
+    lse = torch.full((q.shape[1], q.shape[0]), math.nan)
+    for (k0, k1, _), (q0, q1, _) in zip(*items.tolist()):
+        o, l = ref.exact_attention(*(t.transpose(0, 1)[None] for t in (q[q0:q1], k[k0:k1], v[k0:k1])),
+                                   is_causal=is_causal, scale=sm_scale, enable_gqa=True,
+                                   return_lse=True)
+        out[q0:q1] = o[0].transpose(0, 1).to(q.dtype)
+        lse[:, q0:q1] = l[0].float()
+    return out, lse if return_lse else q.new_empty(0)
+
+
+@pytest.mark.parametrize("kernel", ["wgmma", "mma"])
+def test_options_reach_the_one_launch(monkeypatch: pytest.MonkeyPatch, kernel: str) -> None:
+    """Routed to the one launch of either kernel (its op stood in for by exact attention per item
+    at the scale it is given): ``scale``, ``smooth_k`` and ``smooth_v`` reach the op (the
+    defaults: 1 / sqrt(D) of the true head_dim, K smoothed, V not at head_dim 128 and below, on
+    above), and the output is attention per sequence at that scale."""
+    seen: list[tuple[object, ...]] = []
+
+    def wgmma_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: torch.Tensor,
+                 blocks: torch.Tensor, max_k: int, code_rows: int, smooth_k: bool, smooth_v: bool,
+                 sm_scale: float, is_causal: bool, return_lse: bool,
+                 v_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(("wgmma", smooth_k, smooth_v, sm_scale))
+        return exact_items(q, k, v, items, sm_scale, is_causal, return_lse)
+
+    def mma_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, items: torch.Tensor,
+               blocks: torch.Tensor, max_k: int, code_rows: int, pv: str, smooth_k: bool,
+               smooth_v: bool, sm_scale: float, is_causal: bool, return_lse: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        seen.append(("mma", smooth_k, smooth_v, sm_scale))
+        return exact_items(q, k, v, items, sm_scale, is_causal, return_lse)
+
+    monkeypatch.setattr(_varlen, "_one_launch",
+                        lambda q, *_: _varlen._Launch(kernel, q.shape[-1], "fp8"))
+    monkeypatch.setattr(ops, "sageattn_wgmma_varlen", wgmma_op)
+    monkeypatch.setattr(ops, "sageattn_mma_varlen", mma_op)
+    lengths_q, lengths_k = [5, 1, 13, 7], [5, 3, 13, 20]
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 4, 2, 16)
+    default = sageattn_varlen(q, k, v, cu_q, cu_k, 13, 20)
+    assert seen == [(kernel, True, False, 0.25)]
+    out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 13, 20, scale=0.3, smooth_k=False,
+                               smooth_v=True, return_lse=True)
+    assert seen[1:] == [(kernel, False, True, 0.3)]
+    want, want_lse = per_sequence(q, k, v, cu_q, cu_k, False, scale=0.3)
+    torch.testing.assert_close(out.double(), want, atol=1e-6, rtol=0)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-5, rtol=0)
+    assert not torch.equal(out, default)
+    # smooth_v="auto" turns V's smoothing on above head_dim 128 (as sageattn).
+    q, k, v, cu_q, cu_k = packed(lengths_q, lengths_k, 2, 2, 136)
+    sageattn_varlen(q, k, v, cu_q, cu_k, 13, 20)
+    assert seen[2:] == [(kernel, True, True, 1.0 / math.sqrt(136))]
+
+
+@pytest.mark.gpu
+@pytest.mark.usefixtures("wgmma_kernel")
+@pytest.mark.parametrize("option", ["scale", "smooth_k", "smooth_v", "smooth_q", "int4"])
+def test_varlen_options_on_the_gpu(option: str) -> None:
+    """Each option on the H100/H200's kernels (``scale``, ``smooth_k`` and ``smooth_v`` in the one
+    launch of the Hopper kernel, FP8 PV; Q smoothing and INT4 QK one sageattn call per sequence
+    on the warp-level kernel), inputs with channel offsets and an outlier channel, on poisoned
+    memory: every element written and finite, each sequence bit for bit its own sageattn call
+    with the option, and the option honoured: the output differs from the call without it, and
+    with ``scale`` each sequence is within the documented FP8 bound of float64 attention at that
+    scale (the emulation gives 0.021-0.036 on these inputs)."""
+    from gpu_helpers import EXACT_L1_FP8, mma_fp8_on_device
+    from sageattention2.testing import poison_cuda_allocator, relative_l1
+
+    if option == "int4" and not mma_fp8_on_device():
+        pytest.skip("INT4 QK needs FP8 PV (sm_89+)")
+    base = dict(qk_quant="int8", pv_quant="fp8", return_lse=True)
+    options = {**base, **{"scale": dict(scale=0.15), "smooth_k": dict(smooth_k=False),
+                          "smooth_v": dict(smooth_v=True), "smooth_q": dict(smooth_q=True),
+                          "int4": dict(qk_quant="int4")}[option]}
+    lengths_q, lengths_k = [1, 300, 77, 1000, 129], [5, 300, 200, 1000, 1]
+    g = torch.Generator(device="cuda").manual_seed(5)
+    q = _drawn(sum(lengths_q), 4, 128, torch.float16, g)
+    k, v = (_drawn(sum(lengths_k), 2, 128, torch.float16, g) for _ in range(2))
+    cu_q, cu_k = (torch.tensor([0, *itertools.accumulate(n)], dtype=torch.int32)
+                  for n in (lengths_q, lengths_k))
+    poison_cuda_allocator()
+    out, lse = sageattn_varlen(q, k, v, cu_q, cu_k, 1000, 1000, **options)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+    assert_each_sequence_alone(out, lse, q, k, v, cu_q, cu_k, options, option)
+    without, _ = sageattn_varlen(q, k, v, cu_q, cu_k, 1000, 1000, **base)
+    assert not torch.equal(out, without)
+    if option == "scale":
+        want, _ = per_sequence(*(t.cpu() for t in (q, k, v, cu_q, cu_k)), False, scale=0.15)
+        bq = cu_q.tolist()
+        for i in range(len(lengths_q)):
+            error = relative_l1(out[bq[i]:bq[i + 1]].cpu(), want[bq[i]:bq[i + 1]])
+            assert error <= EXACT_L1_FP8, (i, error)
 
 
 @pytest.mark.gpu

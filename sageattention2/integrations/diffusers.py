@@ -19,9 +19,19 @@ The backend takes the dispatcher's ``[B, N, H, D]`` tensors in place (``tensor_l
 no copies), honours ``attn_mask`` (a ``[B, N_kv]`` key mask as diffusers' native backend reads
 it, or any mask SDPA takes), ``is_causal``, ``scale`` and ``enable_gqa``, and returns the
 natural-log LSE as ``[B, N, H]`` when the dispatcher asks for it. What the quantized kernels
-cannot serve (a mask, dropout, ...) runs exact SDPA, as :func:`sageattn` documents. Context
-parallelism (``_parallel_config``) is not supported: the backend says so, and diffusers refuses
-to select it on a model that has it enabled.
+cannot serve (a mask, dropout, ...) runs exact SDPA, as :func:`sageattn` documents.
+
+Context parallelism: the backend supports it, so diffusers' own API applies it to any model with
+a context-parallel plan (Wan, Flux, HunyuanVideo, QwenImage, ...)::
+
+    transformer.set_attention_backend("sageattention2")     # before or after:
+    transformer.enable_parallelism(config=ContextParallelConfig(ring_degree=2))  # or ulysses_degree
+
+Each attention call then runs :func:`sageattention2.parallel.context_parallel_attention` on the
+config's ring and Ulysses groups: Ulysses is the one-GPU call on each rank's heads, and the ring
+sends each rank's K and V once, quantized as the Hopper kernel reads them where it serves the
+call (``register(exchange=...)`` chooses). diffusers' ``ring_anything`` and ``ulysses_anything``
+(shards of different lengths) are refused with a clear error.
 
 Tested with diffusers 0.42.1.
 """
@@ -35,6 +45,7 @@ import torch
 from torch import Tensor
 
 from ..api import sageattn
+from ..parallel import EXCHANGES, context_parallel_attention
 from . import _check_options, patch_sdpa
 
 __all__ = ["BACKEND", "SageAttnProcessor", "apply", "register", "remove"]
@@ -42,6 +53,7 @@ __all__ = ["BACKEND", "SageAttnProcessor", "apply", "register", "remove"]
 BACKEND = "sageattention2"
 _MEMBER_NAME = "SAGEATTENTION2"
 _options: dict[str, Any] = {}
+_exchange = ["auto"]  # how K and V travel in the ring under context parallelism (register)
 
 
 def _backend_member(names: Any) -> Any:
@@ -72,8 +84,8 @@ def _sageattention2_backend(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The dispatcher's backend function: its arguments by name, tensors ``[B, N, H, D]``."""
     if _parallel_config is not None:
-        raise NotImplementedError("the sageattention2 attention backend does not support "
-                                  "context parallelism; use diffusers' native backend for it")
+        return _context_parallel(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                 enable_gqa, return_lse, _parallel_config)
     if (attn_mask is not None and attn_mask.dim() == 2 and query.dim() == 4
             and attn_mask.shape == (query.shape[0], key.shape[1])):
         attn_mask = attn_mask[:, None, None, :]  # a key mask [B, N_kv], as the native backend
@@ -85,26 +97,54 @@ def _sageattention2_backend(
     return out, lse.transpose(-1, -2)  # [B, H, N] -> [B, N, H], the dispatcher's form
 
 
-def register(**sageattn_kwargs: Any) -> str:
+def _context_parallel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
+                      dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
+                      return_lse: bool, parallel_config: Any) -> Tensor | tuple[Tensor, Tensor]:
+    """The backend under diffusers' context parallelism: the config's ring and Ulysses groups."""
+    config = parallel_config.context_parallel_config
+    if getattr(config, "ring_anything", False) or getattr(config, "ulysses_anything", False):
+        raise ValueError("the sageattention2 attention backend needs shards of equal length under "
+                         "context parallelism: ring_anything and ulysses_anything are not "
+                         "supported; use diffusers' native backend for them")
+    ring = config._ring_mesh.get_group() if config.ring_degree > 1 else None
+    ulysses = config._ulysses_mesh.get_group() if config.ulysses_degree > 1 else None
+    result = context_parallel_attention(
+        query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, ring_group=ring,
+        ulysses_group=ulysses, tensor_layout="NHD", return_lse=return_lse, exchange=_exchange[0],
+        **_options)
+    if not return_lse:
+        return result
+    out, lse = result
+    return out, lse.transpose(-1, -2)  # [B, H, N] -> [B, N, H], the dispatcher's form
+
+
+def register(*, exchange: str = "auto", **sageattn_kwargs: Any) -> str:
     """Register the ``"sageattention2"`` backend in diffusers' attention dispatcher (again: only
     the options change). ``sageattn_kwargs``: options of every call through the backend
-    (qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, strict). Returns the backend's name."""
+    (qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, strict). ``exchange``: how K and V travel
+    in the ring under context parallelism ("auto", "quantized", "input":
+    :func:`sageattention2.parallel.context_parallel_attention`). Returns the backend's name."""
     _check_options(sageattn_kwargs, "register")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"register: exchange must be one of {', '.join(map(repr, EXCHANGES))}; "
+                         f"got {exchange!r}")
     from diffusers.models import attention_dispatch as dispatch
 
     member = _backend_member(dispatch.AttentionBackendName)
     _options.clear()
     _options.update(sageattn_kwargs)
+    _exchange[0] = exchange
     dispatch._AttentionBackendRegistry.register(
         member, constraints=[dispatch._check_device, dispatch._check_shape],
-        supports_context_parallel=False)(_sageattention2_backend)
+        supports_context_parallel=True)(_sageattention2_backend)
     return BACKEND
 
 
 class SageAttnProcessor:
     """A diffusers attention processor whose ``F.scaled_dot_product_attention`` calls run
     :func:`sageattn`: the model's own processor, run with SDPA replaced for the duration of its
-    call (:func:`apply`). Attributes are the wrapped processor's; ``inner`` is the processor."""
+    call (:func:`apply`). Attributes, read and written, are the wrapped processor's; ``inner``
+    is the processor."""
 
     def __init__(self, inner: Any, **sageattn_kwargs: Any) -> None:
         self.__dict__["inner"] = inner
@@ -122,6 +162,10 @@ class SageAttnProcessor:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["inner"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # What code sets on a model's processor (IP-Adapter's scale, ...) is the wrapped one's.
+        setattr(self.__dict__["inner"], name, value)
 
 
 def _processor_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

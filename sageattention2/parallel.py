@@ -1,0 +1,532 @@
+"""Attention over a sequence split across GPUs (context parallelism): Ulysses, ring, and both.
+
+Every rank of a group holds one contiguous shard of the tokens of q, k and v, the same number
+of tokens on every rank, shards in rank order (what diffusers' context parallelism and
+yunchang's USP give the attention):
+
+- **Ulysses** (``ulysses_group``): an all-to-all turns each rank's token shard of all heads into
+  all tokens of ``1/P`` of the heads; :func:`sageattn` runs there, exactly as on one GPU (so the
+  output is the one-GPU output bit for bit); an all-to-all brings the output back.
+- **Ring** (``ring_group``): every rank's K and V shard goes to every rank of the group in one
+  all-gather, started before the kernel runs on the local shard, so that the bytes travel while
+  the kernel runs; each rank attends its queries to every shard, and the partial outputs are
+  merged by their LSE in float32. Where the Hopper kernel serves the call (no mask), K and V are
+  quantized **once**, by the rank that holds them, exactly as :func:`sageattn` quantizes them on
+  that shard (INT8 K with its per-thread scales and smoothing mean, FP8 V with its tile scales and
+  mean), and the codes travel instead of the 16-bit tensors: about half the bytes. Each shard's
+  partial output is then bit for bit ``sageattn(q, k_shard, v_shard, return_lse=True)``.
+- **Both** (USP): Ulysses inside the ulysses group, then the ring over the ring group.
+
+Every rank checks its own arguments; then the ranks exchange a short record of what each was
+asked (shapes, dtype, options, or the error it found) on the host, over gloo, so that a bad
+input on one rank raises the same clear error on every rank instead of leaving the others
+waiting in a collective.
+"""
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from . import _execute, ops
+from ._call import AttentionCall, validate
+from .api import sageattn
+
+__all__ = ["EXCHANGES", "context_parallel_attention", "last_ring_bytes"]
+
+EXCHANGES = ("auto", "quantized", "input")
+_OPTION_NAMES = ("qk_quant", "pv_quant", "smooth_k", "smooth_q", "smooth_v", "strict")
+_ALIGN = 256  # every part of an exchanged buffer starts 256-byte aligned (the kernels read 16 B)
+_last_ring_bytes = 0
+
+
+# ------------------------------------------------------------------------------------------------
+# Agreement: every rank raises the same error where one rank's call is bad
+# ------------------------------------------------------------------------------------------------
+
+_MESSAGE_BYTES = 512
+_FIELDS = ("batch", "query tokens", "key tokens", "query heads", "key heads", "head_dim",
+           "value head_dim", "dtype", "is_causal", "mask", "options", "tensor_layout", "exchange")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_host_groups: dict[str, Any] = {}
+
+
+class CallRecord(NamedTuple):
+    """What one rank was asked: the fields every rank must share, or the error it found."""
+
+    fields: tuple[int, ...]
+    error_rank: int        # the (global) rank whose check failed, or -1
+    error: str
+
+    def encode(self) -> Tensor:
+        message = self.error.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+        words = torch.frombuffer(bytearray(message), dtype=torch.int64)
+        fields = (*self.fields, *(0,) * (len(_FIELDS) - len(self.fields)))  # one size for all
+        head = torch.tensor([len(self.fields), self.error_rank, *fields], dtype=torch.int64)
+        return torch.cat([head, words])
+
+    @staticmethod
+    def decode(row: Tensor) -> CallRecord:
+        n, error_rank = int(row[0]), int(row[1])
+        fields = tuple(int(x) for x in row[2:2 + n])
+        message = row[2 + len(_FIELDS):].numpy().tobytes().rstrip(b"\0").decode(errors="replace")
+        return CallRecord(fields, error_rank, message)
+
+
+def _host_group(group: Any) -> Any:
+    """A gloo group of ``group``'s ranks (``group`` itself where it is gloo): the records travel
+    on the host, so agreeing costs no GPU synchronisation."""
+    if dist.get_backend(group) == "gloo":
+        return group
+    name = dist._get_process_group_name(group) if hasattr(dist, "_get_process_group_name") else str(id(group))
+    if name not in _host_groups:
+        _host_groups[name] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
+                                            use_local_synchronization=True)
+    return _host_groups[name]
+
+
+def _exchange_records(record: CallRecord, group: Any) -> list[CallRecord]:
+    host = _host_group(group)
+    mine = record.encode()
+    rows = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(rows, mine, group=host)
+    return [CallRecord.decode(row) for row in rows]
+
+
+def _agree(record: CallRecord, groups: list[Any]) -> None:
+    """Raise on every rank of ``groups`` if any rank's check failed or the ranks were asked
+    different things. The groups are visited in order, each rank passing on the first error it
+    has seen: an error in one group reaches the ranks of the next through the ranks they share
+    (every rank of a ring x Ulysses mesh within two steps)."""
+    for group in groups:
+        records = _exchange_records(record, group)
+        if record.error_rank >= 0:
+            continue
+        failed = next((r for r in records if r.error_rank >= 0), None)
+        if failed is not None:
+            record = failed
+            continue
+        for rank, other in zip(dist.get_process_group_ranks(group), records):
+            if other.fields != record.fields:
+                differ = {name: (a, b) for name, a, b in zip(_FIELDS, record.fields, other.fields)
+                          if a != b}
+                record = CallRecord(record.fields, dist.get_rank(), (
+                    f"the ranks of a context-parallel group must make the same call, but rank "
+                    f"{dist.get_rank()} and rank {rank} differ in "
+                    + ", ".join(f"{name} ({a} vs {b})" for name, (a, b) in differ.items())))
+                break
+    if record.error_rank >= 0:
+        raise ValueError(f"context_parallel_attention: rank {record.error_rank}: {record.error}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The call: checked once, on each rank
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ParallelCall:
+    """A checked :func:`context_parallel_attention` call: NHD views ``[B, N, H, D]`` and the
+    options of every sageattn call it makes."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    attn_mask: Tensor | None   # [B or 1, 1, 1, keys]: a key mask over the local or all keys
+    is_causal: bool
+    scale: float | None
+    enable_gqa: bool
+    tensor_layout: str
+    return_lse: bool
+    exchange: str
+    options: dict[str, Any]
+    ulysses: Any
+    ring: Any
+
+    def record_fields(self) -> tuple[int, ...]:
+        b, n_q, h_q, d = self.q.shape
+        mask = 0 if self.attn_mask is None else 1 + int(self.attn_mask.shape[-1] == self.k.shape[1])
+        options = int.from_bytes(hashlib.sha256(repr(sorted(self.options.items())).encode())
+                                 .digest()[:7], "little")
+        return (b, n_q, self.k.shape[1], h_q, self.k.shape[2], d, self.v.shape[-1],
+                _DTYPES.index(self.q.dtype), int(self.is_causal), mask, options,
+                ("HND", "NHD").index(self.tensor_layout), EXCHANGES.index(self.exchange))
+
+
+def _degree(group: Any) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
+           is_causal: bool, scale: float | None, enable_gqa: bool, ring: Any, ulysses: Any,
+           tensor_layout: str, return_lse: bool, exchange: str,
+           options: dict[str, Any]) -> ParallelCall:
+    unknown = sorted(set(options) - set(_OPTION_NAMES))
+    if unknown:
+        raise TypeError(f"context_parallel_attention got unexpected keyword(s) {', '.join(unknown)}; "
+                        f"sageattn's options are {', '.join(_OPTION_NAMES)}")
+    if exchange not in EXCHANGES:
+        raise ValueError(f"exchange must be one of {', '.join(map(repr, EXCHANGES))}; got {exchange!r}")
+    # sageattn's own checks, on the local shard (the call each rank makes before any exchange).
+    call = validate(q, k, v, None, dropout_p, is_causal, scale, enable_gqa, tensor_layout,
+                    options.get("qk_quant", "auto"), options.get("pv_quant", "auto"),
+                    options.get("smooth_k", True), options.get("smooth_q", "auto"),
+                    options.get("smooth_v", "auto"), return_lse, options.get("strict", False))
+    if call.input_ndim != 4:
+        raise ValueError("context_parallel_attention takes 4-D q, k and v")
+    if dropout_p > 0:
+        raise ValueError("context_parallel_attention does not support dropout_p > 0")
+    qn, kn, vn = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # NHD views
+    p_u, p_r = _degree(ulysses), _degree(ring)
+    if p_u > 1 and (qn.shape[2] % p_u or kn.shape[2] % p_u):
+        raise ValueError(f"Ulysses over {p_u} ranks needs query and key heads divisible by {p_u}; "
+                         f"got {qn.shape[2]} and {kn.shape[2]}")
+    if is_causal and qn.shape[1] != kn.shape[1]:
+        raise ValueError("is_causal under context parallelism needs as many query as key tokens "
+                         f"per rank; got {qn.shape[1]} and {kn.shape[1]}")
+    mask = attn_mask
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+        if mask.device != qn.device:
+            raise ValueError(f"attn_mask must be on query's device ({qn.device}), got {mask.device}")
+        if is_causal:
+            raise ValueError("attn_mask and is_causal are exclusive")
+        if mask.dim() == 2:
+            mask = mask[:, None, None, :]
+        keys_local, keys_all = kn.shape[1], kn.shape[1] * p_u * p_r
+        if (mask.dim() != 4 or mask.shape[1:3] != (1, 1) or mask.shape[0] not in (1, qn.shape[0])
+                or mask.shape[-1] not in (keys_local, keys_all)):
+            raise ValueError(
+                "under context parallelism attn_mask must be a key mask, [B, keys] or "
+                f"[B, 1, 1, keys], over this rank's {keys_local} keys or all {keys_all}; got "
+                f"shape {tuple(attn_mask.shape)}")
+        if p_u > 1 and p_r > 1:
+            raise ValueError("attn_mask under Ulysses and ring together is not supported")
+    return ParallelCall(qn, kn, vn, mask, is_causal, scale, enable_gqa, tensor_layout, return_lse,
+                        exchange, dict(options), ulysses if p_u > 1 else None,
+                        ring if p_r > 1 else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ulysses: all-to-all over heads
+# ------------------------------------------------------------------------------------------------
+
+
+def _all_to_all(x: Tensor, group: Any) -> Tensor:
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
+def _tokens_to_heads(x: Tensor, group: Any) -> Tensor:
+    """``[B, S, H, D]`` (this rank's tokens, all heads) -> ``[B, P * S, H / P, D]`` (all tokens,
+    this rank's heads)."""
+    p = dist.get_world_size(group)
+    b, s, h, d = x.shape
+    send = x.reshape(b, s, p, h // p, d).permute(2, 0, 1, 3, 4).contiguous()
+    return _all_to_all(send, group).permute(1, 0, 2, 3, 4).reshape(b, p * s, h // p, d)
+
+
+def _heads_to_tokens(x: Tensor, group: Any) -> Tensor:
+    """The inverse of :func:`_tokens_to_heads`."""
+    p = dist.get_world_size(group)
+    b, ps, hp, d = x.shape
+    send = x.reshape(b, p, ps // p, hp, d).transpose(0, 1).contiguous()
+    return _all_to_all(send, group).permute(1, 2, 0, 3, 4).reshape(b, ps // p, p * hp, d)
+
+
+def _lse_heads_to_tokens(lse: Tensor, group: Any) -> Tensor:
+    """LSE ``[B, H / P, P * S]`` -> ``[B, H, S]``."""
+    p = dist.get_world_size(group)
+    b, hp, ps = lse.shape
+    send = lse.reshape(b, hp, p, ps // p).permute(2, 0, 1, 3).contiguous()
+    return _all_to_all(send, group).transpose(0, 1).reshape(b, p * hp, ps // p)
+
+
+def _all_keys_mask(mask: Tensor | None, local_keys: int, group: Any) -> Tensor | None:
+    """A key mask over this rank's keys gathered over ``group`` (shards in rank order)."""
+    if mask is None or mask.shape[-1] != local_keys:
+        return mask
+    parts = [torch.empty_like(mask) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, mask.contiguous(), group=group)
+    return torch.cat(parts, dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ring: every rank's K and V to every rank, once
+# ------------------------------------------------------------------------------------------------
+
+
+class _Packed(NamedTuple):
+    """Tensors laid out in one byte buffer (each part 256-byte aligned)."""
+
+    buffer: Tensor                              # uint8 [total]
+    layout: list[tuple[int, torch.dtype, tuple[int, ...]] | None]   # offset, dtype, shape
+
+    @staticmethod
+    def of(parts: list[Tensor | None]) -> _Packed:
+        layout: list[tuple[int, torch.dtype, tuple[int, ...]] | None] = []
+        total = 0
+        for t in parts:
+            if t is None:
+                layout.append(None)
+                continue
+            layout.append((total, t.dtype, tuple(t.shape)))
+            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        device = next(t.device for t in parts if t is not None)
+        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        for t, where in zip(parts, layout):
+            if t is not None and where is not None:
+                nbytes = t.numel() * t.element_size()
+                buffer[where[0]:where[0] + nbytes].view(t.dtype).view(t.shape).copy_(t)
+        return _Packed(buffer, layout)
+
+    def unpack(self, row: Tensor) -> list[Tensor | None]:
+        """The parts, as views of ``row`` (a buffer of this layout)."""
+        out: list[Tensor | None] = []
+        for where in self.layout:
+            if where is None:
+                out.append(None)
+                continue
+            offset, dtype, shape = where
+            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            out.append(row[offset:offset + nbytes].view(dtype).view(shape))
+        return out
+
+
+class _QuantizedShard(NamedTuple):
+    """One rank's K and V as the Hopper kernel reads them (ops.sageattn_wgmma_chain's operands)."""
+
+    k_codes: Tensor
+    k_scale: Tensor
+    v: Tensor                 # FP8 codes, or (the accurate tier) the 16-bit V [B, H, N, D]
+    v_tile_scale: Tensor | None
+    v_mean: Tensor | None
+    k_mean: Tensor | None
+
+
+def _quantize_shard(kernel: _execute.KernelCall, k: Tensor, v: Tensor) -> _QuantizedShard:
+    """K and V of one shard (``[B, H, N, D]`` views) quantized as ``ops.sageattn_wgmma_chain``
+    quantizes them for ``kernel`` (its smoothing sample, tile size and PV)."""
+    k, v = (_execute.kernel_input(t, kernel.padded_head_dim) for t in (k, v))
+    fp8 = kernel.choice.pv == "fp8"
+    smooth_v = kernel.smooth_v and fp8
+    k_mean = v_mean = None
+    if kernel.smooth_k or smooth_v:
+        sample = slice(None, None, kernel.sample_stride)
+        stats = ops.smoothing_stats(None, k[:, :, sample] if kernel.smooth_k else None,
+                                    v[:, :, sample] if smooth_v else None, smooth_v)
+        k_mean = stats.k_mean if kernel.smooth_k else None
+        v_mean = stats.v_mean if smooth_v else None
+    kv = ops.quantize_kv(k, v if fp8 else None, k_mean, v_mean, None, None, ops.WGMMA_BLOCK_K,
+                         "int8", 1.0)
+    return _QuantizedShard(kv.k_quant, kv.k_scale, kv.v_fp8 if fp8 else v.contiguous(),
+                           kv.v_tile_scale if fp8 else None, v_mean, k_mean)
+
+
+def _attend_quantized(kernel: _execute.KernelCall, q: Tensor, shard: _QuantizedShard, kv_len: int,
+                      is_causal: bool) -> tuple[Tensor, Tensor]:
+    """``q`` (``[B, H, N, D]`` view) over one quantized shard: out ``[B, H, N, D]`` (NHD memory
+    where the kernel call writes it so) and the float32 LSE."""
+    out_nhd = kernel.out_nhd or _execute.heads_inner(q)
+    q = _execute.kernel_input(q, kernel.padded_head_dim)
+    out, lse = ops.attention_wgmma(q, shard.k_codes, shard.k_scale, shard.v, shard.v_tile_scale,
+                                   shard.v_mean, shard.k_mean, kv_len, kernel.sm_scale, is_causal,
+                                   out_nhd, True)
+    if kernel.padded_head_dim != kernel.head_dim:
+        out = _execute._unpad_head_dim(out, kernel.head_dim, out_nhd)
+    return out, lse
+
+
+def _merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor,
+           masked: bool = False) -> tuple[Tensor, Tensor]:
+    """Fold one shard's ``out [B, N, H, D]`` and ``lse [B, H, N]`` into the float32 running
+    result. A row that sees none of a shard's keys (a key mask hides them all) has LSE -inf and
+    output 0 there, as sageattn returns it: it adds nothing, and a row that sees no key at all
+    keeps output 0 and LSE -inf. ``masked``: the shard ran with a key mask, and its rows that
+    see no key are set so whatever an SDPA backend wrote there (NaN on some)."""
+    if masked:
+        unseen = torch.isneginf(lse) | torch.isnan(lse)
+        lse = lse.masked_fill(unseen, -math.inf)
+        out = out.masked_fill(unseen.transpose(1, 2)[..., None], 0)
+    if acc is None:
+        return out.float(), lse.float()
+    acc_out, acc_lse = acc
+    top = torch.maximum(acc_lse, lse)
+    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w_acc, w_new = torch.exp(acc_lse - top), torch.exp(lse - top)
+    total = w_acc + w_new
+    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
+    merged = (acc_out * (w_acc * inv).transpose(1, 2)[..., None]
+              + out.float() * (w_new * inv).transpose(1, 2)[..., None])
+    return merged, top + torch.log(total)
+
+
+def _ring_plan(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor) -> _execute.KernelCall | None:
+    """The Hopper kernel call that serves every shard of this ring, or None where the shards
+    travel in 16 bits and each runs as sageattn (a mask, another kernel, an exact path, or
+    ``exchange="input"``)."""
+    if call.exchange == "input" or call.attn_mask is not None:
+        return None
+    shard_call: AttentionCall = validate(
+        q, k, v, None, 0.0, call.is_causal, call.scale, call.enable_gqa, "NHD",
+        call.options.get("qk_quant", "auto"), call.options.get("pv_quant", "auto"),
+        call.options.get("smooth_k", True), call.options.get("smooth_q", "auto"),
+        call.options.get("smooth_v", "auto"), True, call.options.get("strict", False))
+    decision = _execute.decide(shard_call)
+    if not decision.quantized or decision.choice.kernel != "wgmma" or shard_call.bottom_right:
+        if call.exchange == "quantized":
+            why = decision.fallback or decision.faster_exact or f"the {decision.choice.kernel} kernel"
+            raise NotImplementedError(f"exchange='quantized' needs the Hopper kernel for each shard; "
+                                      f"here: {why}")
+        return None
+    return _execute.KernelCall.of(shard_call, decision.choice)
+
+
+def _shard_causality(is_causal: bool, owner: int, rank: int) -> bool | None:
+    """How this rank's queries attend the keys of ``owner``'s shard: all of them (False), under
+    the causal mask (True: its own shard, query i of the shard seeing keys up to i), or not at
+    all (None: a later shard's keys come after every query here)."""
+    if not is_causal:
+        return False
+    return None if owner > rank else owner == rank
+
+
+def _ring(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
+          group: Any) -> tuple[Tensor, Tensor]:
+    """Ring attention of NHD ``q`` over every rank's ``k`` and ``v``: (out ``[B, N, H, D]`` in q's
+    dtype, lse ``[B, H, N]`` float32)."""
+    p, rank = dist.get_world_size(group), dist.get_rank(group)
+    kernel = _ring_plan(call, q, k, v)
+    local_keys = k.shape[1]
+    if kernel is not None:
+        kb, vb = k.transpose(1, 2), v.transpose(1, 2)
+        local: list[Tensor | None] = list(_quantize_shard(kernel, kb, vb))
+    else:
+        local = [k.contiguous(), v.contiguous()]
+    packed = _Packed.of(local)
+    global _last_ring_bytes
+    _last_ring_bytes = packed.buffer.numel()
+    received = torch.empty(p * packed.buffer.numel(), dtype=torch.uint8, device=q.device)
+    work = dist.all_gather_into_tensor(received, packed.buffer, group=group, async_op=True)
+    received = received.view(p, -1)
+    if mask is not None and mask.shape[-1] == local_keys and p > 1:
+        mask = _all_keys_mask(mask, local_keys, group)
+
+    def attend(shard: list[Tensor | None], owner: int) -> tuple[Tensor, Tensor] | None:
+        causal = _shard_causality(call.is_causal, owner, rank)
+        if causal is None:
+            return None
+        if kernel is not None:
+            out, lse = _attend_quantized(kernel, q.transpose(1, 2), _QuantizedShard(*shard),
+                                         local_keys, causal)
+            return out.transpose(1, 2), lse
+        keys = slice(owner * local_keys, (owner + 1) * local_keys)
+        shard_mask = None if mask is None else mask[..., keys]
+        out, lse = sageattn(q, shard[0], shard[1], shard_mask, 0.0, causal, call.scale,
+                            call.enable_gqa, tensor_layout="NHD", return_lse=True, **call.options)
+        return out, lse
+
+    acc = None
+    part = attend(local, rank)
+    if part is not None:
+        acc = _merge(acc, *part, masked=mask is not None)
+    work.wait()
+    for step in range(1, p):
+        owner = (rank + step) % p
+        part = attend(packed.unpack(received[owner]), owner)
+        if part is not None:
+            acc = _merge(acc, *part, masked=mask is not None)
+    assert acc is not None  # the local shard always contributes
+    return acc[0].to(q.dtype), acc[1]
+
+
+def last_ring_bytes() -> int:
+    """The bytes this rank sent in its last ring exchange (its K and V shard as they travelled:
+    codes, scales and means, or the 16-bit tensors; each part padded to 256 bytes)."""
+    return _last_ring_bytes
+
+
+# ------------------------------------------------------------------------------------------------
+# The entry point
+# ------------------------------------------------------------------------------------------------
+
+
+def context_parallel_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    ring_group: Any = None,
+    ulysses_group: Any = None,
+    tensor_layout: str = "NHD",
+    return_lse: bool = False,
+    exchange: str = "auto",
+    **options: Any,
+) -> Tensor | tuple[Tensor, Tensor]:
+    """:func:`sageattn` over a sequence whose tokens are split across the ranks of
+    ``ulysses_group`` and ``ring_group`` (either may be None or of one rank).
+
+    Args:
+        query, key, value: this rank's token shard, ``[B, N, H, D]`` (``tensor_layout="NHD"``,
+            the default) or ``[B, H, N, D]``; every rank the same shapes, shards in rank order
+            (ulysses rank fastest where both groups are given).
+        attn_mask: None or a key mask (bool, True = attend, or additive), ``[B, keys]`` or
+            ``[B, 1, 1, keys]``, over this rank's keys or over all of them.
+        is_causal: queries see the keys up to their own global position (as many query as key
+            tokens per rank).
+        scale, enable_gqa: as :func:`sageattn`.
+        ring_group, ulysses_group: ``torch.distributed`` process groups.
+        return_lse: also return the natural-log LSE, float32 ``[B, H, N]`` (this rank's queries).
+        exchange: how K and V travel in the ring: ``"quantized"`` (the Hopper kernel's codes,
+            about half of bf16's bytes; an error where that kernel does not serve the call),
+            ``"input"`` (in the input dtype), or ``"auto"`` (quantized where it can be).
+        options: sageattn's ``qk_quant``, ``pv_quant``, ``smooth_k``, ``smooth_q``, ``smooth_v``,
+            ``strict``.
+
+    Returns:
+        This rank's output shard in the input layout (and the LSE with ``return_lse``).
+    """
+    groups = [g for g in (ulysses_group, ring_group) if _degree(g) > 1]
+    try:
+        call = _check(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                      ring_group, ulysses_group, tensor_layout, return_lse, exchange, options)
+        record = CallRecord(call.record_fields(), -1, "")
+    except (TypeError, ValueError, NotImplementedError) as error:
+        if not groups:
+            raise
+        record = CallRecord((), dist.get_rank(), f"{type(error).__name__}: {error}")
+        _agree(record, groups)
+        raise  # (not reached: _agree raised the same error)
+    _agree(record, groups)
+    if not groups:
+        return sageattn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        tensor_layout=tensor_layout, return_lse=return_lse, **options)
+    q, k, v, mask = call.q, call.k, call.v, call.attn_mask
+    if call.ulysses is not None:
+        mask = _all_keys_mask(mask, k.shape[1], call.ulysses)
+        q, k, v = (_tokens_to_heads(t, call.ulysses) for t in (q, k, v))
+    if call.ring is not None:
+        out, lse = _ring(call, q, k, v, mask, call.ring)
+    else:  # Ulysses alone: the one-GPU call on this rank's heads
+        result = sageattn(q, k, v, mask, 0.0, call.is_causal, call.scale, call.enable_gqa,
+                          tensor_layout="NHD", return_lse=return_lse, **call.options)
+        out, lse = result if return_lse else (result, None)
+    if call.ulysses is not None:
+        out = _heads_to_tokens(out, call.ulysses)
+        if lse is not None:
+            lse = _lse_heads_to_tokens(lse.contiguous(), call.ulysses)
+    if tensor_layout == "HND":
+        out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out

@@ -1,0 +1,365 @@
+"""One rank of the context-parallel tests (tests/test_parallel.py starts WORLD of them).
+
+``python3 parallel_worker.py RANK WORLD PORT BACKEND SCENARIO...``: joins the process group
+(gloo on the CPU, nccl on the GPUs, one GPU per rank), runs each scenario and exits 0 when all
+held; a failure prints ``FAILED <scenario>`` and its traceback and exits 1. Every rank draws the
+whole q, k and v from the same seed, takes its shard and compares what
+``context_parallel_attention`` returns for it with ``sageattn`` on the whole tensors in this
+process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+SCENARIOS: dict[str, Callable[[], None]] = {}
+DEVICE = torch.device("cpu")
+
+
+def scenario(function: Callable[[], None]) -> Callable[[], None]:
+    SCENARIOS[function.__name__] = function
+    return function
+
+
+def draw(b: int, n: int, h: int, d: int, seed: int, dtype: torch.dtype = torch.float32,
+         offset: float = 0.0) -> torch.Tensor:
+    """NHD ``[b, n, h, d]``, the same on every rank; channel offsets like real K."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(b, n, h, d, generator=g) + offset * torch.randn(1, 1, h, d, generator=g)
+    return x.to(dtype).to(DEVICE)
+
+
+def shard(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    n = x.shape[1] // world
+    return x[:, rank * n:(rank + 1) * n]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float) -> None:
+    err = float((got.double() - want.double()).abs().max())
+    scale = float(want.double().abs().max()) or 1.0
+    assert got.shape == want.shape, (what, got.shape, want.shape)
+    assert torch.isfinite(got).all() or not torch.isfinite(want).all(), what
+    assert err <= tol * scale, f"{what}: max error {err:.3e} > {tol:.1e} x {scale:.3e}"
+
+
+def whole_and_shard(b: int, n: int, hq: int, hkv: int, d: int, seed: int, rank: int, world: int,
+                    **kw: Any) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    q = draw(b, n, hq, d, seed, **kw)
+    k = draw(b, n, hkv, d, seed + 1, offset=3.0, **kw)
+    v = draw(b, n, hkv, d, seed + 2, **kw)
+    return (q, k, v), tuple(shard(t, rank, world) for t in (q, k, v))
+
+
+def groups() -> dict[str, Any]:
+    """The groups of the scenarios: the whole world, and for 4 ranks a 2 x 2 mesh (ulysses rank
+    fastest: ranks {0,1} and {2,3} are Ulysses groups, {0,2} and {1,3} rings)."""
+    world = dist.get_world_size()
+    found: dict[str, Any] = {"world": dist.group.WORLD}
+    if world == 4:
+        rank = dist.get_rank()
+        for members in ([0, 1], [2, 3]):
+            g = dist.new_group(members)
+            if rank in members:
+                found["ulysses"] = g
+        for members in ([0, 2], [1, 3]):
+            g = dist.new_group(members)
+            if rank in members:
+                found["ring"] = g
+    return found
+
+
+GROUPS: dict[str, Any] = {}
+
+
+def run(**kwargs: Any) -> Any:
+    from sageattention2.parallel import context_parallel_attention
+
+    return context_parallel_attention(*kwargs.pop("args"), **kwargs)
+
+
+def whole(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
+    from sageattention2 import sageattn
+
+    return sageattn(q, k, v, tensor_layout="NHD", **kw)
+
+
+def check_against_whole(mode: str, is_causal: bool, hkv: int = 4, n: int = 10,
+                        mask: str | None = None, **options: Any) -> None:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (q, k, v), local = whole_and_shard(2, n, 4, hkv, 16, 11, rank, world)
+    kw: dict[str, Any] = dict(is_causal=is_causal, enable_gqa=hkv != 4, return_lse=True, **options)
+    full_mask = local_mask = None
+    if mask is not None:
+        keep = torch.ones(2, n, dtype=torch.bool)
+        keep[0, n - 3:] = False        # item 0: its last 3 keys padded
+        keep[1, :n // world] = False   # item 1: every key of rank 0 padded (a shard it skips)
+        full_mask = keep.to(DEVICE)
+        local_mask = shard(keep[:, :, None, None], rank, world)[..., 0, 0].to(DEVICE)
+        kw["attn_mask"] = full_mask[:, None, None, :]
+    want_out, want_lse = whole(q, k, v, **kw)
+    if mask == "local":
+        kw["attn_mask"] = local_mask
+    group = GROUPS["world"]
+    got_out, got_lse = run(args=local, ring_group=group if mode == "ring" else None,
+                           ulysses_group=group if mode == "ulysses" else None, **kw)
+    n_local = n // world
+    rows = slice(rank * n_local, (rank + 1) * n_local)
+    close(got_out, want_out[:, rows], f"{mode} out", 1e-5)
+    close(got_lse, want_lse[:, :, rows], f"{mode} lse", 1e-5)
+
+
+@scenario
+def ring_matches_one_process() -> None:
+    check_against_whole("ring", False)
+
+
+@scenario
+def ring_causal_matches_one_process() -> None:
+    check_against_whole("ring", True)
+
+
+@scenario
+def ulysses_matches_one_process() -> None:
+    check_against_whole("ulysses", False, hkv=2)  # GQA: 2 key heads over 2 ranks
+
+
+@scenario
+def ulysses_causal_matches_one_process() -> None:
+    check_against_whole("ulysses", True)
+
+
+@scenario
+def ring_key_mask_local_and_global() -> None:
+    check_against_whole("ring", False, mask="local")
+    check_against_whole("ring", False, mask="global")
+
+
+@scenario
+def ulysses_key_mask_local() -> None:
+    check_against_whole("ulysses", False, mask="local")
+
+
+@scenario
+def ulysses_and_ring() -> None:
+    """USP on a 2 x 2 mesh: tokens sharded over all 4 ranks, ulysses rank fastest."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (q, k, v), local = whole_and_shard(1, 12, 4, 4, 8, 5, rank, world)
+    want_out, want_lse = whole(q, k, v, return_lse=True)
+    got_out, got_lse = run(args=local, ring_group=GROUPS["ring"], ulysses_group=GROUPS["ulysses"],
+                           return_lse=True)
+    rows = slice(rank * 3, rank * 3 + 3)
+    close(got_out, want_out[:, rows], "usp out", 1e-5)
+    close(got_lse, want_lse[:, :, rows], "usp lse", 1e-5)
+
+
+@scenario
+def quantized_exchange_plumbing() -> None:
+    """The ring's quantized exchange on the CPU, with the quantizer and the kernel stood in for
+    (parts of several dtypes and odd sizes, one absent): each shard's parts arrive intact, in
+    their owner's order, and merge to the whole attention."""
+    from sageattention2 import parallel, reference
+
+    def quantize(kernel: Any, k: torch.Tensor, v: torch.Tensor) -> Any:
+        return parallel._QuantizedShard(k.half(), torch.randn(3, 5), v.double(), None,
+                                        None, k.float().mean(2))
+
+    def attend(kernel: Any, q: torch.Tensor, part: Any, kv_len: int,
+               causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        assert part.k_scale.shape == (3, 5) and part.v_tile_scale is None
+        k = part.k_codes.float()
+        torch.testing.assert_close(part.k_mean, k.mean(2), rtol=0, atol=1e-6)
+        out, lse = reference.exact_attention(q.double(), k.double(), part.v, is_causal=causal,
+                                             return_lse=True)
+        return out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.float()
+
+    parallel._ring_plan = lambda *a: "stand-in"  # type: ignore[assignment]
+    parallel._quantize_shard = quantize  # type: ignore[assignment]
+    parallel._attend_quantized = attend  # type: ignore[assignment]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (q, k, v), local = whole_and_shard(2, 8, 4, 4, 16, 3, rank, world, dtype=torch.float16)
+    for causal in (False, True):
+        want_out, want_lse = whole(q.float(), k.half().float(), v.double().float(),
+                                   is_causal=causal, return_lse=True)
+        got_out, got_lse = run(args=local, ring_group=GROUPS["world"], is_causal=causal,
+                               return_lse=True)
+        rows = slice(rank * 4, rank * 4 + 4)
+        close(got_out, want_out[:, rows], f"quantized plumbing out (causal={causal})", 2e-3)
+        close(got_lse, want_lse[:, :, rows], f"quantized plumbing lse (causal={causal})", 1e-5)
+
+
+def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
+
+
+@scenario
+def gpu_quantized_ring() -> None:
+    """On the GPUs (bf16, K with channel offsets, an odd shard length): the quantized exchange's
+    output and LSE are bit for bit the 16-bit exchange's (each shard's part is sageattn's on that
+    shard either way), within the 8-bit bound of float64 attention, close to the one-GPU call;
+    its bytes at most 0.55x the 16-bit ones."""
+    from sageattention2 import parallel, reference
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = 3001 * world
+    (q, k, v), local = whole_and_shard(1, n, 8, 8, 128, 21, rank, world, dtype=torch.bfloat16)
+    rows = slice(rank * 3001, (rank + 1) * 3001)
+    group = GROUPS["world"]
+    for causal in (False, True):
+        options = dict(is_causal=causal, return_lse=True, qk_quant="int8")
+        out_q, lse_q = run(args=local, ring_group=group, exchange="quantized", **options)
+        out_i, lse_i = run(args=local, ring_group=group, exchange="input", **options)
+        assert torch.equal(out_q, out_i) and torch.equal(lse_q, lse_i), f"causal={causal}"
+        want, want_lse = reference.exact_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
+                                                   is_causal=causal, return_lse=True)
+        err = rel_l1(out_q, want.transpose(1, 2)[:, rows])
+        one_gpu = whole(q, k, v, **options)[0][:, rows]
+        print(f"rank {rank} causal={causal}: ring vs float64 rel. L1 {err:.4f}, vs one GPU "
+              f"{rel_l1(out_q, one_gpu):.4f}; lse max error "
+              f"{float((lse_q.double() - want_lse[:, :, rows]).abs().max()):.2e}", flush=True)
+        assert err < 0.05 and rel_l1(out_q, one_gpu) < 0.05
+        close(lse_q, want_lse[:, :, rows], "ring lse", 1e-2)
+    run(args=local, ring_group=group, exchange="quantized", qk_quant="int8")
+    sent = parallel.last_ring_bytes()
+    run(args=local, ring_group=group, exchange="input", qk_quant="int8")
+    plain = parallel.last_ring_bytes()
+    print(f"rank {rank}: bytes sent per ring call {sent} quantized, {plain} bf16 "
+          f"({sent / plain:.3f}x)", flush=True)
+    assert sent <= 0.55 * plain
+
+
+@scenario
+def gpu_ulysses_bit_exact() -> None:
+    """Ulysses on the GPUs: this rank's output and LSE are the one-GPU call's rows, bit for bit
+    (each head's attention is computed alone either way)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    n = 2500 * world
+    (q, k, v), local = whole_and_shard(1, n, 8, 4, 128, 31, rank, world, dtype=torch.bfloat16)
+    rows = slice(rank * 2500, (rank + 1) * 2500)
+    for causal in (False, True):
+        options = dict(is_causal=causal, return_lse=True, qk_quant="int8", enable_gqa=True)
+        out, lse = run(args=local, ulysses_group=GROUPS["world"], **options)
+        want, want_lse = whole(q, k, v, **options)
+        assert torch.equal(out, want[:, rows]), f"causal={causal}"
+        assert torch.equal(lse, want_lse[:, :, rows]), f"causal={causal}"
+
+
+@scenario
+def diffusers_models_as_shipped() -> None:
+    """Wan and Flux (tiny, float32) with our backend under diffusers' context parallelism,
+    chosen before and after enable_parallelism and by attention_backend(...), Ulysses and the
+    ring: the output equals the one-process output (the CPU's exact path)."""
+    diffusers_models([(1, 2), (2, 1)], ("before", "after", "context"))
+
+
+@scenario
+def diffusers_models_ring_and_ulysses() -> None:
+    """The same on 4 ranks: ring 2 x Ulysses 2 (the tiny models have 2 heads)."""
+    diffusers_models([(2, 2)], ("before",))
+
+
+def diffusers_models(modes: list[tuple[int, int]], orders: tuple[str, ...]) -> None:
+    from diffusers import ContextParallelConfig
+    from diffusers.models.attention_dispatch import attention_backend
+
+    from sageattention2 import _model_suite
+    from sageattention2.integrations import diffusers as sage_diffusers
+
+    if DEVICE.type == "cpu":  # diffusers places each rank on an accelerator (rank % count)
+        torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+    sage_diffusers.register()
+    for build in (_model_suite.wan21_1_3b, _model_suite.flux_dev):
+        def fresh() -> tuple[torch.nn.Module, dict[str, Any]]:
+            torch.manual_seed(0)
+            model, inputs = build(DEVICE, torch.float32, True)
+            return model, dict(inputs, return_dict=False)  # what the plans' output hooks take
+
+        model, inputs = fresh()
+        model.set_attention_backend("sageattention2")
+        with torch.no_grad():
+            want = model(**inputs)[0]
+        for ring, ulysses in modes:
+            for order in orders:
+                model, inputs = fresh()
+                config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+                if order == "before":
+                    model.set_attention_backend("sageattention2")
+                    model.enable_parallelism(config=config)
+                elif order == "after":
+                    model.enable_parallelism(config=config)
+                    model.set_attention_backend("sageattention2")
+                with torch.no_grad():
+                    if order == "context":
+                        model.enable_parallelism(config=config)
+                        with attention_backend("sageattention2"):
+                            got = model(**inputs)[0]
+                    else:
+                        got = model(**inputs)[0]
+                close(got, want, f"{build.__name__} ring {ring} ulysses {ulysses} ({order})", 1e-5)
+
+
+def expect_error(match: str, **kwargs: Any) -> None:
+    try:
+        run(**kwargs)
+    except ValueError as error:
+        assert match in str(error), (match, str(error))
+        return
+    raise AssertionError(f"no error on rank {dist.get_rank()} (expected {match!r})")
+
+
+@scenario
+def bad_input_on_one_rank_raises_everywhere() -> None:
+    """Rank 1 alone passes a bad dtype, then a different shape, then a bad option: every rank
+    raises the same clear error (none waits in a collective), in ring and Ulysses."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    _, (q, k, v) = whole_and_shard(1, 8, 4, 4, 8, 1, rank, world)
+    group = GROUPS["world"]
+    for mode in ("ring_group", "ulysses_group"):
+        bad_q = q.long() if rank == 1 else q
+        expect_error("rank 1: TypeError", args=(bad_q, k, v), **{mode: group})
+        short = q[:, :2] if rank == 1 else q
+        expect_error("differ in query tokens", args=(short, k, v), **{mode: group})
+        options = {"qk_quant": "int9"} if rank == 1 else {}
+        expect_error("rank 1: ValueError: qk_quant", args=(q, k, v), **{mode: group}, **options)
+        keys = torch.ones(1, k.shape[1], dtype=torch.bool, device=DEVICE)
+        if rank == 1:
+            keys = keys.to("meta")  # on another device than q
+        expect_error("rank 1: ValueError: attn_mask must be on", args=(q, k, v), attn_mask=keys,
+                     **{mode: group})
+    # and the group still works afterwards
+    out = run(args=(q, k, v), ring_group=group)
+    assert out.shape == q.shape
+
+
+def main() -> int:
+    global DEVICE
+    rank, world, port, backend = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    if backend == "nccl":
+        DEVICE = torch.device("cuda", rank)
+        torch.cuda.set_device(DEVICE)
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    import mutants  # a behaviour broken on purpose (tests/mutants.py), in the ranks too
+
+    if os.environ.get(mutants.ENVIRONMENT):
+        mutants.apply(os.environ[mutants.ENVIRONMENT])
+    GROUPS.update(groups())
+    failed = 0
+    for name in sys.argv[5:]:
+        try:
+            SCENARIOS[name]()
+            print(f"rank {rank}: ok {name}", flush=True)
+        except Exception:  # noqa: BLE001 (reported, then the exit code says it)
+            failed += 1
+            print(f"rank {rank}: FAILED {name}\n{traceback.format_exc()}", flush=True)
+    dist.destroy_process_group()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

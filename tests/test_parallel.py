@@ -1,0 +1,89 @@
+"""Context parallelism (sageattention2.parallel) across processes: on the CPU over gloo (the exact
+path: the plumbing of Ulysses, the ring and both, the LSE merge, masks, the quantized exchange
+with its quantizer and kernel stood in for, and a bad input on one rank raising on every rank),
+and on 2 GPUs over NCCL (the quantized path against the one-GPU call). Each rank is a process
+running tests/parallel_worker.py."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import sageattention2
+
+WORKER = Path(__file__).resolve().parent / "parallel_worker.py"
+
+
+def free_port() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return str(s.getsockname()[1])
+
+
+def run_ranks(world: int, backend: str, *scenarios: str, timeout: float = 600) -> None:
+    """Start ``world`` ranks of the worker on ``scenarios``; every rank must pass all of them
+    (a rank left waiting in a collective shows as the timeout)."""
+    package_root = str(Path(sageattention2.__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [package_root, *filter(None, [os.environ.get("PYTHONPATH")])]),
+        OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
+    port = free_port()
+    ranks = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, backend,
+                               *scenarios], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
+    outputs = []
+    try:
+        for rank in ranks:
+            outputs.append(rank.communicate(timeout=timeout)[0])
+    finally:
+        for rank in ranks:
+            rank.kill()
+    report = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{out[-4000:]}"
+                       for r, (p, out) in enumerate(zip(ranks, outputs)))
+    assert all(p.returncode == 0 for p in ranks), report
+
+
+def test_two_ranks_on_the_cpu() -> None:
+    run_ranks(2, "gloo", "ring_matches_one_process", "ring_causal_matches_one_process",
+              "ulysses_matches_one_process", "ulysses_causal_matches_one_process",
+              "ring_key_mask_local_and_global", "ulysses_key_mask_local",
+              "bad_input_on_one_rank_raises_everywhere", "quantized_exchange_plumbing")
+
+
+def test_ulysses_and_ring_on_four_cpu_ranks() -> None:
+    run_ranks(4, "gloo", "ulysses_and_ring")
+
+
+def test_diffusers_context_parallelism_on_the_cpu() -> None:
+    """diffusers' own context parallelism with our backend, as users enable it (2 and 4 ranks)."""
+    pytest.importorskip("diffusers")
+    run_ranks(2, "gloo", "diffusers_models_as_shipped")
+    run_ranks(4, "gloo", "diffusers_models_ring_and_ulysses")
+
+
+def test_one_rank_is_sageattn() -> None:
+    """Without groups (or groups of one rank) the call is sageattn's."""
+    from sageattention2 import sageattn
+    from sageattention2.parallel import context_parallel_attention
+
+    q, k, v = (torch.randn(1, 7, 2, 8) for _ in range(3))
+    torch.testing.assert_close(context_parallel_attention(q, k, v, is_causal=True),
+                               sageattn(q, k, v, is_causal=True, tensor_layout="NHD"), rtol=0, atol=0)
+    with pytest.raises(TypeError, match="unexpected keyword.*bogus"):
+        context_parallel_attention(q, k, v, bogus=1)
+    with pytest.raises(ValueError, match="exchange must be one of"):
+        context_parallel_attention(q, k, v, exchange="fp8")
+
+
+@pytest.mark.gpu
+def test_two_gpus(attention_kernel: None) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_ranks(2, "nccl", "ring_matches_one_process", "ulysses_matches_one_process",
+              "ring_key_mask_local_and_global", "ulysses_key_mask_local",
+              "bad_input_on_one_rank_raises_everywhere", "gpu_quantized_ring", "gpu_ulysses_bit_exact")
