@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import _model_suite
+from .testing import relative_l1
 
 # Models with a diffusers context-parallel plan, at the sizes people run them on several GPUs.
 CASES = ("wan", "wan14b", "flux2k")
@@ -73,10 +74,6 @@ def _forward_ms(model: torch.nn.Module, inputs: dict[str, Any], reps: int,
     if group is not None:
         dist.all_reduce(ms, op=dist.ReduceOp.MAX, group=group)
     return float(ms), out
-
-
-def _rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
 
 
 def _worker(rank: int, gpus: int, port: str, keys: list[str], reps: int, out_dir: str) -> None:
@@ -139,9 +136,9 @@ def _worker(rank: int, gpus: int, port: str, keys: list[str], reps: int, out_dir
             best = min(native) if native else float("nan")
             for name, (ms, out) in single.items():
                 lines.append(f"| {key} | 1 | - | {name} | {ms:.1f} | - | - | - | "
-                             f"{_rel_l1(out, ours_out):.4f} |")
+                             f"{relative_l1(out, ours_out):.4f} |")
             for _, n, mode, label, ms, sent, out in rows:
-                error = f"{_rel_l1(out, ours_out):.4f}" if out.numel() else "-"
+                error = f"{relative_l1(out, ours_out):.4f}" if out.numel() else "-"
                 lines.append(f"| {key} | {n} | {mode} | {label} | {ms:.1f} | {best / ms:.2f}x | "
                              f"{ours_ms / ms:.2f}x | {sent if sent != '0' else '-'} | {error} |")
             print("\n".join(lines[-len(rows) - len(single):]), flush=True)

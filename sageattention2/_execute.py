@@ -438,12 +438,16 @@ def _bottom_right(call: AttentionCall, choice: KernelChoice) -> tuple[Tensor, Te
 
 def merge_by_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
     """Attention over two disjoint sets of keys as one: ``out_*`` ``[..., D]``, ``lse_*`` ``[...]``
-    (natural log), part b with at least one key in every row (a finite LSE). In float32, then
-    out_a's dtype (sageattn_varlen's bottom-right parts merge with this one definition)."""
+    (natural log). A part in which a row sees no key (LSE -inf, output 0) adds nothing to it; a
+    row that sees no key in either keeps output 0 and LSE -inf. In float32, then out_a's dtype
+    (sageattn_varlen's bottom-right parts and the context-parallel ring merge with this one
+    definition)."""
     top = torch.maximum(lse_a, lse_b)
+    top = torch.where(torch.isneginf(top), torch.zeros_like(top), top)  # (no key in either)
     w_a, w_b = torch.exp(lse_a - top), torch.exp(lse_b - top)
     total = w_a + w_b
-    out = (out_a.float() * (w_a / total)[..., None] + out_b.float() * (w_b / total)[..., None])
+    divisor = torch.where(total > 0, total, torch.ones_like(total))  # (no key: 0 / 1)
+    out = (out_a.float() * (w_a / divisor)[..., None] + out_b.float() * (w_b / divisor)[..., None])
     return out.to(out_a.dtype), top + torch.log(total)
 
 

@@ -347,25 +347,18 @@ def _attend_quantized(kernel: _execute.KernelCall, q: Tensor, shard: _QuantizedS
 def _merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor,
            masked: bool = False) -> tuple[Tensor, Tensor]:
     """Fold one shard's ``out [B, N, H, D]`` and ``lse [B, H, N]`` into the float32 running
-    result. A row that sees none of a shard's keys (a key mask hides them all) has LSE -inf and
-    output 0 there, as sageattn returns it: it adds nothing, and a row that sees no key at all
-    keeps output 0 and LSE -inf. ``masked``: the shard ran with a key mask, and its rows that
-    see no key are set so whatever an SDPA backend wrote there (NaN on some)."""
+    result (``_execute.merge_by_lse``: a row that sees none of a shard's keys adds nothing).
+    ``masked``: the shard ran with a key mask, and its rows that see no key are set so whatever
+    an SDPA backend wrote there (NaN on some)."""
     if masked:
         unseen = torch.isneginf(lse) | torch.isnan(lse)
         lse = lse.masked_fill(unseen, -math.inf)
         out = out.masked_fill(unseen.transpose(1, 2)[..., None], 0)
     if acc is None:
         return out.float(), lse.float()
-    acc_out, acc_lse = acc
-    top = torch.maximum(acc_lse, lse)
-    top = torch.where(torch.isinf(top), torch.zeros_like(top), top)
-    w_acc, w_new = torch.exp(acc_lse - top), torch.exp(lse - top)
-    total = w_acc + w_new
-    inv = torch.where(total > 0, 1.0 / total, torch.zeros_like(total))
-    merged = (acc_out * (w_acc * inv).transpose(1, 2)[..., None]
-              + out.float() * (w_new * inv).transpose(1, 2)[..., None])
-    return merged, top + torch.log(total)
+    merged, merged_lse = _execute.merge_by_lse(acc[0].transpose(1, 2), acc[1],
+                                               out.transpose(1, 2), lse)
+    return merged.transpose(1, 2), merged_lse
 
 
 def _ring_plan(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor) -> _execute.KernelCall | None:

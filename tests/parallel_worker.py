@@ -193,10 +193,6 @@ def quantized_exchange_plumbing() -> None:
         close(got_lse, want_lse[:, :, rows], f"quantized plumbing lse (causal={causal})", 1e-5)
 
 
-def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
-
-
 @scenario
 def gpu_quantized_ring() -> None:
     """On the GPUs (bf16, K with channel offsets, an odd shard length): the quantized exchange's
@@ -204,6 +200,7 @@ def gpu_quantized_ring() -> None:
     shard either way), within the 8-bit bound of float64 attention, close to the one-GPU call;
     its bytes at most 0.55x the 16-bit ones."""
     from sageattention2 import parallel, reference
+    from sageattention2.testing import relative_l1 as rel_l1
 
     rank, world = dist.get_rank(), dist.get_world_size()
     n = 3001 * world

@@ -84,13 +84,14 @@ def _sageattention2_backend(
 ) -> Tensor | tuple[Tensor, Tensor]:
     """The dispatcher's backend function: its arguments by name, tensors ``[B, N, H, D]``."""
     if _parallel_config is not None:
-        return _context_parallel(query, key, value, attn_mask, dropout_p, is_causal, scale,
-                                 enable_gqa, return_lse, _parallel_config)
-    if (attn_mask is not None and attn_mask.dim() == 2 and query.dim() == 4
-            and attn_mask.shape == (query.shape[0], key.shape[1])):
-        attn_mask = attn_mask[:, None, None, :]  # a key mask [B, N_kv], as the native backend
-    result = sageattn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                      tensor_layout="NHD", return_lse=return_lse, **_options)
+        result = _context_parallel(query, key, value, attn_mask, dropout_p, is_causal, scale,
+                                   enable_gqa, return_lse, _parallel_config)
+    else:
+        if (attn_mask is not None and attn_mask.dim() == 2 and query.dim() == 4
+                and attn_mask.shape == (query.shape[0], key.shape[1])):
+            attn_mask = attn_mask[:, None, None, :]  # a key mask [B, N_kv], as the native backend
+        result = sageattn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                          tensor_layout="NHD", return_lse=return_lse, **_options)
     if not return_lse:
         return result
     out, lse = result
@@ -100,7 +101,8 @@ def _sageattention2_backend(
 def _context_parallel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tensor | None,
                       dropout_p: float, is_causal: bool, scale: float | None, enable_gqa: bool,
                       return_lse: bool, parallel_config: Any) -> Tensor | tuple[Tensor, Tensor]:
-    """The backend under diffusers' context parallelism: the config's ring and Ulysses groups."""
+    """The backend under diffusers' context parallelism: the config's ring and Ulysses groups
+    (the LSE in sageattn's ``[B, H, N]``, as the caller turns it)."""
     config = parallel_config.context_parallel_config
     if getattr(config, "ring_anything", False) or getattr(config, "ulysses_anything", False):
         raise ValueError("the sageattention2 attention backend needs shards of equal length under "
@@ -108,14 +110,10 @@ def _context_parallel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
                          "supported; use diffusers' native backend for them")
     ring = config._ring_mesh.get_group() if config.ring_degree > 1 else None
     ulysses = config._ulysses_mesh.get_group() if config.ulysses_degree > 1 else None
-    result = context_parallel_attention(
+    return context_parallel_attention(
         query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, ring_group=ring,
         ulysses_group=ulysses, tensor_layout="NHD", return_lse=return_lse, exchange=_exchange[0],
         **_options)
-    if not return_lse:
-        return result
-    out, lse = result
-    return out, lse.transpose(-1, -2)  # [B, H, N] -> [B, N, H], the dispatcher's form
 
 
 def register(*, exchange: str = "auto", **sageattn_kwargs: Any) -> str:
