@@ -346,17 +346,18 @@ def main() -> int:
     if os.environ.get(mutants.ENVIRONMENT):
         mutants.apply(os.environ[mutants.ENVIRONMENT])
     GROUPS.update(groups())
-    failed = 0
     for name in sys.argv[5:]:
         try:
             SCENARIOS[name]()
             print(f"rank {rank}: ok {name}", flush=True)
         except Exception:  # noqa: BLE001 (reported, then the exit code says it)
-            failed += 1
+            # Leave at once: the other ranks, waiting in this scenario's collectives or the next
+            # one's, then fail on the lost connection instead of waiting for a timeout.
             print(f"rank {rank}: FAILED {name}\n{traceback.format_exc()}", flush=True)
+            return 1
     dist.barrier()  # every rank done before any tears its connections down
     dist.destroy_process_group()
-    return 1 if failed else 0
+    return 0
 
 
 if __name__ == "__main__":

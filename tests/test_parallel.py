@@ -9,6 +9,8 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -33,16 +35,26 @@ def run_ranks(world: int, backend: str, *scenarios: str, timeout: float = 600) -
         [package_root, *filter(None, [os.environ.get("PYTHONPATH")])]),
         OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     port = free_port()
+    logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
     ranks = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), port, backend,
-                               *scenarios], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True) for r in range(world)]
-    outputs = []
-    try:
-        for rank in ranks:
-            outputs.append(rank.communicate(timeout=timeout)[0])
-    finally:
-        for rank in ranks:
+                               *scenarios], env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+             for r, log in enumerate(logs)]
+    # A rank that fails leaves at once; the others then fail on the lost connection, or are
+    # stopped a little later (one waiting for a dead peer would otherwise wait for the timeout).
+    deadline = time.monotonic() + timeout
+    while any(rank.poll() is None for rank in ranks) and time.monotonic() < deadline:
+        if any(rank.returncode not in (None, 0) for rank in ranks):
+            deadline = min(deadline, time.monotonic() + 20)
+        time.sleep(0.1)
+    for rank in ranks:
+        if rank.poll() is None:
             rank.kill()
+            rank.wait()
+    outputs = []
+    for log in logs:
+        log.seek(0)
+        outputs.append(log.read())
+        log.close()
     report = "\n".join(f"--- rank {r} (exit {p.returncode}) ---\n{out[-4000:]}"
                        for r, (p, out) in enumerate(zip(ranks, outputs)))
     assert all(p.returncode == 0 for p in ranks), report
