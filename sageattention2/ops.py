@@ -21,10 +21,15 @@ Everything is registered only when the extension loaded: without it the ops do n
 """
 from __future__ import annotations
 
+import hashlib
 import importlib
+import importlib.metadata
+import importlib.util
 import math
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
@@ -32,15 +37,63 @@ from torch import Tensor
 
 from ._key_ranges import item_ranges
 
-try:
-    _C: Any = importlib.import_module(f"{__package__}._C")
-except (ImportError, OSError) as _error:  # missing build, or a build against another torch/CUDA
-    _C = None
-    HAS_EXTENSION = False
-    EXTENSION_ERROR: str | None = f"{type(_error).__name__}: {_error}"
-else:
-    HAS_EXTENSION = True
-    EXTENSION_ERROR = None
+def _python_sources(folder: Path) -> dict[str, bytes]:
+    return {path.name: hashlib.sha256(path.read_bytes()).digest()
+            for path in sorted(folder.glob("*.py"))}
+
+
+def _installed_extension() -> tuple[Path | None, str]:
+    """Where this package is a source folder without a compiled extension (a checkout: run from
+    its root, Python finds the sources before the installed package), the extension of the
+    installed ``sageattention2`` distribution when its Python sources are this folder's; else
+    None and the one sentence that says what to do."""
+    here = Path(__file__).resolve().parent
+    try:
+        distribution = importlib.metadata.distribution("sageattention2")
+    except importlib.metadata.PackageNotFoundError:
+        return None, "not installed: pip install --no-build-isolation ."
+    built = [f for f in distribution.files or () if f.name.startswith("_C.")
+             and f.suffix in (".so", ".pyd") and f.parent.name == "sageattention2"]
+    if not built:
+        return None, "the installed sageattention2 has no compiled extension (built without CUDA?)"
+    extension = Path(str(distribution.locate_file(built[0]))).resolve()
+    if extension.parent == here or not extension.exists():
+        return None, f"{extension} is missing"
+    if _python_sources(extension.parent) != _python_sources(here):
+        return None, (f"this is the source folder {here}, which has no build, and the installed "
+                      f"copy at {extension.parent} has other Python sources: reinstall "
+                      f"(pip install --no-build-isolation .) or run from another directory")
+    return extension, ""
+
+
+def _load_extension() -> tuple[Any, str | None]:
+    """The extension module and None, or None and why it is missing."""
+    name = f"{__package__}._C"
+    try:
+        return importlib.import_module(name), None
+    except ModuleNotFoundError as error:  # no build here: perhaps the installed copy's
+        if error.name != name:
+            return None, f"{type(error).__name__}: {error}"
+        missing = f"{type(error).__name__}: {error}"
+    except (ImportError, OSError) as error:  # a build against another torch/CUDA
+        return None, f"{type(error).__name__}: {error}"
+    extension, why = _installed_extension()
+    if extension is None:
+        return None, f"{missing} ({why})"
+    spec = importlib.util.spec_from_file_location(name, extension)
+    if spec is None or spec.loader is None:
+        return None, f"{missing} (cannot load {extension})"
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except (ImportError, OSError) as error:
+        return None, f"{type(error).__name__}: {error} (loading {extension})"
+    sys.modules[name] = module
+    return module, None
+
+
+_C, EXTENSION_ERROR = _load_extension()
+HAS_EXTENSION = _C is not None
 
 __all__ = [
     "EXTENSION_ERROR",

@@ -29,6 +29,8 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
+import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -195,3 +197,16 @@ def mma_fp8_kernel() -> None:
         capability = torch.cuda.get_device_capability()
         pytest.skip(f"no {ops.MMA_FP8_FAMILY} code for sm_{capability[0]}{capability[1]} in "
                     "this build")
+
+
+@pytest.fixture(scope="session")
+def dropin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The drop-in installed as the README says (pip, from compat/), into a folder of its own
+    (copied first: setuptools writes build files next to the sources)."""
+    root = tmp_path_factory.mktemp("dropin")
+    shutil.copytree(Path(__file__).resolve().parents[1] / "compat", root / "src")
+    site = root / "site"
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-build-isolation",
+                    "--no-deps", "--no-index", "--target", str(site), str(root / "src")],
+                   check=True, capture_output=True, text=True)
+    return site

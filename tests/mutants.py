@@ -662,6 +662,30 @@ def _ulysses_lse_heads_misplaced(patch: pytest.MonkeyPatch) -> None:
 
     _wrap(patch, parallel, "_lse_heads_to_tokens",
           lambda real, lse, group: real(lse, group).roll(lse.shape[1], dims=1))
+@mutant("compat-drops-softmax-scale",
+        "the drop-in ignores flash-attn's softmax_scale= (as the authors' function does)",
+        "test_compat.py::test_keywords_are_translated", "test_compat.py::test_callers_on_the_cpu")
+def _compat_drops_softmax_scale(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import compat
+
+    def translate(real: Any, function: str, given: dict[str, Any]) -> dict[str, Any]:
+        given = dict(given, kwargs={n: v for n, v in given["kwargs"].items() if n != "softmax_scale"})
+        return real(function, given)
+
+    _wrap(patch, compat, "_translate", translate)
+
+
+@mutant("compat-lse-in-log2",
+        "the drop-in returns the LSE in base 2 (the kernels' internal form)",
+        "test_compat.py::test_outputs_and_lse_on_the_cpu", "test_compat.py::test_callers_on_the_cpu")
+def _compat_lse_in_log2(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import compat
+
+    def run(real: Any, *args: Any) -> Any:
+        result = real(*args)
+        return (result[0], result[1] * 1.4426950408889634) if isinstance(result, tuple) else result
+
+    _wrap(patch, compat, "_run", run)
 # --- other (end) ---
 
 

@@ -9,6 +9,7 @@ process.
 """
 from __future__ import annotations
 
+import math
 import os
 import sys
 import traceback
@@ -298,6 +299,76 @@ def diffusers_models(modes: list[tuple[int, int]], orders: tuple[str, ...]) -> N
                     else:
                         got = model(**inputs)[0]
                 close(got, want, f"{build.__name__} ring {ring} ulysses {ulysses} ({order})", 1e-5)
+
+
+def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double().flatten(), b.double().flatten()
+    return float(a @ b / (a.norm() * b.norm()))
+
+
+@scenario
+def yunchang_usp_runs_the_dropin() -> None:
+    """yunchang's LongContextAttention (Ulysses x ring, every split of this world) with its
+    SAGE attention types, served by the drop-in ``sageattention`` (compat/, on PYTHONPATH):
+    each rank's output equals one-process float64 attention (the CPU's exact path) or, on GPUs,
+    is within quantization noise of it and of yunchang's own torch backend; on GPUs the
+    quantized kernel ran."""
+    import sageattention  # noqa: F401 (the drop-in: yunchang finds it)
+    from yunchang import LongContextAttention, set_seq_parallel_pg
+    from yunchang.kernels import AttnType
+
+    from sageattention2 import ops
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    on_gpu = DEVICE.type == "cuda"
+    n, d, dtype = (2048, 128, torch.bfloat16) if on_gpu else (24, 16, torch.float32)
+    q, k, v = (draw(1, n, 8, d, 21 + i, offset=3.0 * (i == 1)).to(dtype) for i in range(3))
+    kernel_calls = [0]
+    real = {name: getattr(ops, name) for name in ("sageattn_wgmma", "sageattn_mma")}
+
+    def counter(function: Callable[..., Any]) -> Callable[..., Any]:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            kernel_calls[0] += 1
+            return function(*args, **kwargs)
+        return counted
+
+    for name, function in real.items():
+        setattr(ops, name, counter(function))
+    splits = [(u, world // u) for u in (1, 2, 4) if world % u == 0 and u <= world]
+    for ulysses, ring in splits:
+        set_seq_parallel_pg(ulysses, ring, rank, world)
+        for causal in (False, True):
+            s = q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2) * d ** -0.5
+            if causal:
+                s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
+            want = (torch.softmax(s, -1) @ v.double().transpose(1, 2)).transpose(1, 2)
+            rows = slice(rank * n // world, (rank + 1) * n // world)
+            local = [t[:, rows].contiguous() for t in (q, k, v)]
+            outputs = {}
+            kinds = [AttnType.SAGE_AUTO, AttnType.SAGE_FP8, AttnType.SAGE_FP8_SM90, AttnType.SAGE_FP16]
+            for kind in kinds + ([AttnType.TORCH_FLASH] if on_gpu else []):
+                before = kernel_calls[0]
+                attention = LongContextAttention(ring_impl_type="basic", attn_type=kind)
+                with torch.no_grad():
+                    outputs[kind] = attention(*local, softmax_scale=d ** -0.5, causal=causal)
+                what = f"yunchang {kind.value} ulysses {ulysses} x ring {ring} causal={causal}"
+                if kind is AttnType.TORCH_FLASH:
+                    continue
+                if on_gpu:
+                    assert kernel_calls[0] > before, f"{what}: the quantized kernel did not run"
+                    assert cosine(outputs[kind], want[:, rows]) >= 0.999, what
+                else:
+                    close(outputs[kind], want[:, rows].to(dtype), what, 1e-5)
+            if on_gpu:
+                for kind in kinds:
+                    similarity = cosine(outputs[kind], outputs[AttnType.TORCH_FLASH])
+                    assert similarity >= 0.999, (kind, ulysses, ring, causal, similarity)
+                    if rank == 0:
+                        print(f"yunchang {kind.value} ulysses {ulysses} x ring {ring} "
+                              f"causal={causal}: CosSim vs its torch backend {similarity:.6f}",
+                              flush=True)
+    for name, function in real.items():
+        setattr(ops, name, function)
 
 
 def expect_error(match: str, **kwargs: Any) -> None:

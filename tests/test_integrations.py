@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -128,6 +129,47 @@ def test_cli_info(tmp_path: Path) -> None:
     assert f"sageattn plan: {sageattention2.kernel_plan()}" in text  # the package under test, here
     if not torch.cuda.is_available():
         assert "GPU: no CUDA GPU" in text
+
+
+def test_a_checkout_without_a_build_uses_the_installed_one(tmp_path: Path) -> None:
+    """The README's main job runs in the checkout's root, where ``python -m sageattention2``
+    imports the source folder (no compiled extension there): it loads the installed build of the
+    same sources, and where the sources differ it says what to do."""
+    import importlib.metadata
+
+    from sageattention2 import ops
+
+    try:
+        files = importlib.metadata.distribution("sageattention2").files or []
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip("sageattention2 is not installed")
+    if not any(f.name.startswith("_C.") and f.parent.name == "sageattention2" for f in files):
+        pytest.skip("the installed sageattention2 has no compiled extension")
+    package = Path(sageattention2.__file__).resolve().parent
+    installed = Path(str(importlib.metadata.distribution("sageattention2").locate_file(
+        "sageattention2"))).resolve()
+    if ops._python_sources(installed) != ops._python_sources(package):
+        pytest.skip("the installed sageattention2 is not these sources (a stale install)")
+    checkout = tmp_path / "sageattention2"
+    shutil.copytree(package, checkout, ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+
+    def extension_from_the_checkout() -> str:
+        # cwd first on sys.path, as `python -m` from the checkout's root; not PYTHONPATH
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        done = subprocess.run([sys.executable, "-c", (
+            "import sageattention2, sageattention2.ops as o; "
+            "print(sageattention2.__file__); print(o.HAS_EXTENSION); print(o.EXTENSION_ERROR)")],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        return done.stdout
+
+    printed = extension_from_the_checkout().splitlines()
+    assert printed[0] == str(checkout / "__init__.py") and printed[1] == "True", printed
+    with open(checkout / "api.py", "a") as sources:
+        sources.write("# edited\n")
+    printed = extension_from_the_checkout().splitlines()
+    assert printed[1] == "False" and "other Python sources" in printed[2], printed
+    assert "pip install --no-build-isolation ." in printed[2], printed
 
 
 def test_cli_routing_table(tmp_path: Path) -> None:

@@ -27,12 +27,14 @@ def free_port() -> str:
         return str(s.getsockname()[1])
 
 
-def run_ranks(world: int, backend: str, *scenarios: str, timeout: float = 600) -> None:
+def run_ranks(world: int, backend: str, *scenarios: str, timeout: float = 600,
+              path: tuple[Path, ...] = ()) -> None:
     """Start ``world`` ranks of the worker on ``scenarios``; every rank must pass all of them
-    (a rank left waiting in a collective shows as the timeout)."""
+    (a rank left waiting in a collective shows as the timeout). ``path``: folders put first on
+    the ranks' PYTHONPATH (the drop-in's)."""
     package_root = str(Path(sageattention2.__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [package_root, *filter(None, [os.environ.get("PYTHONPATH")])]),
+        [*map(str, path), package_root, *filter(None, [os.environ.get("PYTHONPATH")])]),
         OMP_NUM_THREADS="1", NCCL_NVLS_ENABLE="0", TORCH_SYMM_MEM_DISABLE_MULTICAST="1")
     port = free_port()
     logs = [tempfile.TemporaryFile("w+") for _ in range(world)]
@@ -76,6 +78,24 @@ def test_diffusers_context_parallelism_on_the_cpu() -> None:
     pytest.importorskip("diffusers")
     run_ranks(2, "gloo", "diffusers_models_as_shipped")
     run_ranks(4, "gloo", "diffusers_models_ring_and_ulysses")
+
+
+def test_yunchang_usp_on_cpu_ranks(dropin: Path) -> None:
+    """yunchang's USP with its SAGE attention types, reaching our code through the drop-in
+    ``sageattention``: Ulysses 2, ring 2, and on 4 ranks also 2 x 2."""
+    pytest.importorskip("yunchang")
+    run_ranks(2, "gloo", "yunchang_usp_runs_the_dropin", path=(dropin,))
+    run_ranks(4, "gloo", "yunchang_usp_runs_the_dropin", path=(dropin,))
+
+
+@pytest.mark.gpu
+def test_yunchang_usp_on_gpus(dropin: Path, attention_kernel: None) -> None:
+    """The same on GPUs (NCCL): 2 ranks, and 4 (2 x 2 among them) where there are 4 GPUs."""
+    pytest.importorskip("yunchang")
+    gpus = torch.cuda.device_count()
+    if gpus < 2:
+        pytest.skip("needs 2 GPUs")
+    run_ranks(4 if gpus >= 4 else 2, "nccl", "yunchang_usp_runs_the_dropin", path=(dropin,))
 
 
 def test_one_rank_is_sageattn() -> None:

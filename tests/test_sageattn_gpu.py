@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from gpu_helpers import (DEVICE, EMULATION_L1, INT4_MAX_LEN, LSE_EMULATION_ATOL, MMA_INT4_FP8,
-                         MMA_INT8_FP8, MMA_INT8_INPUT, PATHS, WGMMA, WGMMA_INPUT,
+                         MMA_INT8_FP8, MMA_INT8_INPUT, OFFICIAL_ROUNDING, OFFICIAL_SM90, PATHS,
+                         WGMMA, WGMMA_INPUT,
                          WGMMA_LSE_EMULATION_ATOL,
                          assert_finite, assert_first_query_sees_first_key, emulate, exact,
                          exact_l1_bound, in_layout, make_qkv, mma_fp8_on_device, rel_l1,
@@ -54,14 +55,6 @@ ANCHOR_BOUNDS_OF = {
                    "outliers": MMA_FP8_OUTLIERS},
 }
 OFFICIAL_BOUNDS_WHEN_CAUSAL = {(MMA_INT8_FP8, "bias0"), (MMA_INT8_FP8, "bias4")}
-# docs/PROTOCOL.md#official-accuracy: the official 8-bit sm90 kernel, (family, causal) ->
-# (CosSim, rel. L1). attention_wgmma (FP8 PV like the official kernel) must be no worse on the same
-# family and mask (issue 4's acceptance point), up to the rounding of the printed figures (half a
-# unit of the last digit).
-OFFICIAL_SM90 = {("bias0", False): (0.999265, 0.0383), ("bias0", True): (0.999389, 0.0367),
-                 ("bias4", False): (0.99990, 0.0117), ("bias4", True): (0.99987, 0.0132),
-                 ("outliers", False): (0.998399, 0.0397), ("outliers", True): (0.99846, 0.0387)}
-OFFICIAL_ROUNDING = (5e-6, 5e-5)
 # Measured on the H100: with one Q scale per row attention_wgmma is at 0.998436 / 0.03923 on the
 # outliers family (official 0.998399 / 0.0397) and 0.998557 / 0.03783 causal (0.99846 / 0.0387);
 # with the per-thread Q groups of Eq. 8 it was 0.998273 / 0.04071 and 0.998403 / 0.03925, short
