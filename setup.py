@@ -1,7 +1,7 @@
 """Build of the sageattention2 CUDA extension (torch.utils.cpp_extension).
 
 Install with ``pip install --no-build-isolation .`` in an environment that already has torch.
-TORCH_CUDA_ARCH_LIST narrows the archs (default "8.0;8.9;9.0a"); MAX_JOBS parallelises nvcc.
+TORCH_CUDA_ARCH_LIST narrows the archs (default "8.0;8.6;8.9;9.0a;10.0;12.0"); MAX_JOBS parallelises nvcc.
 SAGEATTENTION2_SKIP_CUDA=1 installs the pure-Python package only (reference and fallbacks).
 """
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 from setuptools import find_namespace_packages, setup
 
 ROOT = Path(__file__).parent
-DEFAULT_ARCHS = "8.0;8.9;9.0a"
+DEFAULT_ARCHS = "8.0;8.6;8.9;9.0a;10.0;12.0"
 
 
 def read_version() -> str:

@@ -255,13 +255,14 @@ ROUTES: tuple[Route, ...] = (
                        "FP32 accumulation (3-4x less error than FP8 PV)"),
     Route("`qk_quant=\"int4\"`", lambda call, target: call.qk_quant == "int4", MMA_INT4_FP8,
           "the INT4 variant exists with FP8 PV only (sm_89+: native INT4 and FP8 mma.sync on "
-          "Ada; emulated on the H100, slow)"),
+          "Ada; INT4 emulated on sm_90, sm_100 and sm_120, FP8 also on sm_90 and sm_100: slow)"),
     Route("`pv_quant=\"fp8\"`, or \"auto\" on a GPU with native FP8 mma.sync (sm_89, sm_12x) "
           "and the build's FP8 code for it",
           lambda call, target: call.pv_quant == "fp8" or (
               call.pv_quant == "auto" and target.native_fp8 and target.mma_fp8),
-          MMA_INT8_FP8, "FP8 PV is the fast PV where FP8 tensor cores are native; on sm_90 the "
-                        "warp-level kernel's FP8 mma.sync is emulated, slower than FP16 PV"),
+          MMA_INT8_FP8, "FP8 PV is the fast PV where FP8 tensor cores are native; on sm_90 and "
+                        "sm_100 the warp-level kernel's FP8 mma.sync is emulated (their FP8 "
+                        "tensor cores are wgmma's and tcgen05's), slower than FP16 PV"),
     Route("any other call", lambda call, target: True, MMA_INT8_INPUT,
           "P and V in the input dtype, FP32 accumulation: every GPU from sm_80 on"),
 )
@@ -511,18 +512,23 @@ def kernel_plan(device: torch.device | str | int | None = None) -> str:
 # The README table
 # ------------------------------------------------------------------------------------------------
 
-# The archs of each kernel family in the default build (setup.py: sm_80, sm_89, sm_90a), which
-# the README table describes.
+# The archs of each kernel family in the default build (setup.py: sm_80, sm_86, sm_89, sm_90a,
+# sm_100, sm_120; csrc/torch/module.cpp: FP8 mma.sync code from sm_89 on), which the README
+# table describes.
 DEFAULT_BUILD: dict[str, tuple[str, ...]] = {
-    ops.MMA_FAMILY: ("sm_80", "sm_89", "sm_90a"),
-    ops.MMA_FP8_FAMILY: ("sm_89", "sm_90a"),
+    ops.MMA_FAMILY: ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120"),
+    ops.MMA_FP8_FAMILY: ("sm_89", "sm_90a", "sm_100", "sm_120"),
     ops.WGMMA_FAMILY: ("sm_90a",),
 }
-# The README table's columns: GPUs and their capability.
+# The README table's columns: GPUs and their capability (a cubin runs on its major's later
+# minors: sm_86's on sm_87, sm_100's on sm_103, sm_120's on sm_121).
 TABLE_GPUS: tuple[tuple[str, Capability], ...] = (
     ("sm_90 (H100, H200, H20)", (9, 0)),
     ("sm_89 (RTX 4090, L20, L40)", (8, 9)),
+    ("sm_120 (RTX 5090, RTX PRO 6000)", (12, 0)),
+    ("sm_100 (B200, GB200)", (10, 0)),
     ("sm_80/86 (A100, RTX 3090)", (8, 0)),
+    ("sm_75 and older (T4, RTX 2080)", (7, 5)),
 )
 # Its rows: float16 calls with these options.
 TABLE_CALLS: tuple[dict[str, Any], ...] = (

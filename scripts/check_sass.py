@@ -41,18 +41,21 @@ from pathlib import Path
 # name with, for the warp-level kernel, its QK codes and PV operands (template parameters).
 # No expectation where the hardware has no native instruction: the FP8 variants are stubs before
 # sm_89 and emulate FP8 (and INT4) mma.sync on sm_90; the Hopper kernel has code for sm_90a only.
+# Blackwell: consumer sm_120 runs FP8 mma.sync natively (QMMA) but INT4 emulated; datacenter
+# sm_100 emulates both (its FP8 tensor cores are tcgen05's).
+_INT8_FP16_PV = ("IMMA.16832.S8.S8", "HMMA.16816.F32")
 EXPECTED: dict[str, dict[str, tuple[str, ...]]] = {
     "attention_mma_kernel<int8, input>": {
-        "sm_80": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
-        "sm_89": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
-        "sm_90": ("IMMA.16832.S8.S8", "HMMA.16816.F32"),
-    },
+        arch: _INT8_FP16_PV for arch in ("sm_80", "sm_86", "sm_89", "sm_90", "sm_100", "sm_120")},
     "attention_mma_kernel<int8, fp8>": {
         "sm_89": ("IMMA.16832.S8.S8", "QMMA.16832.F32.E4M3.E4M3"),
         "sm_90": ("IMMA.16832.S8.S8",),
+        "sm_100": ("IMMA.16832.S8.S8",),
+        "sm_120": ("IMMA.16832.S8.S8", "QMMA.16832.F32.E4M3.E4M3"),
     },
     "attention_mma_kernel<int4, fp8>": {
         "sm_89": ("IMMA.16864.S4.S4", "QMMA.16832.F32.E4M3.E4M3"),
+        "sm_120": ("QMMA.16832.F32.E4M3.E4M3",),
     },
     "attention_wgmma_kernel<fp8>": {
         "sm_90": ("IGMMA.64x128x32.S8.S8", "QGMMA.64x"),
@@ -89,13 +92,23 @@ def known_stack(name: str, arch: str, head_dim: int, causal: bool, smooth_q: boo
     docs/DESIGN.md#packed-sequences), with the item's rows and counts beside, up to 56 bytes
     (causal on sm_80/sm_89; both on sm_90). Every other variant spills nothing: the sm_89 FP8
     variants (the Ada fast path), packed too, and INT8 + FP16 PV without Q smoothing (sageattn's
-    default for INT8) on sm_90 and, non-causal, everywhere; the Hopper kernel."""
-    if "fp8" in name and arch == "sm_90":
+    default for INT8) on sm_90 and, non-causal, everywhere; the Hopper kernel.
+    Blackwell (built, not run here; ptxas of CUDA 13.0): sm_100 emulates FP8 and INT4 mma.sync,
+    sm_120 INT4, and those variants spill as sm_90's emulated ones; the packed INT8 + FP16 PV
+    variant at head_dim 128 keeps up to 16 bytes there non-causal too; on sm_120 the FP8 fast
+    path's causal Q-smoothing variant at 128 keeps 16 bytes (sageattn's INT8 default smooths no
+    Q: its variant spills nothing)."""
+    emulated = ("fp8" in name and arch in ("sm_90", "sm_100")) or (
+        name.endswith("<int4, fp8>") and arch == "sm_120")
+    if emulated:
         return 96
-    if packed and name.endswith("<int8, input>") and head_dim == 128 and (causal or arch == "sm_90"):
+    if packed and name.endswith("<int8, input>") and head_dim == 128 and (
+            causal or arch in ("sm_90", "sm_100", "sm_120")):
         return 56
     if name.endswith("<int8, input>") and head_dim == 128 and (smooth_q or (causal and arch != "sm_90")):
         return 8
+    if name.endswith("<int8, fp8>") and arch == "sm_120" and head_dim == 128 and causal and smooth_q:
+        return 16
     return 0
 
 

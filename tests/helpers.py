@@ -77,14 +77,14 @@ def validated(*args: Any, **kwargs: Any) -> _call.AttentionCall:
 # Pretended GPUs and builds
 # ------------------------------------------------------------------------------------------------
 
-ALL_ARCHS = ["sm_80", "sm_89", "sm_90a"]
+ALL_ARCHS = ["sm_80", "sm_86", "sm_89", "sm_90a", "sm_100", "sm_120"]
 # The kernel families of a default build (csrc/torch/module.cpp): what build_info() reports.
 PREPROCESS_KEY = "preprocess"
 MMA_KEY = "attention_mma"
 MMA_FP8_KEY = "attention_mma_fp8"
 WGMMA_KEY = "attention_wgmma"
-DEFAULT_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS, MMA_FP8_KEY: ["sm_89", "sm_90a"],
-                 WGMMA_KEY: ["sm_90a"]}
+DEFAULT_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS,
+                 MMA_FP8_KEY: ["sm_89", "sm_90a", "sm_100", "sm_120"], WGMMA_KEY: ["sm_90a"]}
 # TORCH_CUDA_ARCH_LIST="8.0": no FP8 code at all; and a build from before the FP8 variants.
 SM80_BUILD = {PREPROCESS_KEY: ["sm_80"], MMA_KEY: ["sm_80"], MMA_FP8_KEY: []}
 OLD_BUILD = {PREPROCESS_KEY: ALL_ARCHS, MMA_KEY: ALL_ARCHS, WGMMA_KEY: ["sm_90a"]}

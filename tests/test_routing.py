@@ -181,7 +181,22 @@ def routing_cases() -> list[Any]:
         (sm80, SM80_BUILD, {}, MMA_INT8_INPUT),
         # The build has no attention code for this GPU at all.
         (sm89, SM80_BUILD | {MMA_KEY: ["sm_90a"]}, {}, "not compiled for sm_89"),
-        ((12, 0), DEFAULT_BUILD, {}, "not compiled for sm_120 (built for sm_80, sm_89, sm_90a)"),
+        ((13, 0), DEFAULT_BUILD, {}, "not compiled for sm_130 (built for sm_80, sm_86, sm_89, "
+                                     "sm_90a, sm_100, sm_120)"),
+        ((12, 0), SM80_BUILD, {}, "not compiled for sm_120 (built for sm_80)"),
+        # Older than the kernels: exact SDPA, whatever the build.
+        ((7, 5), DEFAULT_BUILD, {}, "compute capability 8.0 or newer, got sm_75"),
+        # Consumer Blackwell (sm_120, and sm_121 on sm_120's code): native FP8 mma.sync as on
+        # Ada, INT4 QK with FP8 PV only when asked; datacenter Blackwell (sm_100, sm_103): FP8
+        # mma.sync emulated there (its FP8 tensor cores are tcgen05's), so FP16/BF16 PV.
+        ((12, 0), DEFAULT_BUILD, {}, MMA_INT8_FP8),
+        ((12, 1), DEFAULT_BUILD, {}, MMA_INT8_FP8),
+        ((12, 0), DEFAULT_BUILD, {"pv_quant": "none"}, MMA_INT8_INPUT),
+        ((12, 0), DEFAULT_BUILD, {"qk_quant": "int4"}, MMA_INT4_FP8),
+        ((10, 0), DEFAULT_BUILD, {}, MMA_INT8_INPUT),
+        ((10, 3), DEFAULT_BUILD, {}, MMA_INT8_INPUT),
+        ((10, 0), DEFAULT_BUILD, {"pv_quant": "fp8"}, MMA_INT8_FP8),
+        ((8, 7), DEFAULT_BUILD, {}, MMA_INT8_INPUT),
     ]
     names = {id(DEFAULT_BUILD): "default", id(SM80_BUILD): "sm80-build", id(OLD_BUILD): "old-build"}
     params = []
@@ -221,7 +236,7 @@ def test_fp8_reason_names_the_gpu_and_build(monkeypatch: pytest.MonkeyPatch) -> 
     q, k, v = qkv(d=64, dtype=torch.float16)
     _, reason = _plan.route(validated(q, k, v, qk_quant="int4"))
     assert reason == (f"{NO_FP8} (qk_quant='int4' (INT4 QK runs with FP8 PV only)); this GPU is "
-                      "sm_86, attention_mma_fp8 is built for sm_89, sm_90a")
+                      "sm_86, attention_mma_fp8 is built for sm_89, sm_90a, sm_100, sm_120")
     _, reason = _plan.route(validated(q, k, v, pv_quant="fp8"))
     assert reason is not None and "(pv_quant='fp8'); this GPU is sm_86" in reason
 
@@ -235,15 +250,18 @@ def test_fp8_reason_names_the_gpu_and_build(monkeypatch: pytest.MonkeyPatch) -> 
           "INT4 QK + FP8 PV with qk_quant='int4'", f"{MMA_FP8_KEY} [sm_90a]"]),
         ((8, 9), DEFAULT_BUILD, f"quantized SageAttention2: {_plan.MMA_PLAN}: INT8 QK + FP8 PV",
          ["INT4 QK + FP8 PV with qk_quant='int4'", "zero-padded",
-          f"kernels for sm_89: {PREPROCESS_KEY} [sm_80, sm_89], {MMA_KEY} [sm_80, sm_89], "
-          f"{MMA_FP8_KEY} [sm_89]"]),
+          f"kernels for sm_89: {PREPROCESS_KEY} [sm_80, sm_86, sm_89], {MMA_KEY} [sm_80, sm_86, "
+          f"sm_89], {MMA_FP8_KEY} [sm_89]"]),
         ((8, 0), DEFAULT_BUILD,
          f"quantized SageAttention2: {_plan.MMA_PLAN}: INT8 QK + FP16/BF16 PV (FP8 PV and INT4 QK "
          "need sm_89+)", [f"kernels for sm_80: {PREPROCESS_KEY} [sm_80], {MMA_KEY} [sm_80]"]),
-        ((12, 0), DEFAULT_BUILD, "exact SDPA fallback (the attention kernel is not compiled for "
-                                 "sm_120", ["no kernels compiled for sm_120"]),
+        ((12, 0), DEFAULT_BUILD, f"quantized SageAttention2: {_plan.MMA_PLAN}: INT8 QK + FP8 PV",
+         [f"kernels for sm_120: {PREPROCESS_KEY} [sm_120], {MMA_KEY} [sm_120], "
+          f"{MMA_FP8_KEY} [sm_120]"]),
+        ((13, 0), DEFAULT_BUILD, "exact SDPA fallback (the attention kernel is not compiled for "
+                                 "sm_130", ["no kernels compiled for sm_130"]),
     ],
-    ids=["sm90", "sm89", "sm80", "sm120"],
+    ids=["sm90", "sm89", "sm80", "sm120", "sm130"],
 )
 def test_kernel_plan_on_pretended_gpus(monkeypatch: pytest.MonkeyPatch,
                                        capability: tuple[int, int], build: dict[str, list[str]],
