@@ -255,6 +255,14 @@ def xdit_lse_merge() -> None:
     check("xdit merged", out.to(DTYPE), (want_out, want_lse))
     gap = float((lse.squeeze(-1).transpose(1, 2).double() - want_lse).abs().max())
     assert gap <= LSE_ATOL, f"merged LSE off by {gap:.4f}"
+    # xDiT 0.7.0's own SAGE backend (xfuser/core/distributed/attention_backend.py): HND
+    # tensors, positional, `sageattn(query, key, value, is_causal=..., return_lse=True)`, the LSE
+    # merged by its ring as above.
+    q, k, v = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+    for causal in (False, True):
+        with KernelRan("xdit backend call"):
+            got = sageattn(q, k, v, is_causal=causal, return_lse=True)
+        check(f"xdit backend call causal={causal}", got, exact(q, k, v, "HND", causal), True)
 
 
 @scenario
