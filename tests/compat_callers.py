@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 import torch
 
+from sageattention2.testing import relative_l1
+
 DEVICE = torch.device(sys.argv[1] if len(sys.argv) > 1 else "cpu")
 ON_GPU = DEVICE.type == "cuda"
 # The CPU runs exact attention (the fallback) in float32; the GPU the quantized kernels on bf16
@@ -81,25 +83,15 @@ def qkv(b: int = 1, h: int = 4, n: int = TOKENS, layout: str = "HND", h_kv: int 
 def exact(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str = "HND",
           causal: bool = False, scale: float | None = None,
           mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """float64 attention: out in ``layout`` and the natural-log LSE ``[B, H, N_q]``."""
-    q, k, v = (t.double() for t in (q, k, v))
+    """float64 attention (``reference.exact_attention``): out in ``layout`` and the natural-log
+    LSE ``[B, H, N_q]``."""
+    from sageattention2.reference import exact_attention
+
     if layout == "NHD":
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    s = (q @ k.transpose(-1, -2)) * (scale if scale is not None else q.shape[-1] ** -0.5)
-    if causal:
-        s = s.masked_fill(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1),
-                          -math.inf)
-    if mask is not None:
-        s = s + mask.double() if mask.dtype != torch.bool else s.masked_fill(~mask, -math.inf)
-    lse = torch.logsumexp(s, dim=-1)
-    out = torch.softmax(s, dim=-1) @ v
+    out, lse = exact_attention(q, k, v, mask, causal, scale, enable_gqa=q.shape[1] != k.shape[1],
+                               return_lse=True)
     return (out.transpose(1, 2) if layout == "NHD" else out), lse
-
-
-def rel_l1(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.double(), want.double()
-    return float((got - want).abs().sum() / want.abs().sum())
 
 
 def check(what: str, got: Any, want: tuple[torch.Tensor, torch.Tensor],
@@ -107,7 +99,7 @@ def check(what: str, got: Any, want: tuple[torch.Tensor, torch.Tensor],
     out, lse = got if with_lse else (got, None)
     assert out.shape == want[0].shape and out.dtype == DTYPE, (what, out.shape, out.dtype)
     assert torch.isfinite(out).all(), f"{what}: non-finite output"
-    error = rel_l1(out, want[0])
+    error = relative_l1(out, want[0])
     assert error <= OUT_L1, f"{what}: rel. L1 {error:.4f} > {OUT_L1}"
     if with_lse:
         assert lse.dtype == torch.float32 and lse.shape == want[1].shape, (what, lse.shape)

@@ -9,7 +9,6 @@ process.
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import traceback
@@ -301,11 +300,6 @@ def diffusers_models(modes: list[tuple[int, int]], orders: tuple[str, ...]) -> N
                 close(got, want, f"{build.__name__} ring {ring} ulysses {ulysses} ({order})", 1e-5)
 
 
-def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double().flatten(), b.double().flatten()
-    return float(a @ b / (a.norm() * b.norm()))
-
-
 @scenario
 def yunchang_usp_runs_the_dropin() -> None:
     """yunchang's LongContextAttention (Ulysses x ring, every split of this world) with its
@@ -318,6 +312,8 @@ def yunchang_usp_runs_the_dropin() -> None:
     from yunchang.kernels import AttnType
 
     from sageattention2 import ops
+    from sageattention2.reference import exact_attention
+    from sageattention2.testing import cosine_similarity as cosine
 
     rank, world = dist.get_rank(), dist.get_world_size()
     on_gpu = DEVICE.type == "cuda"
@@ -338,10 +334,8 @@ def yunchang_usp_runs_the_dropin() -> None:
     for ulysses, ring in splits:
         set_seq_parallel_pg(ulysses, ring, rank, world)
         for causal in (False, True):
-            s = q.double().transpose(1, 2) @ k.double().transpose(1, 2).transpose(-1, -2) * d ** -0.5
-            if causal:
-                s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=s.device).triu(1), -math.inf)
-            want = (torch.softmax(s, -1) @ v.double().transpose(1, 2)).transpose(1, 2)
+            want = exact_attention(*(t.transpose(1, 2) for t in (q, k, v)),
+                                   is_causal=causal).transpose(1, 2)
             rows = slice(rank * n // world, (rank + 1) * n // world)
             local = [t[:, rows].contiguous() for t in (q, k, v)]
             outputs = {}
