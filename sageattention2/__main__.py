@@ -179,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     tune = commands.add_parser(
         "tune", help="measure where exact SDPA is faster than the quantized kernel on this GPU "
                      "(the crossover of qk_quant='auto'; 24 classes of 12-23 s: 5-8 minutes on an "
-                     "H100)")
+                     "H100, 6 on an H200)")
     tune.add_argument("--quick", action="store_true", help="a coarser grid (a few seconds)")
     tune.add_argument("--head-dims", type=_ints, default=None,
                       help="comma-separated head_dims (default: 40,64,80,128,160,256)")

@@ -8,8 +8,8 @@ one 128-key tile per CTA without a split of the key range. At short or few seque
 costs decide, and SDPA is faster. Where the line runs depends on the GPU, the head_dim, the
 mask, the dtype, the lengths and B*H, so it is measured, not modelled: ``python -m
 sageattention2 tune`` (``_tune``) times both on a grid of shapes on the GPU at hand and writes a
-:class:`CrossoverTable`. Tables for the H100 ship in ``sageattention2/crossover/`` (the default
-FP8 tier's and the accurate tier's).
+:class:`CrossoverTable`. Tables for the H100 (the default FP8 tier's and the accurate tier's)
+and the H200 (the default tier's) ship in ``sageattention2/crossover/``.
 
 A call with ``qk_quant="auto"`` runs exact SDPA where the table says that SDPA is faster for its
 shape (the speedup interpolated between the measured points is below 1), without a warning: the
@@ -25,7 +25,7 @@ Which table a GPU uses for a choice (:func:`table_for`): ``SAGEATTN_CROSSOVER`` 
 file (used for its own choice; other choices are looked up as below), or is ``off`` (no table:
 "auto" always quantizes); else the table ``tune`` wrote for this GPU model
 (``$XDG_CACHE_HOME/sageattention2/crossover/``, default ``~/.cache/...``); else the shipped table
-of this GPU model; else a shipped table of another GPU of the same compute capability (an H200
+of this GPU model; else a shipped table of another GPU of the same compute capability (an H800
 uses the H100's: same kernels, similar balance); else none.
 """
 from __future__ import annotations

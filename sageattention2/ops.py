@@ -48,15 +48,17 @@ def _installed_extension() -> tuple[Path | None, str]:
     installed ``sageattention2`` distribution when its Python sources are this folder's; else
     None and the one sentence that says what to do."""
     here = Path(__file__).resolve().parent
-    try:
-        distribution = importlib.metadata.distribution("sageattention2")
-    except importlib.metadata.PackageNotFoundError:
+    # Every sageattention2 on sys.path: the checkout's root, first there, holds the metadata
+    # (sageattention2.egg-info, no extension listed) that `pip install .` leaves in the tree.
+    distributions = list(importlib.metadata.distributions(name="sageattention2"))
+    if not distributions:
         return None, "not installed: pip install --no-build-isolation ."
-    built = [f for f in distribution.files or () if f.name.startswith("_C.")
-             and f.suffix in (".so", ".pyd") and f.parent.name == "sageattention2"]
+    built = [(distribution, f) for distribution in distributions for f in distribution.files or ()
+             if f.name.startswith("_C.") and f.suffix in (".so", ".pyd")
+             and f.parent.name == "sageattention2"]
     if not built:
         return None, "the installed sageattention2 has no compiled extension (built without CUDA?)"
-    extension = Path(str(distribution.locate_file(built[0]))).resolve()
+    extension = Path(str(built[0][0].locate_file(built[0][1]))).resolve()
     if extension.parent == here or not extension.exists():
         return None, f"{extension} is missing"
     if _python_sources(extension.parent) != _python_sources(here):

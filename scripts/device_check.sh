@@ -13,9 +13,11 @@ options
   --arch LIST       TORCH_CUDA_ARCH_LIST of every build (default 9.0a)
   --timeout S       time limit of every step, seconds (default: each step's own)
   --quick           --check, --bench and --ab in their quick forms (hd128, N 1K/4K)
+  --no-install      use the build an earlier call installed instead of building the tree
 steps
   --info            GPU, driver, `python3 -m sageattention2 info`, the libstdc++ the build links
-  --tests [K]       pytest of tests/ from /tmp with --import-mode=importlib (-k K if given);
+  --tests [K]       pytest of tests/ from /tmp with --import-mode=importlib (-k K if given;
+                    PYTEST_ARGS: more arguments, e.g. "-rP" for the passed tests' output);
                     MiniLM's weights must be there (carry .minilm: tests/minilm.py)
   --check           python -m sageattention2 check: every kernel variant vs its emulation and
                     float64 (the input families against their documented bounds)
@@ -26,6 +28,12 @@ steps
   --sass            scripts/check_sass.py on the installed build
   --ncu "RE ARGS"   Nsight Compute on one launch matching RE of
                     `scripts/profile_attention.py launch ARGS` (repeatable)
+  --readme [PART]   README.md's step 1 exactly as written (its bash block up to "# 2. tests") in a
+                    copy of the tree without builds, its pip lines served by the wheels in .whl/
+                    (the machine is offline): install, then info, check --quick and bench
+                    ($OUT/readme_PART.txt, $OUT/readme_results/); PART "install" or "job" runs
+                    the lines before the main job or from it on (two calls under 10 minutes).
+                    It installs into python3's site-packages: later steps run on that build
   --tune            python -m sageattention2 tune $TUNE_ARGS: the crossover table of this GPU,
                     written where sageattn reads it (later steps use it), copied to
                     $OUT/crossover.json
@@ -47,7 +55,7 @@ EOF
 }
 set -uo pipefail
 OUT=${OUT:-/tmp/sage_out}; mkdir -p "$OUT"
-R=$(pwd); QUICK=; STEP_TIMEOUT=
+R=$(pwd); QUICK=; STEP_TIMEOUT=; installed=0
 export OUT R QUICK PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a
 steps=()
 while [ $# -gt 0 ]; do
@@ -56,8 +64,9 @@ while [ $# -gt 0 ]; do
     --arch) TORCH_CUDA_ARCH_LIST=$2; shift ;;
     --timeout) STEP_TIMEOUT=$2; shift ;;
     --quick) QUICK=--quick ;;
+    --no-install) installed=1 ;;
     --info|--check|--bench|--sanitize|--sass|--tune|--grid|--models|--host) steps+=("${1#--}") ;;
-    --tests) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("tests $2"); shift; else steps+=(tests); fi ;;
+    --tests|--readme) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("${1#--} $2"); shift; else steps+=("${1#--}"); fi ;;
     --ncu|--ab|--profile|--parallel) steps+=("${1#--} $2"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
@@ -79,6 +88,31 @@ step_install() {
   python3 -m pip install --no-build-isolation --no-deps . > "$OUT/install.log" 2>&1 \
     || { tail -30 "$OUT/install.log"; return 1; }
 }
+step_readme() {  # [PART]: "install" (the lines before the main job), "job" (the main job on), or all
+  local part=${1:-all} fresh=/tmp/fresh_tree block=$OUT/readme_block.sh
+  local lines=$OUT/readme_$part.sh
+  if [ "$part" != job ]; then  # the tree as a fresh clone has it: no carried files, no builds
+    rm -rf "$fresh" && mkdir -p "$fresh" \
+      && tar -C "$R" --exclude=./.whl --exclude=./.minilm --exclude=./build --exclude='*.egg-info' \
+           --exclude='./sageattention2/_C*.so' -cf - . | tar -C "$fresh" -xf - || return 1
+  fi
+  awk '/^## Install and run/ {on = 1} on && /^```bash/ {code = 1; next}
+       code && (/^```/ || /^# 2\. tests/) {exit} code' "$R/README.md" > "$block"
+  case $part in
+    install) awk '/^python3 -m sageattention2 / {exit} 1' "$block" > "$lines" ;;
+    job) awk '/^python3 -m sageattention2 / {on = 1} on' "$block" > "$lines" ;;
+    *) cp "$block" "$lines" ;;
+  esac
+  # As a user pastes it: each line whatever the one before did (the optional MiniLM wheel, 83 MB,
+  # cannot travel to this offline machine), in the tree's root, with none of this script's
+  # environment (its arch list, jobs, path).
+  (cd "$fresh" && env -u TORCH_CUDA_ARCH_LIST -u MAX_JOBS PYTHONPATH= PIP_NO_INDEX=1 \
+     PIP_FIND_LINKS="$R/.whl" bash -x "$lines") > "$OUT/readme_$part.txt" 2>&1
+  local rc=$?
+  [ -d "$fresh/results" ] && cp -r "$fresh/results" "$OUT/readme_results"
+  grep -vE "^Requirement already|^  (Building|Preparing)" "$OUT/readme_$part.txt" | cut -c1-220 | tail -60
+  return $rc
+}
 step_info() {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$OUT/gpu.txt"
   cd /tmp && python3 -m sageattention2 info 2>&1 | tee "$OUT/info.txt" || return 1
@@ -87,7 +121,7 @@ step_info() {
     || echo "NO shared libstdc++"
 }
 step_tests() {
-  cd /tmp && SAGEATTN_REQUIRE_MINILM=1 python3 -m pytest "$R/tests" -q -p no:cacheprovider --import-mode=importlib -rxf ${1:+-k "$1"} \
+  cd /tmp && SAGEATTN_REQUIRE_MINILM=1 python3 -m pytest "$R/tests" -q -p no:cacheprovider --import-mode=importlib -rxf ${PYTEST_ARGS:-} ${1:+-k "$1"} \
     > "$OUT/pytest.txt" 2>&1
   local rc=$?; grep -vE '^[.sxXF]+( +\[ *[0-9]+%\])?$' "$OUT/pytest.txt" | tail -25; return $rc
 }
@@ -197,13 +231,13 @@ step_ab() {
   done
   python3 "$R/benchmarks/timing.py" merge "${runs[@]}" | tee "$OUT/ab.md"
 }
-export -f step_install step_info step_tests step_check step_bench step_sanitize step_sass step_ncu step_ab \
+export -f step_readme step_install step_info step_tests step_check step_bench step_sanitize step_sass step_ncu step_ab \
   step_tune step_grid step_models step_profile step_host step_parallel
 
-declare -A LIMIT=([install]=480 [info]=60 [tests]=420 [check]=300 [bench]=420 [sanitize]=540 [sass]=120
+declare -A LIMIT=([readme]=590 [install]=480 [info]=60 [tests]=420 [check]=300 [bench]=420 [sanitize]=540 [sass]=120
                   [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [profile]=240 [host]=120
                   [parallel]=420)
-summary=(); first_rc=0; installed=0
+summary=(); first_rc=0
 run() {  # run NAME [ARG]: one step under its time limit, its exit code and time in the summary
   local name=$1 t0=$SECONDS rc
   echo; echo "=== $* ($(date +%T)) ==="
@@ -216,7 +250,7 @@ run() {  # run NAME [ARG]: one step under its time limit, its exit code and time
 }
 for step in "${steps[@]}"; do
   name=${step%% *}
-  if [ $installed = 0 ] && [ "$name" != ab ]; then
+  if [ $installed = 0 ] && [ "$name" != ab ] && [ "$name" != readme ]; then
     installed=1
     run install || break
   fi

@@ -152,6 +152,13 @@ def test_a_checkout_without_a_build_uses_the_installed_one(tmp_path: Path) -> No
         pytest.skip("the installed sageattention2 is not these sources (a stale install)")
     checkout = tmp_path / "sageattention2"
     shutil.copytree(package, checkout, ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    # What `pip install .` leaves in the checkout's root, found there before the installed
+    # metadata (session 40's first run on the GPU read it and found no extension).
+    egg_info = tmp_path / "sageattention2.egg-info"
+    egg_info.mkdir()
+    (egg_info / "PKG-INFO").write_text("Metadata-Version: 2.1\nName: sageattention2\n"
+                                       f"Version: {sageattention2.__version__}\n")
+    (egg_info / "SOURCES.txt").write_text("setup.py\nsageattention2/__init__.py\n")
 
     def extension_from_the_checkout() -> str:
         # cwd first on sys.path, as `python -m` from the checkout's root; not PYTHONPATH
