@@ -1,18 +1,23 @@
-""":func:`sageattn` under ``torch.compile``: one opaque graph op, ``sageattention2::sageattn``,
-whose implementation is the eager call (its kernel choice asks the build and the GPU, and it
-checks pointers: nothing dynamo can trace) and whose fake gives the shapes after eager mode's own
-validation. Inputs that require grad are not traced as the op (it has no backward): sageattn
-traces the exact fallback for them instead.
+""":func:`sageattn` under ``torch.compile``, and in training: one opaque graph op,
+``sageattention2::sageattn``, whose implementation is the eager call (its kernel choice asks the
+build and the GPU, and it checks pointers: nothing dynamo can trace), whose fake gives the shapes
+after eager mode's own validation, and whose autograd formula is the exact backward from the
+forward's O and LSE (``_backward``). A call that tracks grad runs the op (with ``return_lse``,
+which the backward reads) where that backward serves it and the quantized kernel runs it
+(:func:`trainable`); otherwise the exact fallback, differentiable as SDPA is.
 """
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ._call import SmoothQ, SmoothV, smooth_v_flag, validate
-from ._execute import heads_inner, run
+from . import _backward
+from ._call import AttentionCall, SmoothQ, SmoothV, smooth_v_flag, validate
+from ._execute import decide, heads_inner, run
 
-__all__ = ["graph_call", "tracks_grad"]
+__all__ = ["graph_call", "trainable", "tracks_grad"]
 
 # smooth_q's booleans as the string the graph op takes (an op argument has one type); every
 # string a caller passes stays as it is and is validated as in eager mode.
@@ -28,6 +33,18 @@ def tracks_grad(*tensors: object) -> bool:
     cannot stand for it)."""
     return torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in tensors)
+
+
+def trainable(call: AttentionCall) -> bool:
+    """Whether a call that tracks grad runs the graph op: the quantized forward, then the exact
+    backward (which serves it: ``_backward.refusal``), where ``$SAGEATTN_TRAINING`` is
+    "quantized". Decided as the op will decide it, with grad off. Not under torch.compile yet:
+    session 40's compiled training step gave NaN gradients where eager's were right."""
+    if (_backward.training_mode() != "quantized" or torch.compiler.is_compiling()
+            or call.is_empty or _backward.refusal(call) is not None):
+        return False
+    with torch.no_grad():
+        return decide(call).quantized
 
 
 def graph_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -60,9 +77,13 @@ def _sageattn_op(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, drop
     """sageattn as one opaque op of a torch.compile graph: the eager call, returning out in
     the memory order :func:`_heads_inner` gives (as the fake implementation says) and lse,
     empty unless ``return_lse``."""
-    result = run(validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                          tensor_layout, qk_quant, pv_quant, smooth_k, _smooth_q_from_op(smooth_q),
-                          smooth_v, return_lse, strict, causal_alignment))
+    # (grad off: the inputs of a training call still require grad in here, and the routing
+    # would send them to the exact fallback; the op's backward is its autograd formula below)
+    with torch.no_grad():
+        result = run(validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                              tensor_layout, qk_quant, pv_quant, smooth_k,
+                              _smooth_q_from_op(smooth_q), smooth_v, return_lse, strict,
+                              causal_alignment))
     out, lse = result if return_lse else (result, q.new_empty(0, dtype=torch.float32))
     assert isinstance(out, Tensor)
     if _heads_inner(q, tensor_layout):  # (a no-op where the kernel wrote it so)
@@ -97,3 +118,64 @@ def _sageattn_op_fake(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None,
     b, h_q, n_q, _ = call.q.shape
     lse_shape = (b, h_q, n_q)[4 - call.input_ndim:] if return_lse else (0,)
     return out, q.new_empty(lse_shape, dtype=torch.float32)
+
+
+def _as_bhnd(t: Tensor, tensor_layout: str) -> Tensor:
+    """An op operand (``[B,] H, N, D`` or ``[B,] N, H, D``) as a ``[B, H, N, D]`` view."""
+    t = t.unsqueeze(0) if t.dim() == 3 else t
+    return t.transpose(1, 2) if tensor_layout == "NHD" else t
+
+
+def _from_bhnd(t: Tensor, tensor_layout: str, ndim: int) -> Tensor:
+    t = t.transpose(1, 2) if tensor_layout == "NHD" else t
+    return t.squeeze(0) if ndim == 3 else t
+
+
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
+    q, k, v, _, _, is_causal, scale, _, tensor_layout, *_ = inputs
+    out, lse = output
+    ctx.set_materialize_grads(False)  # an LSE nobody used has no gradient (not zeros)
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.is_causal, ctx.scale, ctx.tensor_layout = is_causal, scale, tensor_layout
+
+
+def _sageattn_backward(ctx: Any, grad_out: Tensor | None,
+                       grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
+    q, k, v, out, lse = ctx.saved_tensors
+    none = (None,) * 14  # the op's other arguments
+    if grad_out is None and grad_lse is None:
+        return (None, None, None, *none)
+    if lse.numel() == 0 and q.numel():
+        raise RuntimeError("sageattention2::sageattn: a backward needs the forward's LSE: call the "
+                           "op with return_lse=True (sageattn does, for inputs that require grad)")
+    layout, ndim = ctx.tensor_layout, q.dim()
+    grad_out = torch.zeros_like(out) if grad_out is None else grad_out
+    lse4 = lse.unsqueeze(0) if ndim == 3 else lse
+    grad_lse4 = None if grad_lse is None else (grad_lse.unsqueeze(0) if ndim == 3 else grad_lse)
+    with torch.no_grad():
+        grads = _backward.attention_backward(
+            _as_bhnd(grad_out, layout), _as_bhnd(q, layout), _as_bhnd(k, layout),
+            _as_bhnd(v, layout), _as_bhnd(out, layout), lse4, ctx.is_causal, ctx.scale, grad_lse4)
+    dq, dk, dv = (_from_bhnd(g, layout, ndim) for g in grads)
+    if torch.is_grad_enabled():  # create_graph=True: these gradients have no derivative here
+        dq, dk, dv = _NoDoubleBackward.apply(q, dq, dk, dv)
+    return (dq, dk, dv, *none)
+
+
+class _NoDoubleBackward(torch.autograd.Function):
+    """The gradients, as they are; differentiating them again raises (the backward's kernels
+    and the forward's saved O and LSE have no derivative of their own)."""
+
+    @staticmethod
+    def forward(ctx: Any, anchor: Tensor, *grads: Tensor) -> tuple[Tensor, ...]:
+        # (``anchor``, an input that requires grad, makes the outputs require grad too)
+        return tuple(g.view_as(g) for g in grads)
+
+    @staticmethod
+    def backward(ctx: Any, *_: Tensor) -> tuple[Tensor, ...]:
+        raise RuntimeError("sageattn: double backward (a gradient of its gradients, "
+                           "create_graph=True) is not supported")
+
+
+torch.library.register_autograd("sageattention2::sageattn", _sageattn_backward,
+                                setup_context=_setup_context)

@@ -26,7 +26,7 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from . import _key_ranges, ops
+from . import _backward, _key_ranges, ops
 from ._tensor_memo import MISSING
 from ._call import AttentionCall, validate
 
@@ -339,10 +339,17 @@ CALL_RULES: tuple[Fallback, ...] = (
              "the quantized kernels need v's head_dim to be q's and k's, got {head_dim_v} and "
              "{head_dim}",
              lambda call: {"head_dim_v": call.head_dim_v, "head_dim": call.head_dim}),
-    Fallback("inputs that require grad, with grad enabled",
+    # (sageattn itself sends the calls that its exact backward serves to the graph op, which
+    # decides with grad off: _compile.trainable; this rule keeps every other path exact)
+    Fallback("inputs that require grad (grad enabled) on a call or entry point that sageattn's "
+             "exact backward does not serve: a mask, dropout, causal lengths that differ",
              lambda call: torch.is_grad_enabled() and any(
                  t.requires_grad for t in (call.q, call.k, call.v)),
-             "the inputs require grad and the quantized kernels have no backward"),
+             "the inputs require grad and sageattn's backward does not serve {why}",
+             lambda call: {"why": _backward.refusal(call) or (
+                 "this entry point" if _backward.training_mode() == "quantized" else
+                 f"calls while {_backward.TRAINING_ENVIRONMENT}=exact (the default; =quantized "
+                 "opts in to the quantized forward with the exact backward)")}),
 )
 BUILD_RULES: tuple[Fallback, ...] = (
     Fallback("a build without the compiled extension", lambda target: not target.extension,

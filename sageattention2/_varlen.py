@@ -185,6 +185,8 @@ def _one_launch(q: Tensor, k: Tensor, v: Tensor, qk_quant: str, pv_quant: str,
     PV. A head_dim the kernel is not built for is zero-padded to the next it is, as
     :func:`sageattn` pads it (``_plan.kernel_head_dim``)."""
     d = q.shape[-1]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return None  # the packed launch has no backward: each sequence's sageattn call routes it
     if not (qk_quant in ("auto", "int8") and smooth_q in ("auto", False)
             and q.dtype in (torch.float16, torch.bfloat16) and k.dtype == q.dtype
             and v.dtype == q.dtype and k.shape[-1] == d and v.shape[-1] == d and q.is_cuda):

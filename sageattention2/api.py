@@ -158,12 +158,19 @@ def sageattn(
         return _compile.graph_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q,
                                    smooth_v, return_lse, strict, causal_alignment)
-    if compiling:  # inputs that require grad: eager mode's exact fallback, traced (differentiable)
-        return exact(validate(
-            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-            tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
-            causal_alignment,
-        ))
+    if _compile.tracks_grad(q, k, v, attn_mask):
+        # Training: the graph op, whose autograd formula is the exact backward from the
+        # forward's O and LSE, where that backward serves the call and the quantized kernel
+        # runs it; else the exact fallback (differentiable; traced as such when compiling).
+        call = validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
+                        tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v,
+                        return_lse, strict, causal_alignment)
+        if _compile.trainable(call):
+            out, lse = _compile.graph_call(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                           enable_gqa, tensor_layout, qk_quant, pv_quant, smooth_k,
+                                           smooth_q, smooth_v, True, strict, causal_alignment)
+            return (out, lse) if return_lse else out
+        return exact(call) if compiling else _execute.run(call)
     # A call of a kind seen before (same shapes, dtypes, devices and options) runs as the first
     # one was decided, without validating and routing it again: most of a short call's host time
     # (models make dozens of calls of a few kinds per forward). The call cache is the
@@ -219,7 +226,11 @@ def explain(*args: Any, **kwargs: Any) -> Explanation:
     call = validated_call(*args, **kwargs)
     if call.is_empty:
         return Explanation(False, "nothing (empty)", None, None, None)
-    decision = _execute.decide(call)
+    if _compile.tracks_grad(call.q, call.k, call.v, call.attn_mask) and _compile.trainable(call):
+        with torch.no_grad():  # sageattn's training path: the graph op, deciding with grad off
+            decision = _execute.decide(call)
+    else:
+        decision = _execute.decide(call)
     if not decision.quantized:
         return Explanation(False, "exact SDPA", None, None,
                            decision.fallback or decision.faster_exact)

@@ -95,19 +95,32 @@ def test_argument_types_are_part_of_the_kind(validations: list[int]) -> None:
             sageattn(q, k, v, is_causal=1)
 
 
-def test_grad_state_is_part_of_the_kind(stand_in: list[dict[str, Any]]) -> None:  # noqa: F811
-    """The same shapes requiring grad fall back (no backward); without, they run the kernel."""
+def test_grad_state_is_part_of_the_kind(stand_in: list[dict[str, Any]],  # noqa: F811
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same shapes requiring grad are not served from the no-grad call's remembered
+    decision: by default they fall back (exact SDPA and its backward); with
+    SAGEATTN_TRAINING=quantized they take the training path (the graph op: the quantized
+    forward, then the exact backward), except with a key mask, which that backward does not take
+    yet (a fallback naming it)."""
     q, k, v = qkv(d=64, dtype=torch.float16)
     sageattn(q, k, v)
     assert len(stand_in) == 1
-    with warnings.catch_warnings(record=True) as record:
-        warnings.simplefilter("always")
-        out = sageattn(q.requires_grad_(), k, v)
-    assert len(stand_in) == 1 and "require grad" in str(record[0].message)
-    assert out.requires_grad
+    mask = torch.ones(q.shape[0], 1, 1, k.shape[-2], dtype=torch.bool)
+    for env, kwargs, runs, reason in ((None, {}, 0, "SAGEATTN_TRAINING=exact"),
+                                      ("quantized", {}, 1, None),
+                                      ("quantized", {"attn_mask": mask}, 0, "an attn_mask")):
+        if env is not None:
+            monkeypatch.setenv("SAGEATTN_TRAINING", env)
+        before = len(stand_in)
+        with warnings.catch_warnings(record=True) as record:
+            warnings.simplefilter("always")
+            out = sageattn(q.requires_grad_(), k, v, **kwargs)
+        assert len(stand_in) == before + runs and out.requires_grad
+        messages = [str(w.message) for w in record if "require grad" in str(w.message)]
+        assert (reason is None and not messages) or (messages and reason in messages[0]), messages
     with torch.no_grad():
         sageattn(q, k, v)
-    assert len(stand_in) == 2
+    assert len(stand_in) == 3
 
 
 def test_unhashable_option_is_validated() -> None:

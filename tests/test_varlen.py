@@ -11,10 +11,12 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from helpers import meta, stand_in_kernel
 from sageattention2 import _execute, _varlen, ops, sageattn, sageattn_varlen
 from sageattention2 import reference as ref
+from sageattention2.testing import cosine_similarity
 
 
 @pytest.fixture(autouse=True)
@@ -360,11 +362,16 @@ def test_one_launch_follows_the_routes(monkeypatch: pytest.MonkeyPatch, capabili
     monkeypatch.setattr(ops, "has_op", lambda name: True)
 
     def launch(d: int, qk: str = "auto", pv: str = "auto", smooth_q: object = "auto",
-               dtype: torch.dtype = torch.float16) -> object:
-        t = SimpleNamespace(shape=(10, 4, d), dtype=dtype, is_cuda=True, device=None)
+               dtype: torch.dtype = torch.float16, requires_grad: bool = False) -> object:
+        t = SimpleNamespace(shape=(10, 4, d), dtype=dtype, is_cuda=True, device=None,
+                            requires_grad=requires_grad)
         return _varlen._one_launch(t, t, t, qk, pv, smooth_q)
 
     Launch = _varlen._Launch
+    # Inputs that require grad: the packed launch has no backward (it would cut the gradients).
+    assert launch(128, requires_grad=True) is None
+    with torch.no_grad():
+        assert launch(128, requires_grad=True) is not None
     if wgmma:
         assert launch(128) == Launch("wgmma", 128, "fp8")
         assert launch(160) == Launch("wgmma", 256, "fp8")
@@ -804,3 +811,24 @@ def test_one_launch_keeps_a_nan_in_its_sequence(wgmma_kernel: None, accurate: bo
     others = torch.ones(q.shape[0], dtype=torch.bool, device="cuda")
     others[second] = False
     assert torch.isfinite(out[others]).all() and torch.equal(out[others], want[others])
+
+
+def test_varlen_gradients_are_not_cut(attention_kernel: None) -> None:
+    """Inputs that require grad do not take the packed launch (it has no backward): each
+    sequence runs as its own sageattn call, and the gradients are exact SDPA's per sequence."""
+    torch.manual_seed(11)
+    lengths = (300, 77, 512)
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(sum(lengths), 4, 64, device="cuda", dtype=torch.float16) for _ in range(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = sageattn_varlen(*leaves, cu, cu, max(lengths), max(lengths), is_causal=True)
+    dout = torch.randn_like(out)
+    out.backward(dout)
+    want = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    for a, b in zip(cu.tolist(), cu.tolist()[1:]):
+        part = F.scaled_dot_product_attention(*(t[a:b].transpose(0, 1) for t in want), is_causal=True)
+        (part.transpose(0, 1) * dout[a:b].double()).sum().backward()
+    for leaf, w in zip(leaves, want):
+        assert leaf.grad is not None and cosine_similarity(leaf.grad, w.grad) >= 0.9999

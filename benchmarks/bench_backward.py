@@ -1,0 +1,101 @@
+"""Attention forward + backward (training), side by side in one process (issue 51):
+
+    python3 benchmarks/bench_backward.py [--n 4096 16384] [--d 128] [--dtype bfloat16] [--out t.md]
+
+B=4 H=32 HND inputs that require grad; each column times ``attention(q, k, v).backward(dout)``:
+SDPA forced to cuDNN and to FlashAttention-2, and sageattn (the quantized forward, then the exact
+backward from its O and LSE on PyTorch's cuDNN kernel, and on FlashAttention-2's; this script
+sets SAGEATTN_TRAINING=quantized, the opt-in). TOPS count the
+forward's 4·B·H·N²·D and the backward's 2.5 times that (five products against two), halved
+under the causal mask; the forward alone is sageattn's without grad; the last column is cuDNN's
+forward + backward time over sageattn's.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+
+import timing
+from sageattention2 import _backward, sageattn
+
+BACKWARD_WORK = 2.5  # the backward's products (dV, dP, dS·K, dS^T·Q, and P recomputed) over the forward's
+
+
+@contextlib.contextmanager
+def flash_backward() -> Iterator[None]:
+    """sageattn's backward on FlashAttention-2's kernel instead of cuDNN's."""
+    saved = _backward._CUDNN_MAX_HEAD_DIM
+    _backward._CUDNN_MAX_HEAD_DIM = 0
+    try:
+        yield
+    finally:
+        _backward._CUDNN_MAX_HEAD_DIM = saved
+
+
+def step(attention: Callable[[], torch.Tensor], dout: torch.Tensor) -> Callable[[], None]:
+    def run() -> None:
+        attention().backward(dout)
+    return run
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--n", type=int, nargs="+", default=[4096, 16384])
+    parser.add_argument("--d", type=int, nargs="+", default=[128])
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
+    parser.add_argument("--rep", type=int, default=200, help="ms of timed repetitions per cell")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args(argv)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    dtype = getattr(torch, args.dtype)
+    os.environ[_backward.TRAINING_ENVIRONMENT] = "quantized"  # (the opt-in: sageattn's training path)
+    lines = [f"Forward + backward, B{timing.BATCH} H{timing.HEADS} {args.dtype}, TOPS "
+             f"({torch.cuda.get_device_name()}, torch {torch.__version__})", "",
+             "| shape | SDPA cuDNN | SDPA flash | sageattn (cuDNN bwd) | sageattn (FA-2 bwd) | "
+             "sageattn fwd alone | sageattn / cuDNN |", "|---|---|---|---|---|---|---|"]
+    for d in args.d:
+        for n in args.n:
+            q, k, v = (t.requires_grad_() for t in timing.anchors_inputs(n, d, dtype))
+            dout = torch.randn_like(q)
+            for causal in (False, True):
+                def tops(ms: float | None) -> float:
+                    return timing.tops(ms, n, d, causal) * (1 + BACKWARD_WORK) if ms else float("nan")
+
+                times = {}
+                for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION),
+                                      ("flash", SDPBackend.FLASH_ATTENTION)):
+                    with sdpa_kernel(backend):
+                        times[name] = timing.median_ms(step(
+                            lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                            dout), rep=args.rep)
+
+                def ours() -> torch.Tensor:
+                    return sageattn(q, k, v, is_causal=causal, strict=True)
+
+                times["ours"] = timing.median_ms(step(ours, dout), rep=args.rep)
+                with flash_backward():
+                    times["ours_fa2"] = timing.median_ms(step(ours, dout), rep=args.rep)
+                with torch.no_grad():
+                    forward = timing.median_ms(ours, rep=args.rep)
+                lines.append(
+                    f"| hd{d} N{n // 1024}K{' causal' if causal else ''} | {tops(times['cudnn']):.0f} | "
+                    f"{tops(times['flash']):.0f} | {tops(times['ours']):.0f} | "
+                    f"{tops(times['ours_fa2']):.0f} | {timing.tops(forward, n, d, causal):.0f} | "
+                    f"{times['cudnn'] / times['ours']:.3f}x |")
+                print(lines[-1], flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
