@@ -29,8 +29,8 @@ def _smooth_q_from_op(value: str) -> SmoothQ | str:
 
 
 def tracks_grad(*tensors: object) -> bool:
-    """Whether autograd records a call on ``tensors`` (then the graph op, which has no backward,
-    cannot stand for it)."""
+    """Whether autograd records a call on ``tensors`` (then sageattn runs the graph op only where
+    its backward serves the call: :func:`trainable`)."""
     return torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in tensors)
 

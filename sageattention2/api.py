@@ -126,6 +126,10 @@ def sageattn(
     place (last dimension not contiguous, other strides not multiples of 8 elements, not 16-byte
     aligned) are copied first.
 
+    Training: inputs that require grad run exact SDPA (differentiable) unless
+    ``SAGEATTN_TRAINING=quantized``, which opts in to the quantized forward with an exact
+    backward from its O and LSE where that backward serves the call (README, "Training").
+
     Fallback: a call the quantized kernels cannot serve (the routing table's fallback rules) is
     computed by exact ``F.scaled_dot_product_attention`` with the same arguments, in the input
     dtype, with a :class:`SageAttentionFallbackWarning` the first time each reason occurs.
