@@ -377,7 +377,8 @@ def expect_error(match: str, **kwargs: Any) -> None:
 @scenario
 def bad_input_on_one_rank_raises_everywhere() -> None:
     """Rank 1 alone passes a bad dtype, then a different shape, then a bad option: every rank
-    raises the same clear error (none waits in a collective), in ring and Ulysses."""
+    raises the same clear error (none waits in a collective), in ring and Ulysses; good calls
+    agree with one all-reduce, without the full records."""
     rank, world = dist.get_rank(), dist.get_world_size()
     _, (q, k, v) = whole_and_shard(1, 8, 4, 4, 8, 1, rank, world)
     group = GROUPS["world"]
@@ -393,9 +394,23 @@ def bad_input_on_one_rank_raises_everywhere() -> None:
             keys = keys.to("meta")  # on another device than q
         expect_error("rank 1: ValueError: attn_mask must be on", args=(q, k, v), attn_mask=keys,
                      **{mode: group})
-    # and the group still works afterwards
-    out = run(args=(q, k, v), ring_group=group)
-    assert out.shape == q.shape
+    # and the group still works afterwards, its agreement one all-reduce per call: the full
+    # records (messages, which fields differ) travel only when a rank's call is bad or differs
+    from sageattention2 import parallel
+
+    exchanges: list[int] = []
+    real = parallel._exchange_records
+    parallel._exchange_records = lambda *a: exchanges.append(1) or real(*a)  # type: ignore[assignment]
+    try:
+        for mode in ("ring_group", "ulysses_group"):
+            out = run(args=(q, k, v), **{mode: group})
+            assert out.shape == q.shape
+        assert not exchanges, "the ranks exchanged full records although they agreed"
+        expect_error("differ in query tokens", args=(q[:, :2] if rank == 1 else q, k, v),
+                     ring_group=group)
+        assert exchanges
+    finally:
+        parallel._exchange_records = real
 
 
 def main() -> int:
