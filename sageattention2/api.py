@@ -162,19 +162,6 @@ def sageattn(
         return _compile.graph_call(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                                    tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q,
                                    smooth_v, return_lse, strict, causal_alignment)
-    if _compile.tracks_grad(q, k, v, attn_mask):
-        # Training: the graph op, whose autograd formula is the exact backward from the
-        # forward's O and LSE, where that backward serves the call and the quantized kernel
-        # runs it; else the exact fallback (differentiable; traced as such when compiling).
-        call = validate(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa,
-                        tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v,
-                        return_lse, strict, causal_alignment)
-        if _compile.trainable(call):
-            out, lse = _compile.graph_call(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                           enable_gqa, tensor_layout, qk_quant, pv_quant, smooth_k,
-                                           smooth_q, smooth_v, True, strict, causal_alignment)
-            return (out, lse) if return_lse else out
-        return exact(call) if compiling else _execute.run(call)
     # A call of a kind seen before (same shapes, dtypes, devices and options) runs as the first
     # one was decided, without validating and routing it again: most of a short call's host time
     # (models make dozens of calls of a few kinds per forward). The call cache is the
@@ -183,7 +170,7 @@ def sageattn(
     options = (dropout_p, is_causal, scale, enable_gqa, tensor_layout, qk_quant, pv_quant,
                smooth_k, smooth_q, smooth_v, return_lse, strict, causal_alignment)
     calls = _execute.native_calls
-    if calls is not None:
+    if calls is not None and not compiling:
         out = calls.run(q, k, v, attn_mask, options, _execute.MISS)
         if out is not _execute.MISS:
             return out
@@ -192,6 +179,17 @@ def sageattn(
         tensor_layout, qk_quant, pv_quant, smooth_k, smooth_q, smooth_v, return_lse, strict,
         causal_alignment,
     )
+    if compiling or _compile.tracks_grad(q, k, v, attn_mask):
+        # Training (after the cache, which never holds a call that tracks grad: the hot path
+        # pays nothing for it): the graph op, whose autograd formula is the exact backward from
+        # the forward's O and LSE, where that backward serves the call and the quantized kernel
+        # runs it; else the exact fallback (differentiable; traced as such when compiling).
+        if _compile.trainable(call):
+            out, lse = _compile.graph_call(q, k, v, attn_mask, dropout_p, is_causal, scale,
+                                           enable_gqa, tensor_layout, qk_quant, pv_quant, smooth_k,
+                                           smooth_q, smooth_v, True, strict, causal_alignment)
+            return (out, lse) if return_lse else out
+        return exact(call) if compiling else _execute.run(call)
     return _execute.run_and_remember(call, (q, k, v, attn_mask, options))
 
 
