@@ -2,8 +2,9 @@
 there), ``routing-table`` (README.md's "Which GPU runs what", from the routing rules) and
 ``tune`` (measure where exact SDPA is faster than the quantized kernel on this GPU: the
 crossover that ``qk_quant="auto"`` follows), ``check`` (every kernel variant's accuracy on this
-GPU, PASS/FAIL), ``bench`` (sageattn against SDPA: the ANCHORS shapes, whole models) and
-``calibrate`` (the adaptive plan of a suite model, and its forward under each choice)."""
+GPU, PASS/FAIL), ``bench`` (sageattn against SDPA: the ANCHORS shapes, whole models, their
+training step) and ``calibrate`` (the adaptive plan of a suite model, and its forward under
+each choice)."""
 from __future__ import annotations
 
 import argparse
@@ -71,6 +72,11 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     error where it was asked for by name. Without a CUDA GPU it runs nothing unless ``--device``
     names another device: the full model suite on a CPU takes an hour, which no one asks for by
     typing ``bench`` alone."""
+    if args.train and args.models is None:
+        parser.error("bench --train times the models' training step: give --models [KEY ...]")
+    if args.train and args.gpus is not None:
+        parser.error("bench --train runs on one GPU: not with --gpus (the context-parallel suite "
+                     "times forwards)")
     if args.gpus is not None:
         return _bench_gpus(parser, args)
     shapes = args.shapes or args.models is None
@@ -105,7 +111,8 @@ def _bench(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         else:
             from . import _bench_models
 
-            _bench_models.run(args.models, device, args.tiny, args.reps, args.out, args.seconds)
+            _bench_models.run(args.models, device, args.tiny, args.reps, args.out, args.seconds,
+                              args.train)
     return 0
 
 
@@ -216,22 +223,29 @@ def main(argv: Sequence[str] | None = None) -> int:
                            help="folder for the plans (JSON) and the table")
     bench = commands.add_parser(
         "bench", help="sageattn against SDPA on this GPU: the ANCHORS shapes (TOPS) and whole "
-                      "models (the model suite needs the [models] extra); both by default")
+                      "models (the model suite needs the [models] extra); both by default; "
+                      "--models --train: the models' training step")
     bench.add_argument("--shapes", action="store_true", help="the ANCHORS shapes only")
     bench.add_argument("--models", nargs="*", metavar="KEY", default=None,
                        help="the model suite only, or these of its models: " + ", ".join(
                            c.key for c in _model_suite.CASES))
+    bench.add_argument("--train", action="store_true",
+                       help="--models: a training step (forward, backward, AdamW) instead of the "
+                            "forward, sageattn with SAGEATTN_TRAINING=quantized "
+                            "(models_train.md/png)")
     bench.add_argument("--tiny", action="store_true",
                        help="tiny widths and resolutions: every call site, in seconds")
     bench.add_argument("--device", default=None,
                        help="default: cuda (without a CUDA GPU bench runs nothing: --device cpu "
                             "runs the models on the CPU, slowly)")
-    bench.add_argument("--reps", type=int, default=10, help="timed forwards per mode (median), at least")
+    bench.add_argument("--reps", type=int, default=10,
+                       help="timed forwards (steps) per mode (median), at least")
     bench.add_argument("--seconds", type=float, default=2.0,
-                       help="--models: time each mode this long at least (more forwards for short "
-                            "models, up to 400; 0: exactly --reps)")
+                       help="--models: time each mode this long at least (more forwards or steps "
+                            "for short models, up to 400; 0: exactly --reps)")
     bench.add_argument("--out", type=Path, default=None,
-                       help="folder for the tables and charts (shapes.md/png, models.md/png)")
+                       help="folder for the tables and charts (shapes.md/png, models.md/png, "
+                            "models_train.md/png)")
     bench.add_argument("--gpus", type=int, default=None, metavar="N",
                        help="--models on N GPUs of this host under context parallelism (diffusers' "
                             "native backends against ours, each mode; parallel.md): wan, wan14b, "

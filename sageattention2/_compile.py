@@ -4,10 +4,11 @@ build and the GPU, and it checks pointers: nothing dynamo can trace), whose fake
 after eager mode's own validation, and whose autograd formula is the exact backward from the
 forward's O and LSE (``_backward``). A call that tracks grad runs the op (with ``return_lse``,
 which the backward reads) where that backward serves it and the quantized kernel runs it
-(:func:`trainable`); otherwise the exact fallback, differentiable as SDPA is.
+(:func:`training_call`); otherwise the exact fallback, differentiable as SDPA is.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -16,8 +17,9 @@ from torch import Tensor
 from . import _backward
 from ._call import AttentionCall, SmoothQ, SmoothV, smooth_v_flag, validate
 from ._execute import decide, heads_inner, run
+from ._plan import KERNEL_DTYPES
 
-__all__ = ["graph_call", "trainable", "tracks_grad"]
+__all__ = ["graph_call", "tracks_grad", "training_call"]
 
 # smooth_q's booleans as the string the graph op takes (an op argument has one type); every
 # string a caller passes stays as it is and is validated as in eager mode.
@@ -30,21 +32,32 @@ def _smooth_q_from_op(value: str) -> SmoothQ | str:
 
 def tracks_grad(*tensors: object) -> bool:
     """Whether autograd records a call on ``tensors`` (then sageattn runs the graph op only where
-    its backward serves the call: :func:`trainable`)."""
+    its backward serves the call: :func:`training_call`)."""
     return torch.is_grad_enabled() and any(
         isinstance(t, Tensor) and t.requires_grad for t in tensors)
 
 
-def trainable(call: AttentionCall) -> bool:
-    """Whether a call that tracks grad runs the graph op: the quantized forward, then the exact
-    backward (which serves it: ``_backward.refusal``), where ``$SAGEATTN_TRAINING`` is
-    "quantized". Decided as the op will decide it, with grad off. Not under torch.compile yet:
-    session 40's compiled training step gave NaN gradients where eager's were right."""
-    if (_backward.training_mode() != "quantized" or torch.compiler.is_compiling()
-            or call.is_empty or _backward.refusal(call) is not None):
-        return False
+def training_call(call: AttentionCall) -> AttentionCall | None:
+    """The call a call that tracks grad runs as the graph op (the quantized forward, then the
+    exact backward, which serves it: ``_backward.refusal``), where ``$SAGEATTN_TRAINING`` is
+    "quantized"; None where it runs the exact fallback. ``pv_quant="auto"`` becomes PV in the
+    input dtype where the kernel serves that ([D51](../docs/DECISIONS.md#d51): the backward's
+    ``D = rowsum(dO * O)`` carries O's error into every gradient, and FP8 PV's O error put dQ's
+    CosSim at 0.991 on bias4, 16-bit PV's at 0.9991). Decided as the op will decide it, with grad
+    off. Under torch.compile the routing cannot be traced (it asks the build and the GPU): the
+    op serves the CUDA float16/bfloat16 calls without a mask up to head_dim 128, which the kernel
+    runs (the LSE asked for: no crossover) wherever it is built for the GPU; a mask keeps the
+    exact fallback there (the op's exact path would compute the LSE in float64)."""
+    if (_backward.training_mode() != "quantized" or call.is_empty
+            or _backward.refusal(call) is not None):
+        return None
+    accurate = call if call.pv_quant != "auto" else dataclasses.replace(call, pv_quant="none")
+    if torch.compiler.is_compiling():
+        served = (call.q.is_cuda and call.q.dtype in KERNEL_DTYPES and call.attn_mask is None
+                  and call.head_dim <= 128 and call.head_dim_v == call.head_dim)
+        return accurate if served else None
     with torch.no_grad():
-        return decide(call).quantized
+        return next((c for c in (accurate, call) if decide(c).quantized), None)
 
 
 def graph_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -132,17 +145,17 @@ def _from_bhnd(t: Tensor, tensor_layout: str, ndim: int) -> Tensor:
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[Tensor, Tensor]) -> None:
-    q, k, v, _, _, is_causal, scale, _, tensor_layout, *_ = inputs
+    q, k, v, attn_mask, _, is_causal, scale, _, tensor_layout, *_ = inputs
     out, lse = output
     ctx.set_materialize_grads(False)  # an LSE nobody used has no gradient (not zeros)
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, attn_mask)
     ctx.is_causal, ctx.scale, ctx.tensor_layout = is_causal, scale, tensor_layout
 
 
 def _sageattn_backward(ctx: Any, grad_out: Tensor | None,
                        grad_lse: Tensor | None) -> tuple[Tensor | None, ...]:
-    q, k, v, out, lse = ctx.saved_tensors
-    none = (None,) * 14  # the op's other arguments
+    q, k, v, out, lse, attn_mask = ctx.saved_tensors
+    none = (None,) * 14  # the op's other arguments (a mask that requires grad is refused)
     if grad_out is None and grad_lse is None:
         return (None, None, None, *none)
     if lse.numel() == 0 and q.numel():
@@ -153,13 +166,40 @@ def _sageattn_backward(ctx: Any, grad_out: Tensor | None,
     lse4 = lse.unsqueeze(0) if ndim == 3 else lse
     grad_lse4 = None if grad_lse is None else (grad_lse.unsqueeze(0) if ndim == 3 else grad_lse)
     with torch.no_grad():
-        grads = _backward.attention_backward(
+        grads = torch.ops.sageattention2.attention_backward(
             _as_bhnd(grad_out, layout), _as_bhnd(q, layout), _as_bhnd(k, layout),
-            _as_bhnd(v, layout), _as_bhnd(out, layout), lse4, ctx.is_causal, ctx.scale, grad_lse4)
+            _as_bhnd(v, layout), _as_bhnd(out, layout), lse4, grad_lse4, attn_mask,
+            ctx.is_causal, ctx.scale)
     dq, dk, dv = (_from_bhnd(g, layout, ndim) for g in grads)
     if torch.is_grad_enabled():  # create_graph=True: these gradients have no derivative here
         dq, dk, dv = _NoDoubleBackward.apply(q, dq, dk, dv)
     return (dq, dk, dv, *none)
+
+
+@torch.library.custom_op("sageattention2::attention_backward", mutates_args=())
+def _attention_backward_op(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                           lse: Tensor, grad_lse: Tensor | None, attn_mask: Tensor | None,
+                           is_causal: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward (``_backward.attention_backward``) as one opaque op of a compiled graph, on
+    ``[B, H, N, D]`` views: dQ, dK, dV with the strides of ``empty_like`` of q, k and v (its
+    fake's). Inductor, given PyTorch's backward kernels and the K-centering around them as
+    separate ops, gave gradients at CosSim 0.06-0.99 to eager's (session 41): its buffers' strides
+    are its own, and the kernels' outputs need not follow their meta functions'."""
+    grads = _backward.attention_backward(grad_out, q, k, v, out, lse, is_causal, scale, grad_lse,
+                                         attn_mask)
+    return tuple(_with_strides_of(g, t) for g, t in zip(grads, (q, k, v)))  # type: ignore[return-value]
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
+                             lse: Tensor, grad_lse: Tensor | None, attn_mask: Tensor | None,
+                             is_causal: bool, scale: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _with_strides_of(grad: Tensor, like: Tensor) -> Tensor:
+    want = torch.empty_like(like)
+    return grad if grad.stride() == want.stride() else want.copy_(grad)
 
 
 class _NoDoubleBackward(torch.autograd.Function):

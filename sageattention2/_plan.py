@@ -340,11 +340,13 @@ CALL_RULES: tuple[Fallback, ...] = (
              "{head_dim}",
              lambda call: {"head_dim_v": call.head_dim_v, "head_dim": call.head_dim}),
     # (sageattn itself sends the calls that its exact backward serves to the graph op, which
-    # decides with grad off: _compile.trainable; this rule keeps every other path exact)
+    # decides with grad off: _compile.training_call; this rule keeps every other path exact)
     Fallback("inputs that require grad (grad enabled) on a call or entry point that sageattn's "
-             "exact backward does not serve: a mask, dropout, causal lengths that differ",
+             "exact backward does not serve: a mask that requires grad, dropout, causal lengths "
+             "that differ",
              lambda call: torch.is_grad_enabled() and any(
-                 t.requires_grad for t in (call.q, call.k, call.v)),
+                 t is not None and t.requires_grad
+                 for t in (call.q, call.k, call.v, call.attn_mask)),
              "the inputs require grad and sageattn's backward does not serve {why}",
              lambda call: {"why": _backward.refusal(call) or (
                  "this entry point" if _backward.training_mode() == "quantized" else

@@ -184,10 +184,12 @@ def sageattn(
         # pays nothing for it): the graph op, whose autograd formula is the exact backward from
         # the forward's O and LSE, where that backward serves the call and the quantized kernel
         # runs it; else the exact fallback (differentiable; traced as such when compiling).
-        if _compile.trainable(call):
+        trained = _compile.training_call(call)
+        if trained is not None:
             out, lse = _compile.graph_call(q, k, v, attn_mask, dropout_p, is_causal, scale,
-                                           enable_gqa, tensor_layout, qk_quant, pv_quant, smooth_k,
-                                           smooth_q, smooth_v, True, strict, causal_alignment)
+                                           enable_gqa, tensor_layout, qk_quant, trained.pv_quant,
+                                           smooth_k, smooth_q, smooth_v, True, strict,
+                                           causal_alignment)
             return (out, lse) if return_lse else out
         return exact(call) if compiling else _execute.run(call)
     return _execute.run_and_remember(call, (q, k, v, attn_mask, options))
@@ -228,9 +230,11 @@ def explain(*args: Any, **kwargs: Any) -> Explanation:
     call = validated_call(*args, **kwargs)
     if call.is_empty:
         return Explanation(False, "nothing (empty)", None, None, None)
-    if _compile.tracks_grad(call.q, call.k, call.v, call.attn_mask) and _compile.trainable(call):
+    trained = (_compile.training_call(call)
+               if _compile.tracks_grad(call.q, call.k, call.v, call.attn_mask) else None)
+    if trained is not None:
         with torch.no_grad():  # sageattn's training path: the graph op, deciding with grad off
-            decision = _execute.decide(call)
+            decision = _execute.decide(trained)
     else:
         decision = _execute.decide(call)
     if not decision.quantized:

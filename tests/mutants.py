@@ -321,6 +321,18 @@ def _bench_models_speedup_inverted(patch: pytest.MonkeyPatch) -> None:
     _wrap(patch, _bench_models, "measure", inverted)
 
 
+@mutant("bench-train-without-quantized-training",
+        "bench --models --train runs sageattn's steps without SAGEATTN_TRAINING=quantized (its "
+        "exact training path: the table would time exact SDPA under sageattn's name)",
+        "test_integrations.py::test_cli_bench_models_train")
+def _bench_train_without_quantized_training(patch: pytest.MonkeyPatch) -> None:
+    import contextlib
+
+    from sageattention2 import _bench_models
+
+    patch.setattr(_bench_models, "environment", lambda name, value: contextlib.nullcontext())
+
+
 @mutant("tune-grid-transposed",
         "tune writes each class's speedups key length by query length (the table's [n_q][n_k] "
         "order swapped)",

@@ -100,15 +100,18 @@ def test_grad_state_is_part_of_the_kind(stand_in: list[dict[str, Any]],  # noqa:
     """The same shapes requiring grad are not served from the no-grad call's remembered
     decision: by default they fall back (exact SDPA and its backward); with
     SAGEATTN_TRAINING=quantized they take the training path (the graph op: the quantized
-    forward, then the exact backward), except with a key mask, which that backward does not take
-    yet (a fallback naming it)."""
+    forward, then the exact backward), with a key-padding mask too, except with a mask that
+    requires grad, whose gradient that backward does not give (a fallback naming it)."""
     q, k, v = qkv(d=64, dtype=torch.float16)
     sageattn(q, k, v)
     assert len(stand_in) == 1
     mask = torch.ones(q.shape[0], 1, 1, k.shape[-2], dtype=torch.bool)
+    bias = torch.zeros(mask.shape, requires_grad=True)
     for env, kwargs, runs, reason in ((None, {}, 0, "SAGEATTN_TRAINING=exact"),
                                       ("quantized", {}, 1, None),
-                                      ("quantized", {"attn_mask": mask}, 0, "an attn_mask")):
+                                      ("quantized", {"attn_mask": mask}, 1, None),
+                                      ("quantized", {"attn_mask": bias}, 0,
+                                       "an attn_mask that requires grad")):
         if env is not None:
             monkeypatch.setenv("SAGEATTN_TRAINING", env)
         before = len(stand_in)
@@ -120,7 +123,7 @@ def test_grad_state_is_part_of_the_kind(stand_in: list[dict[str, Any]],  # noqa:
         assert (reason is None and not messages) or (messages and reason in messages[0]), messages
     with torch.no_grad():
         sageattn(q, k, v)
-    assert len(stand_in) == 3
+    assert len(stand_in) == 4
 
 
 def test_unhashable_option_is_validated() -> None:

@@ -262,6 +262,139 @@ def test_bench_attention_time_replays_each_kind_of_call_once() -> None:
     assert next(readings, None) is None  # two groups of 3 runs: each kind of call timed once
 
 
+def test_bench_attention_time_of_training_replays_the_backward() -> None:
+    """With ``backward=True`` (``bench --models --train``) each replay is the call's forward and
+    its backward: the gradients of the inputs that require grad (q, k, v), not of the mask."""
+    from sageattention2 import _bench_models
+
+    q, k, v = (t.requires_grad_() for t in qkv())
+    mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool)
+    replays = []
+
+    class FixedClock:
+        def ms(self, fn: Any) -> float:
+            replays.append(fn())
+            return 1.0
+
+    clock: Any = FixedClock()
+    assert _bench_models.attention_ms([((q, k, v, mask), {})] * 2, clock, reps=3,
+                                      backward=True) == 2.0  # one kind of call, twice
+    assert len(replays) == 3
+    for grads in replays:
+        assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+        assert all(g.abs().sum() > 0 for g in grads)
+
+
+def test_bench_gradients_cosine_is_that_of_the_concatenated_gradients() -> None:
+    """The training bench's gradient cosine, summed tensor by tensor, is ``cosine_similarity`` of
+    the gradients concatenated."""
+    from sageattention2 import _bench_models
+    from sageattention2.testing import cosine_similarity
+
+    torch.manual_seed(0)
+    got = [torch.randn(3, 4), torch.randn(5), torch.zeros(2)]
+    want = [g + 0.5 * torch.randn_like(g) for g in got]
+    assert _bench_models.gradients_cosine(got, want) == pytest.approx(
+        cosine_similarity(torch.cat([g.flatten() for g in got]),
+                          torch.cat([w.flatten() for w in want])), abs=1e-12)
+
+
+def test_cli_bench_models_train(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --models wan flux --train --tiny`` on the CPU: a training step (forward, backward,
+    AdamW) per mode, finite times, every parameter gradient the same under sageattn (cosine 1 on
+    the CPU: the exact path both ways), models_train.md written beside (not over) models.md.
+    sageattn's steps and the count of its quantized calls (on inputs that require grad) run with
+    SAGEATTN_TRAINING=quantized; the variable is restored after, also when unset before and when
+    the measurement fails."""
+    pytest.importorskip("diffusers")
+    from sageattention2 import _bench_models
+    from sageattention2._backward import TRAINING_ENVIRONMENT
+
+    seen: set[tuple[bool, str | None]] = set()  # (sageattn patched in, the variable) per timing
+    explained: list[tuple[str | None, bool]] = []
+    real_ms, real_explain = _bench_models.Clock.ms, _bench_models.explain
+
+    def ms(clock: Any, fn: Any) -> float:
+        seen.add((F.scaled_dot_product_attention is not ORIGINAL_SDPA,
+                  os.environ.get(TRAINING_ENVIRONMENT)))
+        return real_ms(clock, fn)
+
+    def explain(*args: Any, **kwargs: Any) -> Any:
+        call = api.validated_call(*args, **kwargs)
+        explained.append((os.environ.get(TRAINING_ENVIRONMENT), torch.is_grad_enabled() and all(
+            t.requires_grad for t in (call.q, call.k, call.v))))
+        return real_explain(*args, **kwargs)
+
+    monkeypatch.setattr(_bench_models.Clock, "ms", ms)
+    monkeypatch.setattr(_bench_models, "explain", explain)
+    monkeypatch.setenv(TRAINING_ENVIRONMENT, "exact")
+    rows = _bench_models.run(["wan", "flux"], torch.device("cpu"), tiny=True, reps=2,
+                             out=tmp_path, seconds=5.0, train=True)
+    assert os.environ[TRAINING_ENVIRONMENT] == "exact"
+    assert [r["model"] for r in rows] == ["Flux-dev (2+4 blocks), 1024 px",
+                                          "Wan2.1-1.3B (4 blocks), 81 x 480x832"]
+    for row in rows:
+        assert all(0 < row[key] < float("inf") for key in ("default_ms", "sage_ms", "speedup",
+                                                            "attention_share"))
+        assert row["calls"] > 0 and row["quantized"] == 0 and row["reps"] == 2
+        assert row["cosine"] >= 0.9999
+    assert {env for sage, env in seen if sage} == {"quantized"}
+    assert explained and set(explained) == {("quantized", True)}
+    table = (tmp_path / "models_train.md").read_text()
+    assert table.startswith("Training step (CPU, torch ") and table.count("\n| ") == 3
+    assert "| default SDPA step ms | sageattn step ms |" in table
+    assert not (tmp_path / "models.md").exists()
+
+    monkeypatch.delenv(TRAINING_ENVIRONMENT)
+
+    def fails(*args: Any) -> float:
+        assert os.environ[TRAINING_ENVIRONMENT] == "quantized"
+        raise RuntimeError("measurement failed")
+
+    monkeypatch.setattr(_bench_models, "gradients_cosine", fails)
+    with pytest.raises(RuntimeError, match="measurement failed"):
+        _bench_models.run(["wan"], torch.device("cpu"), tiny=True, reps=1, out=None, train=True)
+    assert TRAINING_ENVIRONMENT not in os.environ
+
+
+def test_cli_bench_models_train_when_default_sdpa_fails(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where default SDPA's training step raises with cuDNN on (session 41: its cuDNN backward
+    failed in Wan's step on an H200), the baseline is SDPA without cuDNN, for every default step
+    and replay, and the table says so under the row; a baseline that fails again raises."""
+    pytest.importorskip("diffusers")
+    from sageattention2 import _bench_models
+
+    real = F.scaled_dot_product_attention
+    default_calls: list[bool] = []
+
+    def sdpa(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if not torch.is_grad_enabled():  # (the step's output shape, taken without grad)
+            return real(*args, **kwargs)
+        default_calls.append(torch.backends.cuda.cudnn_sdp_enabled())
+        if default_calls[-1]:
+            raise RuntimeError("mha_graph.execute failed\nmore")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    rows = _bench_models.run(["wan"], torch.device("cpu"), tiny=True, reps=2, out=tmp_path,
+                             train=True)
+    assert default_calls[0] and not any(default_calls[1:]) and len(default_calls) > 4
+    assert rows[0]["cosine"] >= 0.9999 and rows[0]["calls"] > 0
+    assert rows[0]["note"] == ("default SDPA's step raised (mha_graph.execute failed): SDPA "
+                               "without cuDNN")
+    assert (tmp_path / "models_train.md").read_text().rstrip().endswith(
+        "Wan2.1-1.3B (4 blocks), 81 x 480x832: " + rows[0]["note"])
+    def always(*args: Any, **kwargs: Any) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            raise RuntimeError("always")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", always)
+    with pytest.raises(RuntimeError, match="always"):
+        _bench_models.run(["wan"], torch.device("cpu"), tiny=True, reps=1, out=None, train=True)
+
+
 def test_cli_bench_needs_a_gpu_unless_a_device_is_named(
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     """Without a CUDA GPU, ``bench`` (any selection) runs nothing and says so in one line, exit
@@ -303,14 +436,14 @@ def test_cli_bench_with_no_flags_runs_the_shapes_then_the_models(
     assert ran == [("sageattention2._bench_shapes", dict(out=None, shapes=_bench_shapes.SHAPES)),
                    ("sageattention2._bench_models", dict(
                        keys=None, device=torch.device("cuda"), tiny=False, reps=10, out=None,
-                       seconds=2.0))]
+                       seconds=2.0, train=False))]
 
 
 def test_cli_bench_models_passes_its_flags(monkeypatch: pytest.MonkeyPatch,
                                            tmp_path: Path) -> None:
-    """``bench --models KEY... --tiny --reps --seconds --out --device``: each parsed value reaches
-    the model suite's run (which is recorded, not run); the shapes do not run; ``--models``
-    without keys is every model."""
+    """``bench --models KEY... --tiny --reps --seconds --out --device --train``: each parsed value
+    reaches the model suite's run (which is recorded, not run); the shapes do not run;
+    ``--models`` without keys is every model."""
     pytest.importorskip("diffusers")
     pytest.importorskip("transformers")
     from sageattention2 import _bench_models, _bench_shapes
@@ -319,14 +452,36 @@ def test_cli_bench_models_passes_its_flags(monkeypatch: pytest.MonkeyPatch,
     ran = recorder(monkeypatch, _bench_shapes)
     recorder(monkeypatch, _bench_models, returns=[], calls=ran)
     assert main(["bench", "--models", "sd15", "bert", "--tiny", "--reps", "3", "--seconds", "0.5",
-                 "--out", str(tmp_path), "--device", "cpu"]) == 0
+                 "--out", str(tmp_path), "--device", "cpu", "--train"]) == 0
     assert main(["bench", "--models", "--device", "cpu"]) == 0
     assert ran == [("sageattention2._bench_models", dict(
                        keys=["sd15", "bert"], device=torch.device("cpu"), tiny=True, reps=3,
-                       out=tmp_path, seconds=0.5)),
+                       out=tmp_path, seconds=0.5, train=True)),
                    ("sageattention2._bench_models", dict(
                        keys=[], device=torch.device("cpu"), tiny=False, reps=10, out=None,
-                       seconds=2.0))]
+                       seconds=2.0, train=False))]
+
+
+def test_cli_bench_train_needs_the_models_on_one_gpu(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``bench --train`` is a usage error naming the flag without ``--models`` (the shapes have
+    no training step) and with ``--gpus`` (the context-parallel suite times forwards); nothing
+    runs."""
+    from sageattention2 import _bench_models, _bench_parallel, _bench_shapes
+    from sageattention2.__main__ import main
+
+    ran = recorder(monkeypatch, _bench_shapes)
+    recorder(monkeypatch, _bench_models, returns=[], calls=ran)
+    recorder(monkeypatch, _bench_parallel, returns=None, calls=ran)
+    for argv, names in ((["bench", "--train"], ("--train", "--models")),
+                        (["bench", "--shapes", "--train"], ("--train", "--models")),
+                        (["bench", "--models", "wan", "--train", "--gpus", "2"],
+                         ("--train", "--gpus"))):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and all(name in err for name in names), (argv, err)
+    assert ran == []
 
 
 def test_patch_sdpa_reaches_multihead_attention(monkeypatch: pytest.MonkeyPatch) -> None:
