@@ -46,6 +46,9 @@ steps
   --profile MODEL   scripts/profile_model.py MODEL: a suite model's kernels per forward, default SDPA
                     vs sageattn ($OUT/profile_MODEL.md; repeatable)
   --host            benchmarks/host_overhead.py --tiny: CPU time of short calls vs SDPA ($OUT/host.md)
+  --training        issue 51's figures: benchmarks/bench_backward.py ($OUT/backward.md), then
+                    bench --models wan flux --train ($OUT/models_train.md; diffusers from .whl/); the
+                    tests: --tests "training or finetune" (the fine-tune needs .minilm carried)
   --ab TAR          A/B of two builds: A the tree in TAR (make it before the device call, in the
                     repo root: git archive REV -o base.tar), B the working tree; each is built
                     into its own --target dir, then bench_attention.py --no-sdpa runs A, B, A
@@ -65,7 +68,7 @@ while [ $# -gt 0 ]; do
     --timeout) STEP_TIMEOUT=$2; shift ;;
     --quick) QUICK=--quick ;;
     --no-install) installed=1 ;;
-    --info|--check|--bench|--sanitize|--sass|--tune|--grid|--models|--host) steps+=("${1#--}") ;;
+    --info|--check|--bench|--sanitize|--sass|--tune|--grid|--models|--host|--training) steps+=("${1#--}") ;;
     --tests|--readme) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("${1#--} $2"); shift; else steps+=("${1#--}"); fi ;;
     --ncu|--ab|--profile|--parallel) steps+=("${1#--} $2"); shift ;;
     -h|--help) usage; exit 0 ;;
@@ -205,6 +208,13 @@ step_profile() {
   cd /tmp && python3 "$R/scripts/profile_model.py" "$1" > "$OUT/profile_$1.md" 2>&1
   local rc=$?; cat "$OUT/profile_$1.md"; return $rc
 }
+step_training() {
+  cd /tmp && python3 "$R/benchmarks/bench_backward.py" --out "$OUT/backward.md" > "$OUT/backward.txt" 2>&1
+  local rc=$?; tail -6 "$OUT/backward.md"
+  python3 -m sageattention2 bench --models wan flux --train --reps 5 --out "$OUT" > "$OUT/models_train.txt" 2>&1 \
+    || rc=$?
+  grep -E "^\||raised|Error" "$OUT/models_train.txt" | tail -8; return $rc
+}
 step_host() {
   cd /tmp && python3 "$R/benchmarks/host_overhead.py" --tiny > "$OUT/host.md" 2>&1
   local rc=$?; cat "$OUT/host.md"; return $rc
@@ -236,7 +246,7 @@ export -f step_readme step_install step_info step_tests step_check step_bench st
 
 declare -A LIMIT=([readme]=590 [install]=480 [info]=60 [tests]=420 [check]=300 [bench]=420 [sanitize]=540 [sass]=120
                   [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [profile]=240 [host]=120
-                  [parallel]=420)
+                  [parallel]=420 [training]=360)
 summary=(); first_rc=0
 run() {  # run NAME [ARG]: one step under its time limit, its exit code and time in the summary
   local name=$1 t0=$SECONDS rc
