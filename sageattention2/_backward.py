@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from ._call import AttentionCall
+from .reference import _expand_kv_heads
 
 __all__ = ["TRAINING_ENVIRONMENT", "attention_backward", "refusal", "training_mode"]
 
@@ -63,10 +64,6 @@ def refusal(call: AttentionCall) -> str | None:
     return None
 
 
-def _repeat_heads(t: Tensor, heads: int) -> Tensor:
-    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], dim=1)
-
-
 def _sum_groups(grad: Tensor, heads: int) -> Tensor:
     b, h, n, d = grad.shape
     return grad if h == heads else grad.view(b, heads, h // heads, n, d).sum(2)
@@ -97,13 +94,13 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     work = torch.float64 if k.dtype == torch.float64 else torch.float32
     mean = k.mean(dim=2, keepdim=True, dtype=work).to(k.dtype)
     k = k - mean
-    mean = _repeat_heads(mean, q.shape[1])
+    mean = _expand_kv_heads(mean, q.shape[1])
     lse = lse.float() - scale * _dot_float32(q, mean)
     # A row that sees no key has LSE -inf and P = 0 (its gradients are zero): +inf gives P = 0
     # where exp(-inf - -inf) would be NaN.
     lse = lse.masked_fill(lse == -torch.inf, torch.inf)
     bias = None if attn_mask is None else _additive(attn_mask, q)
-    k_all, v_all = _repeat_heads(k, q.shape[1]), _repeat_heads(v, q.shape[1])
+    k_all, v_all = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
     kernel = _pytorch_kernel(q, bias, grad_lse)
     if kernel is not None:
         dq, dk, dv = _pytorch_kernels(kernel, grad_out, q, k_all, v_all, out, lse, is_causal,

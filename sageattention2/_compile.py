@@ -198,8 +198,11 @@ def _attention_backward_fake(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, 
 
 
 def _with_strides_of(grad: Tensor, like: Tensor) -> Tensor:
-    want = torch.empty_like(like)
-    return grad if grad.stride() == want.stride() else want.copy_(grad)
+    """``grad`` with the strides of ``empty_like(like)`` (read on the meta device: no
+    allocation where they already agree, the common case)."""
+    if grad.stride() == torch.empty_like(like, device="meta").stride():
+        return grad
+    return torch.empty_like(like).copy_(grad)
 
 
 class _NoDoubleBackward(torch.autograd.Function):

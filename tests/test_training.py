@@ -153,15 +153,22 @@ def test_compiled_training_step_on_the_cpu(routed_to_the_op: list[Any]) -> None:
 
 def test_opcheck_of_the_backward_op() -> None:
     """torch.library.opcheck of sageattention2::attention_backward (the autograd formula's one
-    opaque op under torch.compile): its fake's strides are the real outputs'."""
+    opaque op under torch.compile), and its real outputs in its fake's strides (which opcheck
+    does not compare; inductor reads the outputs in them)."""
     torch.manual_seed(12)
     q, k, v = (torch.randn(1, 2, 9, 8) for _ in range(3))
     out, lse = (torch.randn(1, 2, 9, 8), torch.randn(1, 2, 9))
     nhd = torch.randn(1, 9, 2, 8).transpose(1, 2)
+    # GQA with K and V in NHD memory: the summed groups come out contiguous, K's strides differ
+    q4, out4, lse4 = torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9, 8), torch.randn(1, 4, 9)
+    k_nhd, v_nhd = (torch.randn(1, 9, 2, 8).transpose(1, 2) for _ in range(2))
     for args in ((torch.randn_like(out), q, k, v, out, lse, None, None, True, None),
                  (torch.randn_like(out), nhd, k, v, out, lse, torch.randn(1, 2, 9),
-                  torch.rand(1, 1, 1, 9) > 0.2, False, 0.5)):
+                  torch.rand(1, 1, 1, 9) > 0.2, False, 0.5),
+                 (torch.randn_like(out4), q4, k_nhd, v_nhd, out4, lse4, None, None, False, None)):
         torch.library.opcheck(torch.ops.sageattention2.attention_backward.default, args)
+        grads = torch.ops.sageattention2.attention_backward(*args)
+        assert [g.stride() for g in grads] == [torch.empty_like(t).stride() for t in args[1:4]]
 
 
 def test_double_backward_refuses(routed_to_the_op: list[Any]) -> None:
