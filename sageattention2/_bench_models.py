@@ -278,23 +278,13 @@ def measure_train(case: _model_suite.ModelCase, device: torch.device, tiny: bool
         optimizer.zero_grad(set_to_none=True)
         return grads
 
+    failure = default_step_failure(case, device, tiny)
+    baseline = without_cudnn if failure else contextlib.nullcontext
+    note = f"default SDPA's step raised ({failure}): SDPA without cuDNN" if failure else None
     with environment(TRAINING_ENVIRONMENT, "quantized"):
         calls: Calls = []
-        baseline, note = contextlib.nullcontext, None
-        try:
-            with recording_sdpa(calls):
-                want = gradients()
-        except RuntimeError as exc:
-            if not torch.backends.cuda.cudnn_sdp_enabled():
-                raise
-            # Session 41, H200, torch 2.11: default SDPA's cuDNN backward failed in Wan's step
-            # ("mha_graph.execute ... is_good()"); the baseline is then SDPA as it runs without
-            # cuDNN, and the row says so.
-            optimizer.zero_grad(set_to_none=True)
-            baseline, calls = without_cudnn, []
-            note = f"default SDPA's step raised ({str(exc).splitlines()[0][:120]}): SDPA without cuDNN"
-            with baseline(), recording_sdpa(calls):
-                want = gradients()
+        with baseline(), recording_sdpa(calls):
+            want = gradients()
         with patch_sdpa():
             got = gradients()  # also the warm-up of sageattn's path
         cosine = gradients_cosine(got, want)
@@ -307,6 +297,41 @@ def measure_train(case: _model_suite.ModelCase, device: torch.device, tiny: bool
             attention = attention_ms(calls, clock, reps, backward=True)
         return dict(summary(case, default_ms, sage_ms, attention, calls, routed_quantized(calls),
                             cosine), note=note)
+
+
+def default_step_failure(case: _model_suite.ModelCase, device: torch.device,
+                         tiny: bool) -> str | None:
+    """The first line of the error default SDPA's training step of ``case`` raises (None where it
+    runs). PyTorch's cuDNN attention backward fails in some suite models' steps on an H200 with
+    torch 2.11 (Wan's and Flux's in sessions 41-42: ``mha_graph.execute(...).is_good()``, an
+    illegal memory access; pytorch/pytorch#190321, whose workaround is SDPA without cuDNN). An
+    illegal access leaves the CUDA context unusable, so on a GPU the step is tried in a child
+    process; on the CPU, in this one."""
+    if device.type != "cuda":
+        return _default_step_error(case.key, str(device), tiny)
+    import concurrent.futures
+    import multiprocessing
+
+    with concurrent.futures.ProcessPoolExecutor(
+            1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        try:
+            return pool.submit(_default_step_error, case.key, str(device), tiny).result()
+        except concurrent.futures.process.BrokenProcessPool as exc:
+            return f"the process died: {exc}"
+
+
+def _default_step_error(key: str, device: str, tiny: bool) -> str | None:
+    (case,) = (c for c in _model_suite.CASES if c.key == key)
+    model, inputs = built(case, torch.device(device), tiny)
+    model.train()
+    try:
+        out = first_tensor(model(**inputs)).float()
+        out.sum().backward()
+        if out.is_cuda:
+            torch.cuda.synchronize(out.device)
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0][:120]
+    return None
 
 
 def without_cudnn() -> ContextManager[Any]:

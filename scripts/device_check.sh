@@ -242,7 +242,7 @@ step_ab() {
   python3 "$R/benchmarks/timing.py" merge "${runs[@]}" | tee "$OUT/ab.md"
 }
 export -f step_readme step_install step_info step_tests step_check step_bench step_sanitize step_sass step_ncu step_ab \
-  step_tune step_grid step_models step_profile step_host step_parallel
+  step_tune step_grid step_models step_profile step_host step_parallel step_training
 
 declare -A LIMIT=([readme]=590 [install]=480 [info]=60 [tests]=420 [check]=300 [bench]=420 [sanitize]=540 [sass]=120
                   [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [profile]=240 [host]=120

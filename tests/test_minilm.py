@@ -103,18 +103,23 @@ def test_finetune_matches_sdpa(attention_kernel: None, monkeypatch: pytest.Monke
     """Issue 51: MiniLM fine-tuned 40 steps (bf16 autocast, padded batches: the key-padding mask
     through the backward), three seeds each: sageattn's mean final loss and test accuracy within
     the run-to-run spread of SDPA's three seeds; the quantized kernel ran."""
-    from sageattention2 import _execute
+    from sageattention2 import _backward, _execute
 
     monkeypatch.setenv("SAGEATTN_TRAINING", "quantized")
     calls: list[int] = []
     real = _execute.quantized
     monkeypatch.setattr(_execute, "quantized", lambda *a, **k: calls.append(1) or real(*a, **k))
+    backwards: list[int] = []  # the quantized forward's backward: the training steps took it
+    real_backward = _backward.attention_backward
+    monkeypatch.setattr(_backward, "attention_backward",
+                        lambda *a, **k: backwards.append(1) or real_backward(*a, **k))
     runs = finetunes("cuda", steps=40, seeds=range(3))
     for name, results in runs.items():
         print(f"\nMiniLM fine-tune, {name}: " + "; ".join(
             f"loss {r.final_loss:.4f} test loss {r.test_loss:.4f} accuracy {r.test_accuracy:.4f}"
             for r in results))
     assert calls, "sageattn's fine-tune did not run the quantized kernel"
+    assert len(backwards) >= 40 * 6, "sageattn's training steps did not take the quantized path"
     for field in ("final_loss", "test_accuracy"):
         sdpa = [getattr(r, field) for r in runs["sdpa"]]
         ours = sum(getattr(r, field) for r in runs["sageattn2"]) / 3

@@ -284,7 +284,10 @@ def family_gradients(family: str, is_causal: bool, dtype: torch.dtype,
 # training runs PV in 16 bits (D51), which lifts bias4 over the bar (0.99908 / 0.99928 / 0.99946;
 # FP8 PV 0.991 / 0.997 / 0.9995; SDPA's own bf16 gradients 0.9956 / 0.99998 / 1.0). On outliers
 # INT8 QK's LSE error (it scales P in the backward: dV 0.954) and O's error give 0.90 / 0.94 /
-# 0.954 where SDPA's own give 0.99984 / 0.99998 / 1.0. Strict: a fix must lift them.
+# 0.954 where SDPA's own give 0.99984 / 0.99998 / 1.0. Session 42's float64 emulation: the LSE
+# corrected at each row's top keys (or the exact LSE) lifts dV to 1.0 but leaves dQ at 0.85 and dK
+# at 0.98, since D = rowsum(dO * O) carries O's error and a peaked row's dS is as small as that
+# error; only an exact pass (exact LSE and D) meets the bar. Strict: a fix must lift them.
 SHORT = pytest.mark.xfail(strict=True, reason="issue 51's open gap: the outliers family")
 OFFSET_FAMILIES = ["bias0", "bias4", pytest.param("outliers", marks=SHORT)]
 
