@@ -389,6 +389,28 @@ def test_compiled_training_step(attention_kernel: None, quantized_training: list
         assert cosine_similarity(got, want.double()) >= 0.99999
 
 
+def test_compiled_training_step_with_a_mask(attention_kernel: None,
+                                            quantized_training: list[int]) -> None:
+    """Under torch.compile a training call with a mask keeps the exact fallback
+    (``_compile.training_call``: the op's exact path would take the LSE in float64): the compiled
+    step (fullgraph) traces, the kernel does not run, and the gradients are SDPA's."""
+    torch.manual_seed(12)
+    q, k, v = (torch.randn(2, 4, 1037, 128, device="cuda", dtype=torch.bfloat16)
+               for _ in range(3))
+    mask = torch.ones(2, 1, 1, 1037, device="cuda", dtype=torch.bool)
+    mask[0, ..., 700:] = False
+    dout = torch.randn_like(q)
+    want = grads_of(lambda a, b, c: (F.scaled_dot_product_attention(a, b, c, attn_mask=mask)
+                                     .float() * dout).sum(), q, k, v)
+    torch._dynamo.reset()
+    got = grads_of(torch.compile(lambda a, b, c: (sageattn(a, b, c, attn_mask=mask, qk_quant="int8")
+                                                  .float() * dout).sum(), fullgraph=True), q, k, v)
+    assert not quantized_training
+    for g, w in zip(got, want):
+        assert torch.isfinite(g).all()
+        assert cosine_similarity(g, w.double()) >= 0.99999
+
+
 def grads_of(step: Any, *inputs: torch.Tensor) -> list[torch.Tensor]:
     leaves = [t.clone().requires_grad_() for t in inputs]
     step(*leaves).backward()
