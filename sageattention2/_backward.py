@@ -14,26 +14,41 @@ it: ``d lse_i / d S_ij = P_ij`` adds ``g_i`` to ``-D_i``), a chunked float32 ver
 formulas. GQA: K and V are repeated over each group and the group's gradients summed.
 
 :func:`refusal` says which calls it serves; the others run exact SDPA, differentiable, as
-before (the routing table's fallback "inputs that require grad").
+before (the routing table's fallback "inputs that require grad"). :func:`guard` (D52) sends the
+calls whose q or k has channels wide enough to break INT8 QK's gradients there too.
 """
 from __future__ import annotations
 
 import os
+import weakref
 
 import torch
 from torch import Tensor
 
+from . import ops
 from ._call import AttentionCall
 from .reference import _expand_kv_heads
 
-__all__ = ["TRAINING_ENVIRONMENT", "attention_backward", "refusal", "training_mode"]
+__all__ = ["GUARD_ENVIRONMENT", "TRAINING_ENVIRONMENT", "attention_backward", "guard",
+           "guard_verdict", "refusal", "training_guard", "training_mode"]
 
 # Opt-in until the quantized forward's gradients meet the exact bar on every input family
-# (session 41: met on bias0 and bias4 with PV in 16 bits; outliers 0.90 / 0.94 / 0.95, D51):
+# (session 41: met on bias0 and bias4 with PV in 16 bits; outliers 0.90 / 0.94 / 0.95, D51,
+# which the guard now sends to exact SDPA, D52):
 # "exact" (the default: inputs that require grad run exact SDPA and its backward) or "quantized"
 # (the quantized forward, this backward).
 TRAINING_ENVIRONMENT = "SAGEATTN_TRAINING"
 TRAINING_MODES = ("exact", "quantized")
+
+# The training guard (docs/DECISIONS.md#d52): a call whose q or k has a head with a channel spread
+# (ops.channel_spread: the widest channel's range over the head's mean range) above this runs
+# exact SDPA. The gradients through INT8 QK fall with the spread (float64 emulation of the kernel,
+# 1,029 and 2,085 tokens, 6 channels widened f times, session 42): spread 2.3 -> dQ CosSim
+# 0.99998, 3.3 -> 0.9996-0.9997, 4.2 -> 0.9987, 5-6 -> 0.993-0.997, 9.5 (the outliers family)
+# -> 0.92; MiniLM's real heads read 1.4-2.1 on a 419-token sentence, up to 3.2 on 10-token ones.
+# SAGEATTN_TRAINING_GUARD sets another threshold (a number >= 1), or "off".
+TRAINING_GUARD = 3.5
+GUARD_ENVIRONMENT = "SAGEATTN_TRAINING_GUARD"
 
 # Queries per chunk of the float32 backward: a [chunk, N_k] score block per head.
 _MATH_CHUNK = 1024
@@ -62,6 +77,47 @@ def refusal(call: AttentionCall) -> str | None:
     if call.head_dim_v != call.head_dim:
         return "v's head_dim differs from q's and k's"
     return None
+
+
+def training_guard() -> float:
+    """The training guard's threshold (0: off): TRAINING_GUARD unless the environment sets
+    another."""
+    return ops.guard_threshold(GUARD_ENVIRONMENT, TRAINING_GUARD)
+
+
+# The guard's verdict per call object, so that the fallback's reason reads it back
+# (guard_verdict) instead of measuring again.
+_VERDICTS: "weakref.WeakKeyDictionary[AttentionCall, str | None]" = weakref.WeakKeyDictionary()
+
+
+def guard(call: AttentionCall) -> str | None:
+    """Why the quantized forward's gradients would not hold for ``call`` (D52): its q or k has a
+    head whose channel spread is above :func:`training_guard`; None where they hold (or the
+    guard is off). The statistic is two reductions over q and k (their means, their per-channel
+    extremes: no float32 copies) and one number read on the host, a synchronization, so it is
+    asked only of calls the quantized kernel would run, and not while a CUDA graph is being
+    captured (nor under torch.compile: ``_compile.training_call``)."""
+    threshold = training_guard()
+    if threshold == 0.0 or (call.q.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    if call in _VERDICTS:
+        return _VERDICTS[call]
+    with torch.no_grad():
+        spread = float(torch.stack([
+            ops.channel_spread(x, x.mean(dim=2, dtype=torch.float32)).amax()
+            for x in (call.q, call.k)]).amax())
+    verdict = None
+    if spread > threshold:  # (the text without the spread itself: one warning, not one per step)
+        verdict = (f"q or k with a channel spread above the training guard's {threshold:g} "
+                   f"(INT8 QK's gradients fall below CosSim 0.999 from about 4: "
+                   f"docs/DECISIONS.md#d52; {GUARD_ENVIRONMENT} sets the threshold, or 'off')")
+    _VERDICTS[call] = verdict
+    return verdict
+
+
+def guard_verdict(call: AttentionCall) -> str | None:
+    """The verdict :func:`guard` gave ``call``, without measuring (None where it was not asked)."""
+    return _VERDICTS.get(call)
 
 
 def _sum_groups(grad: Tensor, heads: int) -> Tensor:

@@ -8,11 +8,13 @@ whole model alone: PyTorch's default SDPA and our backend (``"sageattention2"``)
 context-parallel mode the GPU count allows (Ulysses over all N, the ring over all N, and for
 N = 4 ring 2 x Ulysses 2), each with diffusers' native backends that support it (``native``:
 Ulysses only, it has no LSE for the ring; ``_native_cudnn``) and ours (``exchange="quantized"``
-and ``"input"`` in the ring), each on a fresh model with the same weights. Reported per row: the
-median forward (ms, every rank starting together, the slowest rank's time), the speedup over
-the best native row of that model, the scaling over our one-GPU forward, the bytes each rank
-sends per ring call (ours), and the output's relative L1 distance to our one-GPU output.
-Writes ``parallel.md`` to --out.
+and ``"input"`` in the ring), and the authors' package through diffusers' ``sage`` backend where
+it is installed (``authors_version``), each on a fresh model with the same weights. Reported per
+row: the median forward (ms, every rank starting together, the slowest rank's time), the
+speedup over the best native row of that model, the scaling over our one-GPU forward, the bytes
+each rank sends per ring call (ours), and the output's relative L1 distance to our one-GPU
+output; with the authors' rows, a line comparing our best with theirs. Writes ``parallel.md``
+to --out.
 """
 from __future__ import annotations
 
@@ -41,6 +43,24 @@ def _modes(gpus: int) -> list[tuple[str, int, int]]:
     return modes
 
 
+AUTHORS = "sageattention (authors')"
+
+
+def authors_version() -> str | None:
+    """The version of the authors' SageAttention package (``sageattention``) where it is installed
+    and is not this project's drop-in (compat/, version ``...+sageattention2``): diffusers' own
+    ``sage`` backend, which supports context parallelism, then runs the authors' kernels, what
+    users run under CP today (issue 53's comparison). ``scripts/device_check.sh --authors``
+    builds it on the GPU machine."""
+    from importlib import metadata
+
+    try:
+        version = metadata.version("sageattention")
+    except metadata.PackageNotFoundError:
+        return None
+    return None if "sageattention2" in version else version
+
+
 def _backends(ring: int) -> list[tuple[str, str, dict[str, Any]]]:
     """(row label, diffusers backend name, register() options)."""
     rows = [("cudnn (native)", "_native_cudnn", {})]
@@ -50,7 +70,20 @@ def _backends(ring: int) -> list[tuple[str, str, dict[str, Any]]]:
     else:
         rows += [("sageattention2, K/V quantized", "sageattention2", {"exchange": "quantized"}),
                  ("sageattention2, K/V bf16", "sageattention2", {"exchange": "input"})]
+    if authors_version():
+        rows.append((AUTHORS, "sage", {}))
     return rows
+
+
+def versus_authors(rows: list[tuple[Any, ...]]) -> str | None:
+    """Our best context-parallel row against the authors' best (rows: (model, GPUs, mode,
+    label, ms, ...)), or None without the authors' rows."""
+    ours = [r[4] for r in rows if r[3].startswith("sageattention2") and r[4] == r[4]]
+    theirs = [r[4] for r in rows if r[3] == AUTHORS and r[4] == r[4]]
+    if not ours or not theirs:
+        return None
+    return (f"{rows[0][0]}, {rows[0][1]} GPUs: our best {min(ours):.1f} ms, the authors' best "
+            f"{min(theirs):.1f} ms: {min(theirs) / min(ours):.2f}x")
 
 
 def _forward_ms(model: torch.nn.Module, inputs: dict[str, Any], reps: int,
@@ -106,6 +139,9 @@ def _worker(rank: int, gpus: int, port: str, keys: list[str], reps: int, out_dir
             sage_diffusers.register()
             model.set_attention_backend("sageattention2")
             single["sageattention2"] = _forward_ms(model, inputs, reps, None)
+            if authors_version():
+                model.set_attention_backend("sage")
+                single[AUTHORS] = _forward_ms(model, inputs, reps, None)
             del model
             torch.cuda.empty_cache()
         dist.barrier()
@@ -141,7 +177,10 @@ def _worker(rank: int, gpus: int, port: str, keys: list[str], reps: int, out_dir
                 error = f"{relative_l1(out, ours_out):.4f}" if out.numel() else "-"
                 lines.append(f"| {key} | {n} | {mode} | {label} | {ms:.1f} | {best / ms:.2f}x | "
                              f"{ours_ms / ms:.2f}x | {sent if sent != '0' else '-'} | {error} |")
-            print("\n".join(lines[-len(rows) - len(single):]), flush=True)
+            authors = versus_authors(rows)
+            if authors:
+                lines.append(f"| {authors} |" + " |" * 8)
+            print("\n".join(lines[-len(rows) - len(single) - bool(authors):]), flush=True)
         dist.barrier()
     if rank == 0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)

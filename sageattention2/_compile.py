@@ -47,7 +47,9 @@ def training_call(call: AttentionCall) -> AttentionCall | None:
     off. Under torch.compile the routing cannot be traced (it asks the build and the GPU): the
     op serves the CUDA float16/bfloat16 calls without a mask up to head_dim 128, which the kernel
     runs (the LSE asked for: no crossover) wherever it is built for the GPU; a mask keeps the
-    exact fallback there (the op's exact path would compute the LSE in float64)."""
+    exact fallback there (the op's exact path would compute the LSE in float64). The training
+    guard (``_backward.guard``, D52: q or k with channels too wide for INT8 QK's gradients)
+    reads a number on the host, so it runs in eager calls only."""
     if (_backward.training_mode() != "quantized" or call.is_empty
             or _backward.refusal(call) is not None):
         return None
@@ -57,7 +59,9 @@ def training_call(call: AttentionCall) -> AttentionCall | None:
                   and call.head_dim <= 128 and call.head_dim_v == call.head_dim)
         return accurate if served else None
     with torch.no_grad():
-        return next((c for c in (accurate, call) if decide(c).quantized), None)
+        chosen = next((c for c in (accurate, call) if decide(c).quantized), None)
+    # The training guard (D52) after the decision: only calls the kernel would run are measured.
+    return None if chosen is None or _backward.guard(call) is not None else chosen
 
 
 def graph_call(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 import warnings
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
@@ -57,18 +56,7 @@ INT4_GUARD_ENVIRONMENT = "SAGEATTN_INT4_GUARD"
 def int4_guard() -> float:
     """The INT4 guard's threshold for calls decided now (0: off): INT4_GUARD unless the
     environment sets another."""
-    value = os.environ.get(INT4_GUARD_ENVIRONMENT, "").strip().lower()
-    if not value:
-        return INT4_GUARD
-    if value in ("off", "0"):
-        return 0.0
-    try:
-        threshold = float(value)
-    except ValueError:
-        threshold = math.nan
-    if not threshold >= 1.0:
-        raise ValueError(f"{INT4_GUARD_ENVIRONMENT} must be 'off' or a number >= 1, got {value!r}")
-    return threshold
+    return ops.guard_threshold(INT4_GUARD_ENVIRONMENT, INT4_GUARD)
 
 
 # The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still

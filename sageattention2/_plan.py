@@ -343,12 +343,12 @@ CALL_RULES: tuple[Fallback, ...] = (
     # decides with grad off: _compile.training_call; this rule keeps every other path exact)
     Fallback("inputs that require grad (grad enabled) on a call or entry point that sageattn's "
              "exact backward does not serve: a mask that requires grad, dropout, causal lengths "
-             "that differ",
+             "that differ; or q or k whose channels trip the training guard (D52)",
              lambda call: torch.is_grad_enabled() and any(
                  t is not None and t.requires_grad
                  for t in (call.q, call.k, call.v, call.attn_mask)),
              "the inputs require grad and sageattn's backward does not serve {why}",
-             lambda call: {"why": _backward.refusal(call) or (
+             lambda call: {"why": _backward.refusal(call) or _backward.guard_verdict(call) or (
                  "this entry point" if _backward.training_mode() == "quantized" else
                  f"calls while {_backward.TRAINING_ENVIRONMENT}=exact (the default; =quantized "
                  "opts in to the quantized forward with the exact backward)")}),

@@ -26,6 +26,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import math
+import os
 import re
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -581,9 +582,30 @@ def channel_spread(x: Tensor, mean: Tensor) -> Tensor:
     its nonzero ones (zero channels are a head_dim's padding, 40 -> 64, not spread); each range
     divided by 448 as smoothing_stats computes it, and the ratio taken as sageattn_mma does, so
     the figures agree bit for bit. ~1 for evenly spread channels; a few channels k times wider
-    than the rest give ~k."""
-    ranges = (x.float() - mean.unsqueeze(2)).abs().amax(2) / 448.0
+    than the rest give ~k. From x's extremes per channel, no float32 copy of x: rounding is
+    monotonic, so max(high - mean, mean - low) is the float32 max of |x_n - mean| bit for bit."""
+    low, high = torch.aminmax(x, dim=2)
+    mean = mean.float()
+    ranges = torch.maximum(high.float() - mean, mean - low.float()) / 448.0
     return ranges.amax(-1).mul(ranges.gt(0).sum(-1)).div(ranges.sum(-1))
+
+
+def guard_threshold(environment: str, default: float) -> float:
+    """A channel-spread guard's threshold (0: off): ``default`` unless the variable
+    ``environment`` sets another number >= 1, or "off" (the INT4 guard, D38; the training guard,
+    D52)."""
+    value = os.environ.get(environment, "").strip().lower()
+    if not value:
+        return default
+    if value in ("off", "0"):
+        return 0.0
+    try:
+        threshold = float(value)
+    except ValueError:
+        threshold = math.nan
+    if not threshold >= 1.0:
+        raise ValueError(f"{environment} must be 'off' or a number >= 1, got {value!r}")
+    return threshold
 
 
 def int8_heads(q: Tensor, k: Tensor, q_mean: Tensor, k_mean: Tensor, threshold: float) -> Tensor:

@@ -43,6 +43,12 @@ steps
   --parallel KEYS   python -m sageattention2 bench --models KEYS --gpus <every GPU here>: diffusers'
                     context parallelism, native backends against ours ($OUT/parallel.md;
                     KEYS space-separated in one argument: "wan flux2k")
+  --authors DIR     the authors' SageAttention built from its source in DIR, their sm90 kernel and
+                    fused quantizers only, into /tmp/authors, which later --parallel steps put on
+                    their path: `bench --gpus` then adds diffusers' `sage` backend on their package
+                    to every mode (issue 53's comparison). Carry the source, e.g. .authors/ from
+                    `git -C MIRROR archive HEAD csrc sageattention setup.py pyproject.toml
+                    README.md | tar -x -C .authors` (thu-ml/SageAttention; session 42: d1a57a5)
   --profile MODEL   scripts/profile_model.py MODEL: a suite model's kernels per forward, default SDPA
                     vs sageattn ($OUT/profile_MODEL.md; repeatable)
   --host            benchmarks/host_overhead.py --tiny: CPU time of short calls vs SDPA ($OUT/host.md)
@@ -62,7 +68,7 @@ R=$(pwd); QUICK=; STEP_TIMEOUT=; installed=0
 export OUT R QUICK PYTHONUNBUFFERED=1 MAX_JOBS=${MAX_JOBS:-16} TORCH_CUDA_ARCH_LIST=9.0a
 steps=()
 while [ $# -gt 0 ]; do
-  case $1 in --arch|--timeout|--ncu|--ab|--profile|--parallel) [ $# -gt 1 ] || { echo "$1 needs a value" >&2; exit 2; } ;; esac
+  case $1 in --arch|--timeout|--ncu|--ab|--profile|--parallel|--authors) [ $# -gt 1 ] || { echo "$1 needs a value" >&2; exit 2; } ;; esac
   case $1 in
     --arch) TORCH_CUDA_ARCH_LIST=$2; shift ;;
     --timeout) STEP_TIMEOUT=$2; shift ;;
@@ -70,7 +76,7 @@ while [ $# -gt 0 ]; do
     --no-install) installed=1 ;;
     --info|--check|--bench|--sanitize|--sass|--tune|--grid|--models|--host|--training) steps+=("${1#--}") ;;
     --tests|--readme) if [ $# -gt 1 ] && [[ $2 != --* ]]; then steps+=("${1#--} $2"); shift; else steps+=("${1#--}"); fi ;;
-    --ncu|--ab|--profile|--parallel) steps+=("${1#--} $2"); shift ;;
+    --ncu|--ab|--profile|--parallel|--authors) steps+=("${1#--} $2"); shift ;;
     -h|--help) usage; exit 0 ;;
     *) echo "unknown argument: $1" >&2; usage >&2; exit 2 ;;
   esac
@@ -199,7 +205,22 @@ step_models() {
   cd /tmp && python3 -m sageattention2 bench --models --reps 6 --out "$OUT" > "$OUT/models.txt" 2>&1
   local rc=$?; grep -E "^\|" "$OUT/models.txt" | tail -12; tail -2 "$OUT/models.txt"; return $rc
 }
+step_authors() {
+  local src=$1
+  [[ $src == /* ]] || src=$R/$src
+  rm -rf /tmp/authors_src /tmp/authors && cp -r "$src" /tmp/authors_src || return 1
+  # Their sm80 and sm89 extensions are not what an H200 runs (their import is guarded): built,
+  # they would triple the build's minutes.
+  sed -i -e 's/^    if HAS_SM80 or .*:$/    if False:/' -e 's/^    if HAS_SM89 or .*:$/    if False:/' \
+    /tmp/authors_src/setup.py
+  (cd /tmp/authors_src && TORCH_CUDA_ARCH_LIST=9.0 EXT_PARALLEL=2 python3 -m pip install --no-build-isolation \
+    --no-deps --target /tmp/authors . > "$OUT/authors_install.log" 2>&1) \
+    || { tail -30 "$OUT/authors_install.log"; return 1; }
+  cd /tmp && PYTHONPATH=/tmp/authors${PYTHONPATH:+:$PYTHONPATH} python3 -c \
+    "import importlib.metadata as m, sageattention as s; print('the authors\' sageattention', m.version('sageattention'), s.__file__)"
+}
 step_parallel() {  # NVLink multicast stays off (the machine's README): NCCL_NVLS_ENABLE=0
+  [ -d /tmp/authors ] && export PYTHONPATH=/tmp/authors${PYTHONPATH:+:$PYTHONPATH}
   cd /tmp && NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 python3 -m sageattention2 bench \
     --models $1 --gpus "$(nvidia-smi -L | wc -l)" --reps 5 --out "$OUT" > "$OUT/parallel.txt" 2>&1
   local rc=$?; grep -E "^\||Error" "$OUT/parallel.txt" | tail -40; return $rc
@@ -242,11 +263,11 @@ step_ab() {
   python3 "$R/benchmarks/timing.py" merge "${runs[@]}" | tee "$OUT/ab.md"
 }
 export -f step_readme step_install step_info step_tests step_check step_bench step_sanitize step_sass step_ncu step_ab \
-  step_tune step_grid step_models step_profile step_host step_parallel step_training
+  step_tune step_grid step_models step_profile step_host step_parallel step_training step_authors
 
 declare -A LIMIT=([readme]=590 [install]=480 [info]=60 [tests]=420 [check]=300 [bench]=420 [sanitize]=540 [sass]=120
                   [ncu]=240 [ab]=590 [tune]=300 [grid]=300 [models]=300 [profile]=240 [host]=120
-                  [parallel]=420 [training]=360)
+                  [parallel]=420 [training]=360 [authors]=420)
 summary=(); first_rc=0
 run() {  # run NAME [ARG]: one step under its time limit, its exit code and time in the summary
   local name=$1 t0=$SECONDS rc

@@ -333,6 +333,16 @@ def _bench_train_without_quantized_training(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(_bench_models, "environment", lambda name, value: contextlib.nullcontext())
 
 
+@mutant("training-guard-off",
+        "the training guard never trips (wide-channel q or k would train through INT8 QK, whose "
+        "gradients fall to CosSim 0.90 there)",
+        "test_training.py::test_training_guard")
+def _training_guard_off(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import _backward
+
+    patch.setattr(_backward, "training_guard", lambda: 0.0)
+
+
 @mutant("tune-grid-transposed",
         "tune writes each class's speedups key length by query length (the table's [n_q][n_k] "
         "order swapped)",

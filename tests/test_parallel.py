@@ -119,3 +119,38 @@ def test_two_gpus(attention_kernel: None) -> None:
     run_ranks(2, "nccl", "ring_matches_one_process", "ulysses_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
               "bad_input_on_one_rank_raises_everywhere", "gpu_quantized_ring", "gpu_ulysses_bit_exact")
+
+
+def test_bench_rows_of_the_authors_package(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bench --gpus`` adds the authors' package (diffusers' ``sage`` backend) to every mode where
+    it is installed, never this project's drop-in of the same name, and says how our best row
+    compares with theirs."""
+    from importlib import metadata
+
+    from sageattention2 import _bench_parallel as bench
+
+    installed: list[str] = []
+
+    def version(name: str) -> str:
+        assert name == "sageattention"
+        if not installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[-1]
+
+    monkeypatch.setattr(metadata, "version", version)
+    assert bench.authors_version() is None
+    assert all(backend != "sage" for ring in (1, 2) for _, backend, _ in bench._backends(ring))
+    installed.append("2.2.0+sageattention2")  # compat/: ours under their name
+    assert bench.authors_version() is None
+    assert all(backend != "sage" for _, backend, _ in bench._backends(1))
+    installed.append("2.2.0")
+    assert bench.authors_version() == "2.2.0"
+    for ring in (1, 2):
+        assert (bench.AUTHORS, "sage", {}) in bench._backends(ring)
+    nan = float("nan")
+    rows = [("wan", 2, "ulysses", "sageattention2", 36.7), ("wan", 2, "ring", "sageattention2, K/V "
+            "quantized", 38.0), ("wan", 2, "ulysses", bench.AUTHORS, 41.2),
+            ("wan", 2, "ring", bench.AUTHORS, nan), ("wan", 2, "ulysses", "SDPA (native)", 30.0)]
+    assert bench.versus_authors(rows) == ("wan, 2 GPUs: our best 36.7 ms, the authors' best "
+                                          "41.2 ms: 1.12x")
+    assert bench.versus_authors(rows[:2]) is None

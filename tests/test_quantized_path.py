@@ -571,6 +571,23 @@ def test_int4_guard_statistic() -> None:
     assert ops.int8_heads(q, k, q_mean, k_mean, 20.0).tolist() == [[0, 0]]
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_channel_spread_from_the_extremes_is_every_token_s(dtype: torch.dtype) -> None:
+    """ops.channel_spread takes each channel's range from its extremes (no float32 copy of x):
+    bit for bit the float32 max over tokens of |x_n - mean|, with offsets and wide channels, a
+    mean that is not the tokens' own (K's sampled mean: every token may sit on one side), and a
+    NaN token."""
+    torch.manual_seed(5)
+    x = (torch.randn(2, 3, 301, 64) * torch.rand(64) * 8 + torch.randn(2, 3, 1, 64) * 4).to(dtype)
+    x[:, 1, :, :6] *= 12
+    for mean in (x.float().mean(2), x.float()[:, :, ::7].mean(2), x.float().amax(2) + 1):
+        want = (x.float() - mean.unsqueeze(2)).abs().amax(2) / 448.0
+        want = want.amax(-1).mul(want.gt(0).sum(-1)).div(want.sum(-1))
+        assert torch.equal(ops.channel_spread(x, mean), want)
+    x[0, 2, 17, 5] = float("nan")
+    assert ops.channel_spread(x, x.float().mean(2))[0, 2].isnan()
+
+
 @pytest.mark.parametrize("outlier_heads", [(), (1,), (0, 1)], ids=["none", "one", "all"])
 def test_int4_guard_routes_heads_to_int8(stand_in: list[dict[str, Any]],  # noqa: F811
                                          monkeypatch: pytest.MonkeyPatch,
