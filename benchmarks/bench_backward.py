@@ -1,6 +1,7 @@
 """Attention forward + backward (training), side by side in one process (issue 51):
 
     python3 benchmarks/bench_backward.py [--n 4096 16384] [--d 128] [--dtype bfloat16] [--out t.md]
+        [--own-kernel | --own-only]
 
 B=4 H=32 HND inputs that require grad; each column times ``attention(q, k, v).backward(dout)``:
 SDPA forced to cuDNN and to FlashAttention-2, and sageattn (the quantized forward, then the exact
@@ -9,7 +10,9 @@ SAGEATTN_TRAINING=quantized, the opt-in): as training runs it by default (PV in 
 with FP8 PV and V smoothed (``pv_quant="fp8", smooth_v=True``: faster, less accurate gradients). TOPS count the
 forward's 4·B·H·N²·D and the backward's 2.5 times that (five products against two), halved
 under the causal mask; the forward alone is sageattn's without grad; the last column is cuDNN's
-forward + backward time over sageattn's.
+forward + backward time over sageattn's. ``--own-kernel`` adds sageattn with our own backward
+kernel (SAGEATTN_BACKWARD_KERNEL=wgmma) and a table of the backward alone, ours against cuDNN's
+on the same O and LSE, with the CosSim of their gradients.
 """
 from __future__ import annotations
 
@@ -39,6 +42,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="bfloat16")
     parser.add_argument("--rep", type=int, default=200, help="ms of timed repetitions per cell")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--own-kernel", action="store_true",
+                        help="also our backward kernel (SAGEATTN_BACKWARD_KERNEL=wgmma): a forward + "
+                             "backward column, and the backward alone against cuDNN's on the same O "
+                             "and LSE")
+    parser.add_argument("--own-only", action="store_true",
+                        help="only the backward alone, ours against cuDNN's")
     args = parser.parse_args(argv)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -49,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
              "| shape | SDPA cuDNN | SDPA flash | sageattn | sageattn, FP8 PV | "
              "sageattn fwd alone | sageattn / cuDNN | FP8 PV / cuDNN |",
              "|---|---|---|---|---|---|---|---|"]
-    for d in args.d:
+    for d in ([] if args.own_only else args.d):
         for n in args.n:
             q, k, v = (t.requires_grad_() for t in timing.anchors_inputs(n, d, dtype))
             dout = torch.randn_like(q)
@@ -74,13 +83,48 @@ def main(argv: list[str] | None = None) -> int:
                     step(ours(pv_quant="fp8", smooth_v=True), dout), rep=args.rep)
                 with torch.no_grad():
                     forward = timing.median_ms(ours(), rep=args.rep)
+                own = ""
+                if args.own_kernel:
+                    os.environ[_backward._OWN_KERNEL_ENVIRONMENT] = "wgmma"
+                    t_own = timing.median_ms(step(ours(), dout), rep=args.rep)
+                    del os.environ[_backward._OWN_KERNEL_ENVIRONMENT]
+                    own = f" own backward: {tops(t_own):.0f}, {times['cudnn'] / t_own:.3f}x |"
                 lines.append(
                     f"| hd{d} N{n // 1024}K{' causal' if causal else ''} | {tops(times['cudnn']):.0f} | "
                     f"{tops(times['flash']):.0f} | {tops(times['ours']):.0f} | "
                     f"{tops(times['ours_fp8']):.0f} | {timing.tops(forward, n, d, causal):.0f} | "
                     f"{times['cudnn'] / times['ours']:.3f}x | "
-                    f"{times['cudnn'] / times['ours_fp8']:.3f}x |")
+                    f"{times['cudnn'] / times['ours_fp8']:.3f}x |" + own)
                 print(lines[-1], flush=True)
+    if args.own_kernel or args.own_only:
+        lines += ["", "Backward alone on the same O and LSE (TOPS: 2.5 x the forward's work)", "",
+                  "| shape | cuDNN's backward | our kernel | ours / cuDNN | CosSim dQ / dK / dV |",
+                  "|---|---|---|---|---|"]
+        for d in args.d:
+            for n in args.n:
+                q, k, v = (t.detach() for t in timing.anchors_inputs(n, d, dtype))
+                dout = torch.randn_like(q)
+                scale = d ** -0.5
+                for causal in (False, True):
+                    with torch.no_grad():
+                        out, lse = sageattn(q, k, v, is_causal=causal, qk_quant="int8",
+                                            pv_quant="none", return_lse=True)
+                    cudnn = lambda: _backward._pytorch_kernels(  # noqa: E731
+                        "cudnn", dout, q, k, v, out, lse, causal, scale, None)
+                    own = lambda: _backward._wgmma_kernel(  # noqa: E731
+                        dout, q, k, v, out, lse, causal, scale)
+                    t_cudnn = timing.median_ms(cudnn, rep=args.rep)
+                    t_own = timing.median_ms(own, rep=args.rep)
+                    cos = [float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))
+                           for a, b in zip(own(), cudnn())]
+
+                    def bwd_tops(ms: float) -> float:
+                        return timing.tops(ms, n, d, causal) * BACKWARD_WORK
+
+                    lines.append(f"| hd{d} N{n // 1024}K{' causal' if causal else ''} | "
+                                 f"{bwd_tops(t_cudnn):.0f} | {bwd_tops(t_own):.0f} | "
+                                 f"{t_cudnn / t_own:.3f}x | " + " / ".join(f"{c:.5f}" for c in cos) + " |")
+                    print(lines[-1], flush=True)
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -158,7 +158,9 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     bias = None if attn_mask is None else _additive(attn_mask, q)
     k_all, v_all = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
     kernel = _pytorch_kernel(q, bias, grad_lse)
-    if kernel is not None:
+    if kernel is not None and _own_kernel(q, k_all, bias, grad_lse, is_causal):
+        dq, dk, dv = _wgmma_kernel(grad_out, q, k_all, v_all, out, lse, is_causal, scale)
+    elif kernel is not None:
         dq, dk, dv = _pytorch_kernels(kernel, grad_out, q, k_all, v_all, out, lse, is_causal,
                                       scale, bias)
     else:
@@ -167,6 +169,38 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     if grad_lse is not None:
         dq = (dq.float() + scale * grad_lse.float()[..., None] * mean.float()).to(q.dtype)
     return dq, _sum_groups(dk, heads_kv), _sum_groups(dv, heads_kv)
+
+
+# SAGEATTN_BACKWARD_KERNEL=wgmma (opt-in, read at each call) runs our own exact backward kernel
+# (csrc/hopper/backward) instead of PyTorch's where it serves the call: an sm_90 GPU, 16-bit
+# inputs, head_dim 128, no mask, no LSE gradient, equal lengths when causal. Measured slower than
+# cuDNN's (0.92x at 16K on the H200, session 43): the base of the 8-bit tier, not the default.
+_OWN_KERNEL_ENVIRONMENT = "SAGEATTN_BACKWARD_KERNEL"
+
+
+def _own_kernel(q: Tensor, k: Tensor, bias: Tensor | None, grad_lse: Tensor | None,
+                is_causal: bool) -> bool:
+    return (os.environ.get(_OWN_KERNEL_ENVIRONMENT, "") == "wgmma" and bias is None
+            and grad_lse is None and q.shape[-1] == 128 and k.shape[-1] == 128
+            and q.dtype in (torch.float16, torch.bfloat16)
+            and (not is_causal or q.shape[2] == k.shape[2]) and _own_kernel_runs_on(q.device))
+
+
+def _own_kernel_runs_on(device: torch.device) -> bool:
+    """The kernel has sm_90a code only (other archs of the build compile it empty)."""
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)
+            and ops.has_op("attention_backward_wgmma"))
+
+
+def _wgmma_kernel(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
+                  is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """dQ, dK, dV from csrc/hopper/backward's kernel (k and v with q's heads): D = rowsum(dO * O)
+    and the LSE in base 2 here, a batch item at a time (float32 copies of one item)."""
+    delta = torch.stack([(grad_out[b].float() * out[b].float()).sum(-1) for b in range(q.shape[0])])
+    dq, dk, dv = torch.ops.sageattention2.attention_backward_wgmma(
+        q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous(),
+        (lse.float() * 1.4426950408889634).contiguous(), delta.contiguous(), scale, is_causal)
+    return dq, dk, dv
 
 
 def _dot_float32(q: Tensor, mean: Tensor) -> Tensor:

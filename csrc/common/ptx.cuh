@@ -255,6 +255,11 @@ __device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t b
                ::"r"(smem_address(dst)), "l"(src), "r"(bytes), "r"(smem_address(bar))
                : "memory");
 }
+// PTX ISA, "red" with a vector type (sm_90): four float32 added at a 16-byte aligned global
+// address in the L2, relaxed, no return value: the attention backward's dQ over key blocks.
+__device__ __forceinline__ void red_add_v4_f32(float* dst, float a, float b, float c, float d) {
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};" ::"l"(dst), "f"(a), "f"(b), "f"(c), "f"(d) : "memory");
+}
 // PTX ISA, "membar/fence", fence.proxy.async: shared memory written by ordinary stores becomes
 // visible to the async proxy (wgmma operands, the copy engine). Each writing thread fences, then
 // the readers synchronise.
@@ -441,6 +446,27 @@ __device__ __forceinline__ void wgmma_m64n64k16_input(float (&d)[32], const uint
   else SAGE_WGMMA_INPUT("m64n64k16", "f16", SAGE_WGMMA_D32, "{%32, %33, %34, %35}", "36", "37", SAGE_OPS32("+f", d));
 }
 #undef SAGE_WGMMA_INPUT
+
+// wgmma.mma_async.m64n64k16.f32.{f16,bf16}, both operands in shared memory: the attention
+// backward's S^T = K Q^T and dP^T = V dO^T (both K-major, kTransA = kTransB = 0), and its
+// dQ = dS K (dS stored as dS^T: A MN-major, kTransA = 1; K's rows: B MN-major, kTransB = 1; the
+// transpose bits exist for 16-bit operands only, PTX ISA "Asynchronous Warpgroup Level Matrix
+// Multiply-Accumulate: wgmma.mma_async"). scale_d = 0 starts a fresh accumulator.
+template <bool kBf16, int kTransA, int kTransB>
+__device__ __forceinline__ void wgmma_m64n64k16_ss(float (&d)[32], uint64_t a_desc, uint64_t b_desc, int scale_d) {
+  if constexpr (kBf16)
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " SAGE_WGMMA_D32 ", %32, %33, p, 1, 1, %35, %36; }"
+        : SAGE_OPS32("+f", d)
+        : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+  else
+    asm volatile(
+        "{ .reg .pred p; setp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " SAGE_WGMMA_D32 ", %32, %33, p, 1, 1, %35, %36; }"
+        : SAGE_OPS32("+f", d)
+        : "l"(a_desc), "l"(b_desc), "r"(scale_d), "n"(kTransA), "n"(kTransB));
+}
 #undef SAGE_OPS64
 #undef SAGE_OPS32
 #undef SAGE_OPS8

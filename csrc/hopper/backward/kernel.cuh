@@ -1,0 +1,323 @@
+// The exact attention backward on wgmma (issue 51; opt-in, SAGEATTN_BACKWARD_KERNEL=wgmma): the
+// 16-bit tier, head_dim 128, the base of the 8-bit tier (S^T and the dV/dK products in INT8,
+// docs/notebook/session-42.md).
+//
+// FlashAttention-2's backward (Dao 2023, Algorithm 2) with FlashAttention-3's Hopper shape: a CTA
+// owns 128 keys of one head (two warpgroups of 64 keys: the accumulators' rows) and walks the Q
+// blocks of 64 queries. Per block, each warpgroup computes S^T = K Q^T and dP^T = V dO^T (both
+// operands K-major in shared memory), P^T = exp2(S^T scale log2 e - LSE log2 e) and
+// dS^T = P^T (dP^T - D) in registers, stores dS^T to shared memory and, once both warpgroups
+// have, issues its half of dQ = dS K (A = dS^T read MN-major, i.e. transposed by the descriptor)
+// and then dV += P^T dO and dK += dS^T Q with P^T and dS^T as register A operands (the
+// accumulator layout is the A fragment's: no shuffle); dQ leaves by vector reductions into an FP32
+// buffer while dV and dK are in the tensor cores. dK and dV leave once, at the end; dQ is scaled
+// and cast by the finalize kernel.
+//
+// Every thread loads tiles with cp.async (double-buffered Q, dO, LSE and D), no producer
+// warpgroup, no pingpong. Measured (H200, B4 H32 16K, session 43): 0.92x cuDNN's backward; the
+// profile (tensor pipe 42 % active, 2 warps per scheduler, the dQ reduction and the barriers on
+// the critical path) and what comes next are in docs/notebook/session-43.md.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/convert.cuh"
+#include "common/ptx.cuh"
+#include "hopper/backward/params.h"
+
+namespace sageattention2 {
+
+template <typename T, bool kCausal>
+struct AttentionBackwardKernel {
+  static constexpr int kHeadDim = 128, kBlockK = 128, kBlockQ = 64, kThreads = 256;
+  static constexpr int kChunk = 64;  // channels per 128-byte swizzle span
+
+  // Every tile in chunks of 64 channels, rows of 128 bytes, 128-byte swizzle (16-byte unit u of
+  // row r at u ^ (r % 8)): the K-major operand of one product and the MN-major one of another.
+  struct alignas(1024) Smem {
+    uint16_t k[kHeadDim / kChunk][kBlockK * kChunk];
+    uint16_t v[kHeadDim / kChunk][kBlockK * kChunk];
+    uint16_t q[2][kHeadDim / kChunk][kBlockQ * kChunk];
+    uint16_t dout[2][kHeadDim / kChunk][kBlockQ * kChunk];
+    uint16_t ds[kBlockK * kBlockQ];  // dS^T: 128 key rows of 64 queries
+    alignas(16) float lse[2][kBlockQ];
+    alignas(16) float delta[2][kBlockQ];
+  };
+  static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
+
+  __device__ static int swizzled(int row, int unit) { return row * kChunk + ((unit ^ (row & 7)) * 8); }
+
+  // rows x 128 channels of a [N, 128] slab from `first_row` into its two chunks; rows past
+  // `rows_valid` are zeros.
+  template <int kRows>
+  __device__ static void load_tile(uint16_t (*dst)[kRows * kChunk], const T* slab, int first_row, int rows_valid) {
+    for (int i = threadIdx.x; i < kRows * 16; i += kThreads) {
+      const int row = i / 16, chunk = (i / 8) % 2, unit = i % 8;
+      const bool valid = first_row + row < rows_valid;
+      const T* src = slab + static_cast<int64_t>(valid ? first_row + row : 0) * kHeadDim + chunk * kChunk + unit * 8;
+      ptx::cp_async_16(&dst[chunk][swizzled(row, unit)], src, valid);
+    }
+  }
+
+  // A thread's four 16-byte copies of a Q-block tile: rows tid / 16 + 16 m, chunk (tid / 8) % 2,
+  // unit tid % 8 (the swizzle's row phase is the same for the four), offsets computed once.
+  struct CopySlot {
+    int src;  // elements from the block's first row
+    int dst;  // elements from the tile's start
+    int row;  // the first row
+  };
+  __device__ static CopySlot copy_slot() {
+    const int row = threadIdx.x / 16, chunk = (threadIdx.x / 8) % 2, unit = threadIdx.x % 8;
+    return {row * kHeadDim + chunk * kChunk + unit * 8, chunk * kBlockQ * kChunk + swizzled(row, unit), row};
+  }
+
+  __device__ static void load_q_block(Smem& s, int stage, const AttentionBackwardParams& p, int64_t bh, int q0,
+                                      const CopySlot& slot) {
+    const int64_t first = (bh * p.q_len + q0) * kHeadDim + slot.src;
+    const T* q = static_cast<const T*>(p.q) + first;
+    const T* dout = static_cast<const T*>(p.dout) + first;
+    uint16_t* q_dst = s.q[stage][0] + slot.dst;
+    uint16_t* dout_dst = s.dout[stage][0] + slot.dst;
+    if (q0 + kBlockQ <= p.q_len) {
+#pragma unroll
+      for (int m = 0; m < kBlockQ / 16; ++m) {
+        ptx::cp_async_16(q_dst + m * 16 * kChunk, q + m * 16 * kHeadDim, true);
+        ptx::cp_async_16(dout_dst + m * 16 * kChunk, dout + m * 16 * kHeadDim, true);
+      }
+    } else {  // the last block: rows past q_len are zeros
+#pragma unroll
+      for (int m = 0; m < kBlockQ / 16; ++m) {
+        const bool valid = q0 + slot.row + 16 * m < p.q_len;
+        ptx::cp_async_16(q_dst + m * 16 * kChunk, valid ? q + m * 16 * kHeadDim : static_cast<const T*>(p.q), valid);
+        ptx::cp_async_16(dout_dst + m * 16 * kChunk, valid ? dout + m * 16 * kHeadDim : static_cast<const T*>(p.dout),
+                         valid);
+      }
+    }
+    // LSE and D, padded to whole blocks by the op (+inf and 0: P = 0 past q_len), by the first
+    // warp's cp.async: a plain load here would stall the CTA's barrier on an L2 round trip.
+    if (threadIdx.x < 2 * kBlockQ / 4) {
+      const int unit = threadIdx.x % (kBlockQ / 4);
+      const float* src = (threadIdx.x < kBlockQ / 4 ? p.lse_log2 : p.delta) + bh * p.q_padded + q0 + 4 * unit;
+      ptx::cp_async_16((threadIdx.x < kBlockQ / 4 ? s.lse[stage] : s.delta[stage]) + 4 * unit, src, true);
+    }
+  }
+
+  // The descriptors (PTX ISA "Matrix Descriptor Format") are computed once; a step is a constant
+  // added to the start address field (bytes >> 4; shared memory is below 256 KB, no carry out):
+  // K-major tiles step 32 bytes per k16 inside a chunk and move a chunk for channels 64-127;
+  // MN-major tiles step 16 rows of 128 bytes per k16; the Q-block stages are 16 KB apart.
+  static constexpr uint64_t kKmajorStep = 32 >> 4, kMnmajorStep = (16 * 128) >> 4;
+  static constexpr uint64_t kKChunkStep = (kBlockK * kChunk * 2) >> 4, kQChunkStep = (kBlockQ * kChunk * 2) >> 4;
+  static constexpr uint64_t kStageStep = (kHeadDim * kBlockQ * 2) >> 4;
+  __device__ static constexpr uint64_t kmajor_step(int step, uint64_t chunk_step) {
+    return (step / 4) * chunk_step + (step % 4) * kKmajorStep;
+  }
+
+  __device__ static void run(const AttentionBackwardParams& p, unsigned char* smem_raw) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
+    Smem& s = *reinterpret_cast<Smem*>(base);
+    const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+    const int64_t bh = static_cast<int64_t>(b) * p.heads + h;
+    const int k0 = kb * kBlockK;
+    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+    const int g = lane / 4, t = lane % 4;
+    const int key_row = 64 * wg + 16 * warp + g;  // the thread's first key row in the CTA's block (+8)
+
+    load_tile<kBlockK>(s.k, static_cast<const T*>(p.k) + bh * p.kv_len * kHeadDim, k0, p.kv_len);
+    load_tile<kBlockK>(s.v, static_cast<const T*>(p.v) + bh * p.kv_len * kHeadDim, k0, p.kv_len);
+    // Causal (q_len == kv_len): queries before the block's first key see none of its keys.
+    const int first_block = kCausal ? k0 / kBlockQ : 0;
+    const int blocks = (p.q_len + kBlockQ - 1) / kBlockQ;
+    const CopySlot slot = copy_slot();
+    if (first_block < blocks) load_q_block(s, 0, p, bh, first_block * kBlockQ, slot);
+    ptx::cp_async_commit();
+
+    const uint64_t k_kmajor = ptx::kmajor_descriptor<128>(s.k[0] + 64 * wg * kChunk);
+    const uint64_t v_kmajor = ptx::kmajor_descriptor<128>(s.v[0] + 64 * wg * kChunk);
+    const uint64_t q_kmajor = ptx::kmajor_descriptor<128>(s.q[0][0]);
+    const uint64_t dout_kmajor = ptx::kmajor_descriptor<128>(s.dout[0][0]);
+    const uint64_t q_mnmajor = ptx::mnmajor_descriptor_128b(s.q[0][0], kBlockQ * kChunk * 2);
+    const uint64_t dout_mnmajor = ptx::mnmajor_descriptor_128b(s.dout[0][0], kBlockQ * kChunk * 2);
+    const uint64_t ds_mnmajor = ptx::mnmajor_descriptor_128b(s.ds, kBlockK * kChunk * 2);
+    const uint64_t k_mnmajor = ptx::mnmajor_descriptor_128b(s.k[wg], kBlockK * kChunk * 2);
+    // Keys past kv_len (the last key block) and, causal, keys after a query (the blocks that
+    // straddle the diagonal) get P = 0; the other blocks skip the mask.
+    const int key_first = k0 + key_row;
+    const bool keys_partial = k0 + kBlockK > p.kv_len;
+
+    float dv[64], dk[64];
+#pragma unroll
+    for (int i = 0; i < 64; ++i) dv[i] = dk[i] = 0.0f;
+
+    for (int qb = first_block; qb < blocks; ++qb) {
+      const int stage = (qb - first_block) & 1, q0 = qb * kBlockQ;
+      ptx::cp_async_wait<0>();
+      ptx::fence_proxy_async_shared();  // the copies are read by wgmma (async proxy)
+      // The block's tiles are in; both warpgroups are done with the previous block (its products
+      // waited for), so its stage takes the next block's copies and dS^T the new rows.
+      __syncthreads();
+      if (qb + 1 < blocks) load_q_block(s, stage ^ 1, p, bh, q0 + kBlockQ, slot);
+      ptx::cp_async_commit();
+
+      // S^T = K Q^T and dP^T = V dO^T: this warpgroup's 64 keys x the block's 64 queries.
+      float sacc[32], dpacc[32];
+      const uint64_t stage_step = stage * kStageStep;
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < kHeadDim / 16; ++step)
+        ptx::wgmma_m64n64k16_ss<HalfPair<T>::kBf16, 0, 0>(
+            sacc, k_kmajor + kmajor_step(step, kKChunkStep), q_kmajor + stage_step + kmajor_step(step, kQChunkStep),
+            step > 0);
+      ptx::wgmma_commit();
+#pragma unroll
+      for (int step = 0; step < kHeadDim / 16; ++step)
+        ptx::wgmma_m64n64k16_ss<HalfPair<T>::kBf16, 0, 0>(
+            dpacc, v_kmajor + kmajor_step(step, kKChunkStep),
+            dout_kmajor + stage_step + kmajor_step(step, kQChunkStep), step > 0);
+      ptx::wgmma_commit();
+
+      // P^T while dP^T is still in the tensor cores, then dS^T = P^T (dP^T - D) (accumulator
+      // element 4j + 2 half + e: key row key_row + 8 half, query column 8j + 2t + e).
+      ptx::wgmma_wait<1>();
+#pragma unroll
+      for (int i = 0; i < 32; ++i) ptx::register_fence(sacc[i]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 lse = *reinterpret_cast<const float2*>(&s.lse[stage][8 * j + 2 * t]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          sacc[4 * j + k] = ptx::exp2_approx(sacc[4 * j + k] * p.scale_log2 - (k % 2 ? lse.y : lse.x));
+      }
+      if (keys_partial || (kCausal && q0 < k0 + kBlockK - 1)) {
+#pragma unroll
+        for (int j = 0; j < 8; ++j)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int key = key_first + 8 * (k / 2), query = q0 + 8 * j + 2 * t + k % 2;
+            if (key >= p.kv_len || (kCausal && key > query)) sacc[4 * j + k] = 0.0f;
+          }
+      }
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 32; ++i) ptx::register_fence(dpacc[i]);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        const float2 delta = *reinterpret_cast<const float2*>(&s.delta[stage][8 * j + 2 * t]);
+#pragma unroll
+        for (int k = 0; k < 4; ++k) dpacc[4 * j + k] = sacc[4 * j + k] * (dpacc[4 * j + k] - (k % 2 ? delta.y : delta.x));
+      }
+
+      // dS^T to shared memory (rows: keys; 128 bytes of queries), for dQ's A operand.
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = key_row + 8 * half, col = 8 * j + 2 * t;
+          *reinterpret_cast<uint32_t*>(&s.ds[swizzled(row, col / 8) + col % 8]) =
+              HalfPair<T>::pack(dpacc[4 * j + 2 * half], dpacc[4 * j + 2 * half + 1]);
+        }
+      ptx::fence_proxy_async_shared();
+
+      // dV += P^T dO, dK += dS^T Q: A from registers (k-step c: queries 16c .. 16c + 15, the
+      // accumulator's n8 tiles 2c and 2c + 1), B = dO / Q MN-major (two chunks of 64 channels).
+      uint32_t pa[4][4], da[4][4];
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+#pragma unroll
+        for (int reg = 0; reg < 4; ++reg) {
+          pa[c][reg] = HalfPair<T>::pack(sacc[8 * c + 2 * reg], sacc[8 * c + 2 * reg + 1]);
+          da[c][reg] = HalfPair<T>::pack(dpacc[8 * c + 2 * reg], dpacc[8 * c + 2 * reg + 1]);
+        }
+      __syncthreads();  // both warpgroups' dS^T rows are in shared memory
+
+      // dQ[:, 64 wg .. 64 wg + 63] += dS K over the 128 keys (A = dS, 64 queries x 128 keys, read
+      // from dS^T MN-major; B = K's channel chunk wg MN-major, rows: keys) first, then dV and dK:
+      // dQ's trip through shared memory to the L2 overlaps their products.
+      float qacc[32];
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int step = 0; step < kBlockK / 16; ++step)
+        ptx::wgmma_m64n64k16_ss<HalfPair<T>::kBf16, 1, 1>(
+            qacc, ds_mnmajor + kMnmajorStep * step, k_mnmajor + kMnmajorStep * step, step > 0);
+      ptx::wgmma_commit();
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        ptx::wgmma_m64n128k16_input<HalfPair<T>::kBf16>(dv, pa[c], dout_mnmajor + stage_step + kMnmajorStep * c);
+#pragma unroll
+      for (int c = 0; c < 4; ++c)
+        ptx::wgmma_m64n128k16_input<HalfPair<T>::kBf16>(dk, da[c], q_mnmajor + stage_step + kMnmajorStep * c);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<1>();
+#pragma unroll
+      for (int i = 0; i < 32; ++i) ptx::register_fence(qacc[i]);
+      // dQ leaves from registers by vector reductions in the L2 (red.v4: 16 bytes, a warp's
+      // instruction 512 contiguous bytes) into dq_accum [B, H, Q blocks, 2, 4, 8, 32, 4]: each
+      // warp's quarter of the warpgroup's tile in fragment order (float4 j of lane l at 32 j + l),
+      // which the finalize kernel puts back in row order. Measured (H200, 16K): 10 % faster than
+      // staging the tile in shared memory for one bulk reduction (cp.reduce.async.bulk), whose
+      // stores and proxy fence sit between the products.
+      float* slice = p.dq_accum + (((bh * blocks + qb) * 2 + wg) * 4 + warp) * 1024 + lane * 4;
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        ptx::red_add_v4_f32(slice + 128 * j, qacc[4 * j], qacc[4 * j + 1], qacc[4 * j + 2], qacc[4 * j + 3]);
+      ptx::wgmma_wait<0>();
+#pragma unroll
+      for (int i = 0; i < 64; ++i) {
+        ptx::register_fence(dv[i]);
+        ptx::register_fence(dk[i]);
+      }
+    }
+
+    // dK (times the softmax scale) and dV, this warpgroup's 64 keys (accumulator element
+    // 4j + 2 half + e: key row key_row + 8 half, channel 8j + 2t + e).
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = k0 + key_row + 8 * half;
+      if (key >= p.kv_len) continue;
+      const int64_t offset = (bh * p.kv_len + key) * kHeadDim + 2 * t;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dk) + offset + 8 * j) =
+            HalfPair<T>::pack(dk[4 * j + 2 * half] * p.scale, dk[4 * j + 2 * half + 1] * p.scale);
+        *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dv) + offset + 8 * j) =
+            HalfPair<T>::pack(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
+      }
+    }
+#endif
+  }
+};
+
+template <typename T, bool kCausal>
+__global__ void __launch_bounds__(256, 1) attention_backward_wgmma_kernel(const __grid_constant__ AttentionBackwardParams p) {
+  extern __shared__ __align__(1024) unsigned char smem[];
+  AttentionBackwardKernel<T, kCausal>::run(p, smem);
+}
+
+// dQ = scale x dq_accum, from the backward kernel's fragment order back to rows [B, H, q_len,
+// 128] in the input dtype: one thread per float4 (lane l of warp w of warpgroup wg, float4 j of
+// a Q block's tile: query row 16 w + l / 4 (+8 for the float4's last two), channel
+// 64 wg + 8 j + 2 (l % 4)).
+template <typename T>
+__global__ void attention_backward_dq_finalize_kernel(const float* __restrict__ dq_accum, T* __restrict__ dq,
+                                                      int q_len, int blocks, float scale, int64_t total_float4) {
+  const int64_t index = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (index >= total_float4) return;
+  const float4 value = reinterpret_cast<const float4*>(dq_accum)[index];
+  const int lane = static_cast<int>(index % 32), j = static_cast<int>((index / 32) % 8);
+  const int warp = static_cast<int>((index / 256) % 4), wg = static_cast<int>((index / 1024) % 2);
+  const int64_t tile = index / 2048;  // (bh, Q block)
+  const int qb = static_cast<int>(tile % blocks);
+  const int64_t bh = tile / blocks;
+  const int row = qb * 64 + 16 * warp + lane / 4;
+  const int64_t column = 64 * wg + 8 * j + 2 * (lane % 4);
+  if (row < q_len)
+    *reinterpret_cast<uint32_t*>(dq + (bh * q_len + row) * 128 + column) = HalfPair<T>::pack(value.x * scale, value.y * scale);
+  if (row + 8 < q_len)
+    *reinterpret_cast<uint32_t*>(dq + (bh * q_len + row + 8) * 128 + column) =
+        HalfPair<T>::pack(value.z * scale, value.w * scale);
+}
+
+}  // namespace sageattention2

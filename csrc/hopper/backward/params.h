@@ -1,0 +1,35 @@
+// The attention backward kernel's parameters (hopper/backward/kernel.cuh) and
+// its launch (hopper/backward/launch.cu), host-visible: no device code here.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace sageattention2 {
+
+struct AttentionBackwardParams {
+  // [B, H, N, 128] contiguous, the caller's dtype; K and V have H heads too (GQA expanded).
+  const void* q;
+  const void* k;
+  const void* v;
+  const void* dout;
+  const float* lse_log2;  // [B, H, q_padded]: the forward's LSE times log2(e), +inf past q_len
+  const float* delta;     // [B, H, q_padded]: rowsum(dO * O), 0 past q_len
+  float* dq_accum;        // [B, H, Q blocks of 64, 2, 4096], zeroed: dS K summed over the key blocks,
+                          // each warpgroup's 64 x 64 tile in its warps' fragment order
+  void* dq;               // [B, H, q_len, 128]: scale dS K, from dq_accum by the finalize kernel
+  void* dk;               // [B, H, kv_len, 128]: scale dS^T Q
+  void* dv;               // [B, H, kv_len, 128]: P^T dO
+  int heads;
+  int q_len;
+  int q_padded;  // q_len rounded up to the Q block (64)
+  int kv_len;
+  float scale_log2;  // softmax scale times log2(e)
+  float scale;       // softmax scale
+};
+
+cudaError_t launch_attention_backward_wgmma(const AttentionBackwardParams& p, bool bf16, bool causal, int batch,
+                                            cudaStream_t stream);
+
+}  // namespace sageattention2
