@@ -156,11 +156,11 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     # where exp(-inf - -inf) would be NaN.
     lse = lse.masked_fill(lse == -torch.inf, torch.inf)
     bias = None if attn_mask is None else _additive(attn_mask, q)
+    if _own_kernel(q, k, bias, grad_lse, is_causal):
+        return _wgmma_kernel(grad_out, q, k, v, out, lse, is_causal, scale)  # (GQA: per KV head)
     k_all, v_all = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
     kernel = _pytorch_kernel(q, bias, grad_lse)
-    if kernel is not None and _own_kernel(q, k_all, bias, grad_lse, is_causal):
-        dq, dk, dv = _wgmma_kernel(grad_out, q, k_all, v_all, out, lse, is_causal, scale)
-    elif kernel is not None:
+    if kernel is not None:
         dq, dk, dv = _pytorch_kernels(kernel, grad_out, q, k_all, v_all, out, lse, is_causal,
                                       scale, bias)
     else:
@@ -173,8 +173,9 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 
 # SAGEATTN_BACKWARD_KERNEL=wgmma (opt-in, read at each call) runs our own exact backward kernel
 # (csrc/hopper/backward) instead of PyTorch's where it serves the call: an sm_90 GPU, 16-bit
-# inputs, head_dim 128, no mask, no LSE gradient, equal lengths when causal. Measured slower than
-# cuDNN's (0.92x at 16K on the H200, session 43): the base of the 8-bit tier, not the default.
+# inputs, head_dim 128, GQA, no mask, no LSE gradient, equal lengths when causal. Measured slower
+# than cuDNN's (0.91-0.93x at 4K and 16K on the H200, session 43): the base of the 8-bit tier,
+# not the default.
 _OWN_KERNEL_ENVIRONMENT = "SAGEATTN_BACKWARD_KERNEL"
 
 
@@ -182,6 +183,7 @@ def _own_kernel(q: Tensor, k: Tensor, bias: Tensor | None, grad_lse: Tensor | No
                 is_causal: bool) -> bool:
     return (os.environ.get(_OWN_KERNEL_ENVIRONMENT, "") == "wgmma" and bias is None
             and grad_lse is None and q.shape[-1] == 128 and k.shape[-1] == 128
+            and q.shape[1] % k.shape[1] == 0
             and q.dtype in (torch.float16, torch.bfloat16)
             and (not is_causal or q.shape[2] == k.shape[2]) and _own_kernel_runs_on(q.device))
 
@@ -194,13 +196,11 @@ def _own_kernel_runs_on(device: torch.device) -> bool:
 
 def _wgmma_kernel(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
                   is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
-    """dQ, dK, dV from csrc/hopper/backward's kernel (k and v with q's heads): D = rowsum(dO * O)
-    and the LSE in base 2 here, a batch item at a time (float32 copies of one item)."""
-    delta = torch.stack([(grad_out[b].float() * out[b].float()).sum(-1) for b in range(q.shape[0])])
-    dq, dk, dv = torch.ops.sageattention2.attention_backward_wgmma(
-        q.contiguous(), k.contiguous(), v.contiguous(), grad_out.contiguous(),
-        (lse.float() * 1.4426950408889634).contiguous(), delta.contiguous(), scale, is_causal)
-    return dq, dk, dv
+    """dQ, dK, dV from csrc/hopper/backward's kernel (k and v may have fewer heads: dK and dV
+    per KV head); D = rowsum(dO * O) and the LSE in base 2 are computed by the op."""
+    return torch.ops.sageattention2.attention_backward_wgmma(
+        q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), grad_out.contiguous(),
+        lse.float().contiguous(), scale, is_causal)
 
 
 def _dot_float32(q: Tensor, mean: Tensor) -> Tensor:

@@ -1,17 +1,18 @@
 // The op of the attention backward kernel (hopper/backward/kernel.cuh): _backward runs it with
 // SAGEATTN_BACKWARD_KERNEL=wgmma, the GPU tests compare it with _backward's formulas.
-//   attention_backward_wgmma(q, k, v, dout, lse_log2, delta, scale, is_causal)
-//     -> (dq, dk, dv)
-// q, k, v, dout: contiguous [B, H, N, 128] float16/bfloat16 with the same heads (GQA expanded by
-// the caller); lse_log2 and delta: contiguous float32 [B, H, Nq]; is_causal needs Nq == Nk.
+//   attention_backward_wgmma(q, k, v, out, dout, lse, scale, is_causal) -> (dq, dk, dv)
+// q, out, dout: contiguous [B, H, Nq, 128] float16/bfloat16; k, v: contiguous [B, Hkv, Nk, 128]
+// with Hkv dividing H (GQA: dK and dV per KV head, summed over its group); lse: the forward's,
+// natural log, contiguous float32 [B, H, Nq] (-inf or +inf: a row that sees no key, P = 0);
+// is_causal needs Nq == Nk.
 #include <ATen/cuda/CUDAContext.h>
-#include <ATen/ops/constant_pad_nd.h>
+#include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/ops/zeros.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cmath>
+#include <utility>
 
 #include "hopper/backward/params.h"
 
@@ -20,51 +21,58 @@ namespace sageattention2 {
 namespace {
 
 void check_operand(const at::Tensor& t, const at::Tensor& q, const char* name) {
-  TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.is_contiguous(), "attention_backward_wgmma: ", name,
-              " must be a contiguous 4-D CUDA tensor [B, H, N, 128], got ", t.sizes(), " on ", t.device());
+  TORCH_CHECK(t.is_cuda() && t.dim() == 4 && t.is_contiguous() && t.device() == q.device(),
+              "attention_backward_wgmma: ", name, " must be a contiguous 4-D CUDA tensor [B, H, N, 128] on q's device ",
+              q.device(), ", got ", t.sizes(), " on ", t.device());
   TORCH_CHECK(t.scalar_type() == q.scalar_type(), "attention_backward_wgmma: ", name, " must have q's dtype ",
               q.scalar_type(), ", got ", t.scalar_type());
-  TORCH_CHECK(t.size(0) == q.size(0) && t.size(1) == q.size(1) && t.size(3) == 128, "attention_backward_wgmma: ",
-              name, " must be [", q.size(0), ", ", q.size(1), ", N, 128], got ", t.sizes());
+  TORCH_CHECK(t.size(0) == q.size(0) && t.size(3) == 128, "attention_backward_wgmma: ", name, " must be [",
+              q.size(0), ", H, N, 128], got ", t.sizes());
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_wgmma_cuda(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& dout, const at::Tensor& lse_log2,
-    const at::Tensor& delta, double scale, bool is_causal) {
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out, const at::Tensor& dout,
+    const at::Tensor& lse, double scale, bool is_causal) {
   TORCH_CHECK(q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16,
               "attention_backward_wgmma: q must be float16 or bfloat16, got ", q.scalar_type());
-  check_operand(q, q, "q");
-  check_operand(k, q, "k");
-  check_operand(v, q, "v");
-  check_operand(dout, q, "dout");
-  TORCH_CHECK(v.size(2) == k.size(2) && dout.size(2) == q.size(2), "attention_backward_wgmma: v must have k's ",
-              "length and dout q's");
+  for (const auto& [t, name] : {std::pair{&q, "q"}, {&k, "k"}, {&v, "v"}, {&out, "out"}, {&dout, "dout"}})
+    check_operand(*t, q, name);
+  TORCH_CHECK(out.sizes() == q.sizes() && dout.sizes() == q.sizes(), "attention_backward_wgmma: out and dout must ",
+              "have q's shape ", q.sizes(), ", got ", out.sizes(), " and ", dout.sizes());
+  TORCH_CHECK(v.sizes() == k.sizes(), "attention_backward_wgmma: v must have k's shape ", k.sizes(), ", got ",
+              v.sizes());
+  TORCH_CHECK(k.size(1) > 0 && q.size(1) % k.size(1) == 0, "attention_backward_wgmma: k's heads (", k.size(1),
+              ") must divide q's (", q.size(1), ")");
   TORCH_CHECK(!is_causal || q.size(2) == k.size(2), "attention_backward_wgmma: is_causal needs as many queries as keys");
-  for (const auto* t : {&lse_log2, &delta})
-    TORCH_CHECK(t->is_cuda() && t->scalar_type() == at::kFloat && t->is_contiguous() && t->dim() == 3 &&
-                    t->size(0) == q.size(0) && t->size(1) == q.size(1) && t->size(2) == q.size(2),
-                "attention_backward_wgmma: lse_log2 and delta must be contiguous float32 [B, H, Nq]");
+  TORCH_CHECK(lse.is_cuda() && lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
+              "attention_backward_wgmma: lse must be a contiguous float32 [", q.size(0), ", ", q.size(1), ", ",
+              q.size(2), "] on q's device, got ", lse.sizes(), " ", lse.scalar_type());
+  TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30),
+              "attention_backward_wgmma: sequence lengths must be below 2^30");
   const c10::cuda::CUDAGuard guard(q.device());
-  const int64_t q_blocks = (q.size(2) + 63) / 64;
-  at::Tensor dq_accum = at::zeros({q.size(0), q.size(1), q_blocks, 2, 4096}, q.options().dtype(at::kFloat));
+  const int64_t q_blocks = (q.size(2) + 63) / 64, q_padded = q_blocks * 64;
   at::Tensor dq = at::empty_like(q), dk = at::empty_like(k), dv = at::empty_like(v);
   if (q.numel() == 0 || k.size(2) == 0) return {dq.zero_(), dk.zero_(), dv.zero_()};
-  // LSE and D padded to whole Q blocks (+inf: P = 0 past q_len), for the kernel's 16-byte copies.
-  const int64_t q_padded = q_blocks * 64, pad = q_padded - q.size(2);
-  const at::Tensor lse_padded = pad == 0 ? lse_log2 : at::constant_pad_nd(lse_log2, {0, pad}, INFINITY);
-  const at::Tensor delta_padded = pad == 0 ? delta : at::constant_pad_nd(delta, {0, pad}, 0.0);
+  const auto floats = q.options().dtype(at::kFloat);
+  at::Tensor dq_accum = at::zeros({q.size(0), q.size(1), q_blocks, 2, 4096}, floats);
+  at::Tensor lse_log2 = at::empty({q.size(0), q.size(1), q_padded}, floats);
+  at::Tensor delta = at::empty({q.size(0), q.size(1), q_padded}, floats);
   AttentionBackwardParams p{};
   p.q = q.data_ptr();
   p.k = k.data_ptr();
   p.v = v.data_ptr();
+  p.out = out.data_ptr();
   p.dout = dout.data_ptr();
-  p.lse_log2 = lse_padded.data_ptr<float>();
-  p.delta = delta_padded.data_ptr<float>();
+  p.lse = lse.data_ptr<float>();
+  p.lse_log2 = lse_log2.data_ptr<float>();
+  p.delta = delta.data_ptr<float>();
   p.dq_accum = dq_accum.data_ptr<float>();
   p.dq = dq.data_ptr();
   p.dk = dk.data_ptr();
   p.dv = dv.data_ptr();
   p.heads = static_cast<int>(q.size(1));
+  p.kv_heads = static_cast<int>(k.size(1));
   p.q_len = static_cast<int>(q.size(2));
   p.q_padded = static_cast<int>(q_padded);
   p.kv_len = static_cast<int>(k.size(2));
@@ -82,8 +90,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_wgmma_cuda(
 
 TORCH_LIBRARY_FRAGMENT(sageattention2, m) {
   m.def(
-      "attention_backward_wgmma(Tensor q, Tensor k, Tensor v, Tensor dout, Tensor lse_log2, Tensor delta, "
-      "float scale, bool is_causal) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "attention_backward_wgmma(Tensor q, Tensor k, Tensor v, Tensor out, Tensor dout, Tensor lse, float scale, "
+      "bool is_causal) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {

@@ -14,9 +14,10 @@
 // and cast by the finalize kernel.
 //
 // Every thread loads tiles with cp.async (double-buffered Q, dO, LSE and D), no producer
-// warpgroup, no pingpong. Measured (H200, B4 H32 16K, session 43): 0.92x cuDNN's backward; the
-// profile (tensor pipe 42 % active, 2 warps per scheduler, the dQ reduction and the barriers on
-// the critical path) and what comes next are in docs/notebook/session-43.md.
+// warpgroup, no pingpong. Measured (H200, B4 H32, session 43): 0.93x cuDNN's backward at 16K,
+// 0.91x at 4K; the profile (2 warps per scheduler issuing with little overlap, the SS products
+// at N = 64 bound by shared-memory bandwidth, the dQ reduction and the barriers on the critical
+// path) and what comes next are in docs/notebook/session-43.md.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -119,20 +120,25 @@ struct AttentionBackwardKernel {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
     const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
     Smem& s = *reinterpret_cast<Smem*>(base);
-    const int kb = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
-    const int64_t bh = static_cast<int64_t>(b) * p.heads + h;
+    // A CTA: 128 keys of one KV head, and the Q blocks of every query head of its group in turn
+    // (GQA: dK and dV summed over the group in the accumulators).
+    const int kb = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+    const int group = p.heads / p.kv_heads;
+    const int64_t bkv = static_cast<int64_t>(b) * p.kv_heads + kv_head;
+    const int64_t bh_first = static_cast<int64_t>(b) * p.heads + static_cast<int64_t>(kv_head) * group;
     const int k0 = kb * kBlockK;
     const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int key_row = 64 * wg + 16 * warp + g;  // the thread's first key row in the CTA's block (+8)
 
-    load_tile<kBlockK>(s.k, static_cast<const T*>(p.k) + bh * p.kv_len * kHeadDim, k0, p.kv_len);
-    load_tile<kBlockK>(s.v, static_cast<const T*>(p.v) + bh * p.kv_len * kHeadDim, k0, p.kv_len);
+    load_tile<kBlockK>(s.k, static_cast<const T*>(p.k) + bkv * p.kv_len * kHeadDim, k0, p.kv_len);
+    load_tile<kBlockK>(s.v, static_cast<const T*>(p.v) + bkv * p.kv_len * kHeadDim, k0, p.kv_len);
     // Causal (q_len == kv_len): queries before the block's first key see none of its keys.
     const int first_block = kCausal ? k0 / kBlockQ : 0;
     const int blocks = (p.q_len + kBlockQ - 1) / kBlockQ;
     const CopySlot slot = copy_slot();
-    if (first_block < blocks) load_q_block(s, 0, p, bh, first_block * kBlockQ, slot);
+    const int iterations = group * (blocks > first_block ? blocks - first_block : 0);
+    if (iterations > 0) load_q_block(s, 0, p, bh_first, first_block * kBlockQ, slot);
     ptx::cp_async_commit();
 
     const uint64_t k_kmajor = ptx::kmajor_descriptor<128>(s.k[0] + 64 * wg * kChunk);
@@ -152,14 +158,18 @@ struct AttentionBackwardKernel {
 #pragma unroll
     for (int i = 0; i < 64; ++i) dv[i] = dk[i] = 0.0f;
 
-    for (int qb = first_block; qb < blocks; ++qb) {
-      const int stage = (qb - first_block) & 1, q0 = qb * kBlockQ;
+    int qb = first_block;
+    int64_t bh = bh_first;
+    for (int it = 0; it < iterations; ++it) {
+      const int stage = it & 1, q0 = qb * kBlockQ;
+      const int next_qb = qb + 1 < blocks ? qb + 1 : first_block;
+      const int64_t next_bh = qb + 1 < blocks ? bh : bh + 1;
       ptx::cp_async_wait<0>();
       ptx::fence_proxy_async_shared();  // the copies are read by wgmma (async proxy)
       // The block's tiles are in; both warpgroups are done with the previous block (its products
       // waited for), so its stage takes the next block's copies and dS^T the new rows.
       __syncthreads();
-      if (qb + 1 < blocks) load_q_block(s, stage ^ 1, p, bh, q0 + kBlockQ, slot);
+      if (it + 1 < iterations) load_q_block(s, stage ^ 1, p, next_bh, next_qb * kBlockQ, slot);
       ptx::cp_async_commit();
 
       // S^T = K Q^T and dP^T = V dO^T: this warpgroup's 64 keys x the block's 64 queries.
@@ -269,6 +279,8 @@ struct AttentionBackwardKernel {
         ptx::register_fence(dv[i]);
         ptx::register_fence(dk[i]);
       }
+      qb = next_qb;
+      bh = next_bh;
     }
 
     // dK (times the softmax scale) and dV, this warpgroup's 64 keys (accumulator element
@@ -277,7 +289,7 @@ struct AttentionBackwardKernel {
     for (int half = 0; half < 2; ++half) {
       const int key = k0 + key_row + 8 * half;
       if (key >= p.kv_len) continue;
-      const int64_t offset = (bh * p.kv_len + key) * kHeadDim + 2 * t;
+      const int64_t offset = (bkv * p.kv_len + key) * kHeadDim + 2 * t;
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         *reinterpret_cast<uint32_t*>(static_cast<T*>(p.dk) + offset + 8 * j) =
@@ -294,6 +306,37 @@ template <typename T, bool kCausal>
 __global__ void __launch_bounds__(256, 1) attention_backward_wgmma_kernel(const __grid_constant__ AttentionBackwardParams p) {
   extern __shared__ __align__(1024) unsigned char smem[];
   AttentionBackwardKernel<T, kCausal>::run(p, smem);
+}
+
+// The backward's per-query inputs, padded to whole Q blocks for its 16-byte copies:
+// D = rowsum(dO * O) in float32 and the LSE in base 2 (a row with no key, LSE -inf, and the
+// padding get +inf: P = 0). 16 threads per row of 128 channels, 8 each, summed by shuffles.
+template <typename T>
+__global__ void attention_backward_prepare_kernel(const T* __restrict__ out, const T* __restrict__ dout,
+                                                  const float* __restrict__ lse, float* __restrict__ lse_log2,
+                                                  float* __restrict__ delta, int q_len, int q_padded, int64_t rows) {
+  const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t row = thread / 16;
+  if (row >= rows) return;  // (a row's 16 threads share a half warp: all leave or none)
+  const int64_t bh = row / q_padded;
+  const int n = static_cast<int>(row % q_padded);
+  float sum = 0.0f;
+  if (n < q_len) {
+    const int64_t offset = (bh * q_len + n) * 128 + (thread % 16) * 8;
+    float o[8], d[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(out + offset), o);
+    widen8<T>(*reinterpret_cast<const uint4*>(dout + offset), d);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) sum = fmaf(o[i], d[i], sum);
+  }
+  const unsigned half_warp = 0xFFFFu << (threadIdx.x & 16);
+#pragma unroll
+  for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(half_warp, sum, offset);
+  if (thread % 16 == 0) {
+    const float value = n < q_len ? lse[bh * q_len + n] : -INFINITY;
+    delta[row] = sum;
+    lse_log2[row] = value == -INFINITY ? INFINITY : value * 1.4426950408889634f;
+  }
 }
 
 // dQ = scale x dq_accum, from the backward kernel's fragment order back to rows [B, H, q_len,

@@ -1,5 +1,5 @@
-// The launch of the attention backward kernel
-// (hopper/backward/kernel.cuh): one CTA per 128 keys of a head, 256 threads; then dQ's finalize.
+// The launches of the attention backward (hopper/backward/kernel.cuh): the per-query inputs
+// (prepare), the kernel (one CTA per 128 keys of a KV head, 256 threads), dQ's finalize.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -13,11 +13,17 @@ static cudaError_t launch_backward(const AttentionBackwardParams& p, int batch, 
   auto kernel = attention_backward_wgmma_kernel<T, kCausal>;
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Kernel::kSmemBytes);
   if (err != cudaSuccess) return err;
-  const dim3 grid((p.kv_len + Kernel::kBlockK - 1) / Kernel::kBlockK, p.heads, batch);
+  const int blocks = (p.q_len + Kernel::kBlockQ - 1) / Kernel::kBlockQ;
+  const int64_t rows = static_cast<int64_t>(batch) * p.heads * p.q_padded;
+  attention_backward_prepare_kernel<T><<<static_cast<unsigned>((rows * 16 + 255) / 256), 256, 0, stream>>>(
+      static_cast<const T*>(p.out), static_cast<const T*>(p.dout), p.lse, p.lse_log2, p.delta, p.q_len, p.q_padded,
+      rows);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  const dim3 grid((p.kv_len + Kernel::kBlockK - 1) / Kernel::kBlockK, p.kv_heads, batch);
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
-  const int blocks = (p.q_len + Kernel::kBlockQ - 1) / Kernel::kBlockQ;
   const int64_t float4s = static_cast<int64_t>(batch) * p.heads * blocks * 2048;
   attention_backward_dq_finalize_kernel<T><<<static_cast<unsigned>((float4s + 255) / 256), 256, 0, stream>>>(
       p.dq_accum, static_cast<T*>(p.dq), p.q_len, blocks, p.scale, float4s);

@@ -9,19 +9,22 @@
 namespace sageattention2 {
 
 struct AttentionBackwardParams {
-  // [B, H, N, 128] contiguous, the caller's dtype; K and V have H heads too (GQA expanded).
+  // [B, H, N, 128] contiguous, the caller's dtype; K and V (and dK, dV) [B, Hkv, N, 128].
   const void* q;
   const void* k;
   const void* v;
+  const void* out;
   const void* dout;
-  const float* lse_log2;  // [B, H, q_padded]: the forward's LSE times log2(e), +inf past q_len
-  const float* delta;     // [B, H, q_padded]: rowsum(dO * O), 0 past q_len
+  const float* lse;       // [B, H, q_len]: the forward's LSE (natural log)
+  float* lse_log2;        // [B, H, q_padded]: the LSE times log2(e), +inf past q_len (prepare kernel)
+  float* delta;           // [B, H, q_padded]: rowsum(dO * O), 0 past q_len (prepare kernel)
   float* dq_accum;        // [B, H, Q blocks of 64, 2, 4096], zeroed: dS K summed over the key blocks,
                           // each warpgroup's 64 x 64 tile in its warps' fragment order
   void* dq;               // [B, H, q_len, 128]: scale dS K, from dq_accum by the finalize kernel
   void* dk;               // [B, H, kv_len, 128]: scale dS^T Q
   void* dv;               // [B, H, kv_len, 128]: P^T dO
   int heads;
+  int kv_heads;  // divides heads
   int q_len;
   int q_padded;  // q_len rounded up to the Q block (64)
   int kv_len;
