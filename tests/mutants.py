@@ -343,6 +343,64 @@ def _training_guard_off(patch: pytest.MonkeyPatch) -> None:
     patch.setattr(_backward, "training_guard", lambda: 0.0)
 
 
+@mutant("own-backward-kernel-without-opt-in",
+        "our backward kernel runs without SAGEATTN_BACKWARD_KERNEL=wgmma (it is slower than "
+        "cuDNN's: training would lose speed unasked)",
+        "test_backward_kernel.py::test_the_own_kernel_is_opt_in")
+def _own_backward_kernel_without_opt_in(patch: pytest.MonkeyPatch) -> None:
+    import os
+
+    from sageattention2 import _backward
+
+    def opted_in(real: Callable[..., bool], *args: Any) -> bool:
+        saved = os.environ.get(_backward._OWN_KERNEL_ENVIRONMENT)
+        os.environ[_backward._OWN_KERNEL_ENVIRONMENT] = "wgmma"
+        try:
+            return real(*args)
+        finally:
+            if saved is None:
+                del os.environ[_backward._OWN_KERNEL_ENVIRONMENT]
+            else:
+                os.environ[_backward._OWN_KERNEL_ENVIRONMENT] = saved
+
+    _wrap(patch, _backward, "_own_kernel", opted_in)
+
+
+@mutant("backward-8bit-one-p-scale-per-key",
+        "the 8-bit backward's reference scales P^T and dS^T once per key over all queries instead "
+        "of per 64-query block (a key's small block rounds to zero: bias0 dV 0.70)",
+        "test_reference_backward.py::test_the_block_scales_keep_a_key_small_in_one_block")
+def _backward_8bit_one_p_scale_per_key(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import reference_backward as rb
+
+    def one_scale(left_t: Any, right: Any) -> Any:
+        left_codes, left_scale = rb.quantize_symmetric(left_t, (2,), rb.INT8_MAX)  # over all queries
+        blocks = rb._blocks(left_codes.double() * left_scale.double())
+        right_codes, right_scale = rb.quantize_symmetric(rb._blocks(right), (3,), rb.INT8_MAX)
+        return (blocks.transpose(-1, -2) @ (right_codes.double() * right_scale.double())).sum(2)
+
+    patch.setattr(rb, "product_int8_per_block", one_scale)
+
+
+@mutant("backward-8bit-q-unsmoothed",
+        "the 8-bit backward's reference quantizes Q's rows without subtracting Q's mean (INT8 "
+        "scores lose the offset's precision)",
+        "test_reference_backward.py::test_the_scores_are_smoothed")
+def _backward_8bit_q_unsmoothed(patch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    from sageattention2 import reference_backward as rb
+
+    real = rb.quantize_rows_smoothed
+
+    def unsmoothed(q: Any) -> Any:
+        mean, _, _ = real(q)
+        codes, scale = rb.quantize_symmetric(q.float(), (3,), rb.INT8_MAX)
+        return torch.zeros_like(mean), codes, scale
+
+    patch.setattr(rb, "quantize_rows_smoothed", unsmoothed)
+
+
 @mutant("tune-grid-transposed",
         "tune writes each class's speedups key length by query length (the table's [n_q][n_k] "
         "order swapped)",
