@@ -4,26 +4,12 @@
 // compile it empty.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cudaTypedefs.h>  // PFN_cuTensorMapEncodeTiled
 
+#include "common/tensor_map.h"
 #include "hopper/variant.h"
 
 namespace sageattention2 {
 namespace {
-
-// cuTensorMapEncodeTiled through the runtime's driver entry point: no link against libcuda.
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault, &found) !=
-            cudaSuccess ||
-        found != cudaDriverEntryPointSuccess)
-      fn = nullptr;
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  return encode;
-}
 
 // A 3-D byte tensor [outer][rows][inner] read in boxes of [box_rows][box_inner] with the swizzle
 // whose span is the box's row (64 or 128 bytes): the layout kmajor_descriptor() describes.

@@ -13,11 +13,13 @@
 // buffer while dV and dK are in the tensor cores. dK and dV leave once, at the end; dQ is scaled
 // and cast by the finalize kernel.
 //
-// Every thread loads tiles with cp.async (double-buffered Q, dO, LSE and D), no producer
-// warpgroup, no pingpong. Measured (H200, B4 H32, session 43): 0.93x cuDNN's backward at 16K,
-// 0.91x at 4K; the profile (2 warps per scheduler issuing with little overlap, the SS products
-// at N = 64 bound by shared-memory bandwidth, the dQ reduction and the barriers on the critical
-// path) and what comes next are in docs/notebook/session-43.md.
+// Warp-specialised as the forward: a producer thread (warpgroup 0, 24 registers) loads K and V
+// once and streams each Q block's Q, dO (tensor maps, 128-byte swizzle) and padded LSE and D (bulk
+// copies) into a two-stage ring on full/empty mbarriers; the two consumer warpgroups (240
+// registers) share one named barrier per block (dS^T, double-buffered). Measured (H200, session
+// 44): 5-7 % faster than session 43's version, where every thread issued cp.async copies behind
+// two CTA barriers per block; splitting that barrier into an arrive and a sync per warpgroup (dV
+// and dK issued before the wait for the other warpgroup's dS^T) gained nothing.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -32,76 +34,85 @@ namespace sageattention2 {
 
 template <typename T, bool kCausal>
 struct AttentionBackwardKernel {
-  static constexpr int kHeadDim = 128, kBlockK = 128, kBlockQ = 64, kThreads = 256;
+  static constexpr int kHeadDim = 128, kBlockK = 128, kBlockQ = 64, kThreads = 384;
   static constexpr int kChunk = 64;  // channels per 128-byte swizzle span
+  static constexpr int kConsumerWarps = 8;
+  static constexpr uint32_t kKvBytes = 2 * kBlockK * kHeadDim * 2;
+  static constexpr uint32_t kStageBytes = 2 * kBlockQ * kHeadDim * 2 + 2 * kBlockQ * 4;
 
   // Every tile in chunks of 64 channels, rows of 128 bytes, 128-byte swizzle (16-byte unit u of
-  // row r at u ^ (r % 8)): the K-major operand of one product and the MN-major one of another.
+  // row r at u ^ (r % 8), the copy engine's SWIZZLE_128B): the K-major operand of one product and
+  // the MN-major one of another.
   struct alignas(1024) Smem {
     uint16_t k[kHeadDim / kChunk][kBlockK * kChunk];
     uint16_t v[kHeadDim / kChunk][kBlockK * kChunk];
     uint16_t q[2][kHeadDim / kChunk][kBlockQ * kChunk];
     uint16_t dout[2][kHeadDim / kChunk][kBlockQ * kChunk];
-    uint16_t ds[kBlockK * kBlockQ];  // dS^T: 128 key rows of 64 queries
+    // dS^T (128 key rows of 64 queries), two buffers: a warpgroup writes block i + 1's rows while
+    // the other may still read block i's in its dQ product; one barrier per block orders them.
+    uint16_t ds[2][kBlockK * kBlockQ];
     alignas(16) float lse[2][kBlockQ];
     alignas(16) float delta[2][kBlockQ];
+    uint64_t kv_full;   // K and V of the CTA's key block
+    uint64_t full[2];   // a Q-block stage: Q, dO, LSE, D (the producer's expect_tx)
+    uint64_t empty[2];  // a stage read by both warpgroups (one arrival per consumer warp)
   };
   static constexpr int kSmemBytes = static_cast<int>(sizeof(Smem)) + 1024;
 
   __device__ static int swizzled(int row, int unit) { return row * kChunk + ((unit ^ (row & 7)) * 8); }
 
-  // rows x 128 channels of a [N, 128] slab from `first_row` into its two chunks; rows past
-  // `rows_valid` are zeros.
-  template <int kRows>
-  __device__ static void load_tile(uint16_t (*dst)[kRows * kChunk], const T* slab, int first_row, int rows_valid) {
-    for (int i = threadIdx.x; i < kRows * 16; i += kThreads) {
-      const int row = i / 16, chunk = (i / 8) % 2, unit = i % 8;
-      const bool valid = first_row + row < rows_valid;
-      const T* src = slab + static_cast<int64_t>(valid ? first_row + row : 0) * kHeadDim + chunk * kChunk + unit * 8;
-      ptx::cp_async_16(&dst[chunk][swizzled(row, unit)], src, valid);
-    }
-  }
-
-  // A thread's four 16-byte copies of a Q-block tile: rows tid / 16 + 16 m, chunk (tid / 8) % 2,
-  // unit tid % 8 (the swizzle's row phase is the same for the four), offsets computed once.
-  struct CopySlot {
-    int src;  // elements from the block's first row
-    int dst;  // elements from the tile's start
-    int row;  // the first row
+  // The CTA's work: 128 keys of one KV head, and the Q blocks of every query head of its group in
+  // turn (GQA: dK and dV summed over the group in the accumulators). Causal (q_len == kv_len):
+  // queries before the block's first key see none of its keys.
+  struct Work {
+    int k0, first_block, blocks, iterations;
+    int64_t bkv, bh_first;
   };
-  __device__ static CopySlot copy_slot() {
-    const int row = threadIdx.x / 16, chunk = (threadIdx.x / 8) % 2, unit = threadIdx.x % 8;
-    return {row * kHeadDim + chunk * kChunk + unit * 8, chunk * kBlockQ * kChunk + swizzled(row, unit), row};
+  __device__ static Work work(const AttentionBackwardParams& p) {
+    const int kb = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
+    const int group = p.heads / p.kv_heads;
+    Work w;
+    w.k0 = kb * kBlockK;
+    w.first_block = kCausal ? w.k0 / kBlockQ : 0;
+    w.blocks = (p.q_len + kBlockQ - 1) / kBlockQ;
+    w.iterations = group * (w.blocks > w.first_block ? w.blocks - w.first_block : 0);
+    w.bkv = static_cast<int64_t>(b) * p.kv_heads + kv_head;
+    w.bh_first = static_cast<int64_t>(b) * p.heads + static_cast<int64_t>(kv_head) * group;
+    return w;
   }
 
-  __device__ static void load_q_block(Smem& s, int stage, const AttentionBackwardParams& p, int64_t bh, int q0,
-                                      const CopySlot& slot) {
-    const int64_t first = (bh * p.q_len + q0) * kHeadDim + slot.src;
-    const T* q = static_cast<const T*>(p.q) + first;
-    const T* dout = static_cast<const T*>(p.dout) + first;
-    uint16_t* q_dst = s.q[stage][0] + slot.dst;
-    uint16_t* dout_dst = s.dout[stage][0] + slot.dst;
-    if (q0 + kBlockQ <= p.q_len) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  // The producer (one thread of warpgroup 0): K and V once, then each Q block's Q and dO (two
+  // 64-channel boxes each; rows past q_len land as zeros) and its padded LSE and D (bulk copies)
+  // into the two-stage ring.
+  __device__ static void produce(const AttentionBackwardParams& p, const AttentionBackwardMaps& maps, Smem& s) {
+    const Work w = work(p);
+    ptx::prefetch_tensor_map(&maps.q);
+    ptx::prefetch_tensor_map(&maps.dout);
+    ptx::mbarrier_arrive_expect_tx(&s.kv_full, kKvBytes);
 #pragma unroll
-      for (int m = 0; m < kBlockQ / 16; ++m) {
-        ptx::cp_async_16(q_dst + m * 16 * kChunk, q + m * 16 * kHeadDim, true);
-        ptx::cp_async_16(dout_dst + m * 16 * kChunk, dout + m * 16 * kHeadDim, true);
-      }
-    } else {  // the last block: rows past q_len are zeros
-#pragma unroll
-      for (int m = 0; m < kBlockQ / 16; ++m) {
-        const bool valid = q0 + slot.row + 16 * m < p.q_len;
-        ptx::cp_async_16(q_dst + m * 16 * kChunk, valid ? q + m * 16 * kHeadDim : static_cast<const T*>(p.q), valid);
-        ptx::cp_async_16(dout_dst + m * 16 * kChunk, valid ? dout + m * 16 * kHeadDim : static_cast<const T*>(p.dout),
-                         valid);
-      }
+    for (int c = 0; c < 2; ++c) {
+      ptx::tma_load_3d(s.k[c], &maps.k, c * kChunk, w.k0, static_cast<int>(w.bkv), &s.kv_full);
+      ptx::tma_load_3d(s.v[c], &maps.v, c * kChunk, w.k0, static_cast<int>(w.bkv), &s.kv_full);
     }
-    // LSE and D, padded to whole blocks by the op (+inf and 0: P = 0 past q_len), by the first
-    // warp's cp.async: a plain load here would stall the CTA's barrier on an L2 round trip.
-    if (threadIdx.x < 2 * kBlockQ / 4) {
-      const int unit = threadIdx.x % (kBlockQ / 4);
-      const float* src = (threadIdx.x < kBlockQ / 4 ? p.lse_log2 : p.delta) + bh * p.q_padded + q0 + 4 * unit;
-      ptx::cp_async_16((threadIdx.x < kBlockQ / 4 ? s.lse[stage] : s.delta[stage]) + 4 * unit, src, true);
+    int qb = w.first_block;
+    int64_t bh = w.bh_first;
+    for (int it = 0; it < w.iterations; ++it) {
+      const int stage = it & 1;
+      ptx::mbarrier_wait_sleeping(&s.empty[stage], ((it >> 1) & 1) ^ 1);
+      ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        ptx::tma_load_3d(s.q[stage][c], &maps.q, c * kChunk, qb * kBlockQ, static_cast<int>(bh), &s.full[stage]);
+        ptx::tma_load_3d(s.dout[stage][c], &maps.dout, c * kChunk, qb * kBlockQ, static_cast<int>(bh),
+                         &s.full[stage]);
+      }
+      ptx::bulk_load(s.lse[stage], p.lse_log2 + bh * p.q_padded + qb * kBlockQ, kBlockQ * 4, &s.full[stage]);
+      ptx::bulk_load(s.delta[stage], p.delta + bh * p.q_padded + qb * kBlockQ, kBlockQ * 4, &s.full[stage]);
+      if (++qb == w.blocks) {
+        qb = w.first_block;
+        ++bh;
+      }
     }
   }
 
@@ -111,35 +122,19 @@ struct AttentionBackwardKernel {
   // MN-major tiles step 16 rows of 128 bytes per k16; the Q-block stages are 16 KB apart.
   static constexpr uint64_t kKmajorStep = 32 >> 4, kMnmajorStep = (16 * 128) >> 4;
   static constexpr uint64_t kKChunkStep = (kBlockK * kChunk * 2) >> 4, kQChunkStep = (kBlockQ * kChunk * 2) >> 4;
-  static constexpr uint64_t kStageStep = (kHeadDim * kBlockQ * 2) >> 4;
+  static constexpr uint64_t kStageStep = (kHeadDim * kBlockQ * 2) >> 4, kDsStep = (kBlockK * kBlockQ * 2) >> 4;
   __device__ static constexpr uint64_t kmajor_step(int step, uint64_t chunk_step) {
     return (step / 4) * chunk_step + (step % 4) * kKmajorStep;
   }
 
-  __device__ static void run(const AttentionBackwardParams& p, unsigned char* smem_raw) {
-#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
-    Smem& s = *reinterpret_cast<Smem*>(base);
-    // A CTA: 128 keys of one KV head, and the Q blocks of every query head of its group in turn
-    // (GQA: dK and dV summed over the group in the accumulators).
-    const int kb = blockIdx.x, kv_head = blockIdx.y, b = blockIdx.z;
-    const int group = p.heads / p.kv_heads;
-    const int64_t bkv = static_cast<int64_t>(b) * p.kv_heads + kv_head;
-    const int64_t bh_first = static_cast<int64_t>(b) * p.heads + static_cast<int64_t>(kv_head) * group;
-    const int k0 = kb * kBlockK;
-    const int wg = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  // A consumer warpgroup (wg 0 or 1): 64 of the block's keys.
+  __device__ static void consume(const AttentionBackwardParams& p, Smem& s, int wg) {
+    const Work w = work(p);
+    const int k0 = w.k0, first_block = w.first_block, blocks = w.blocks, iterations = w.iterations;
+    const int64_t bkv = w.bkv;
+    const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
     const int g = lane / 4, t = lane % 4;
     const int key_row = 64 * wg + 16 * warp + g;  // the thread's first key row in the CTA's block (+8)
-
-    load_tile<kBlockK>(s.k, static_cast<const T*>(p.k) + bkv * p.kv_len * kHeadDim, k0, p.kv_len);
-    load_tile<kBlockK>(s.v, static_cast<const T*>(p.v) + bkv * p.kv_len * kHeadDim, k0, p.kv_len);
-    // Causal (q_len == kv_len): queries before the block's first key see none of its keys.
-    const int first_block = kCausal ? k0 / kBlockQ : 0;
-    const int blocks = (p.q_len + kBlockQ - 1) / kBlockQ;
-    const CopySlot slot = copy_slot();
-    const int iterations = group * (blocks > first_block ? blocks - first_block : 0);
-    if (iterations > 0) load_q_block(s, 0, p, bh_first, first_block * kBlockQ, slot);
-    ptx::cp_async_commit();
 
     const uint64_t k_kmajor = ptx::kmajor_descriptor<128>(s.k[0] + 64 * wg * kChunk);
     const uint64_t v_kmajor = ptx::kmajor_descriptor<128>(s.v[0] + 64 * wg * kChunk);
@@ -147,7 +142,7 @@ struct AttentionBackwardKernel {
     const uint64_t dout_kmajor = ptx::kmajor_descriptor<128>(s.dout[0][0]);
     const uint64_t q_mnmajor = ptx::mnmajor_descriptor_128b(s.q[0][0], kBlockQ * kChunk * 2);
     const uint64_t dout_mnmajor = ptx::mnmajor_descriptor_128b(s.dout[0][0], kBlockQ * kChunk * 2);
-    const uint64_t ds_mnmajor = ptx::mnmajor_descriptor_128b(s.ds, kBlockK * kChunk * 2);
+    const uint64_t ds_mnmajor = ptx::mnmajor_descriptor_128b(s.ds[0], kBlockK * kChunk * 2);
     const uint64_t k_mnmajor = ptx::mnmajor_descriptor_128b(s.k[wg], kBlockK * kChunk * 2);
     // Keys past kv_len (the last key block) and, causal, keys after a query (the blocks that
     // straddle the diagonal) get P = 0; the other blocks skip the mask.
@@ -158,19 +153,12 @@ struct AttentionBackwardKernel {
 #pragma unroll
     for (int i = 0; i < 64; ++i) dv[i] = dk[i] = 0.0f;
 
+    ptx::mbarrier_wait(&s.kv_full, 0);
     int qb = first_block;
-    int64_t bh = bh_first;
+    int64_t bh = w.bh_first;
     for (int it = 0; it < iterations; ++it) {
       const int stage = it & 1, q0 = qb * kBlockQ;
-      const int next_qb = qb + 1 < blocks ? qb + 1 : first_block;
-      const int64_t next_bh = qb + 1 < blocks ? bh : bh + 1;
-      ptx::cp_async_wait<0>();
-      ptx::fence_proxy_async_shared();  // the copies are read by wgmma (async proxy)
-      // The block's tiles are in; both warpgroups are done with the previous block (its products
-      // waited for), so its stage takes the next block's copies and dS^T the new rows.
-      __syncthreads();
-      if (it + 1 < iterations) load_q_block(s, stage ^ 1, p, next_bh, next_qb * kBlockQ, slot);
-      ptx::cp_async_commit();
+      ptx::mbarrier_wait(&s.full[stage], (it >> 1) & 1);
 
       // S^T = K Q^T and dP^T = V dO^T: this warpgroup's 64 keys x the block's 64 queries.
       float sacc[32], dpacc[32];
@@ -226,7 +214,7 @@ struct AttentionBackwardKernel {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = key_row + 8 * half, col = 8 * j + 2 * t;
-          *reinterpret_cast<uint32_t*>(&s.ds[swizzled(row, col / 8) + col % 8]) =
+          *reinterpret_cast<uint32_t*>(&s.ds[stage][swizzled(row, col / 8) + col % 8]) =
               HalfPair<T>::pack(dpacc[4 * j + 2 * half], dpacc[4 * j + 2 * half + 1]);
         }
       ptx::fence_proxy_async_shared();
@@ -241,7 +229,7 @@ struct AttentionBackwardKernel {
           pa[c][reg] = HalfPair<T>::pack(sacc[8 * c + 2 * reg], sacc[8 * c + 2 * reg + 1]);
           da[c][reg] = HalfPair<T>::pack(dpacc[8 * c + 2 * reg], dpacc[8 * c + 2 * reg + 1]);
         }
-      __syncthreads();  // both warpgroups' dS^T rows are in shared memory
+      ptx::named_barrier_sync<2 * 128>(1);  // both warpgroups' dS^T rows are in shared memory
 
       // dQ[:, 64 wg .. 64 wg + 63] += dS K over the 128 keys (A = dS, 64 queries x 128 keys, read
       // from dS^T MN-major; B = K's channel chunk wg MN-major, rows: keys) first, then dV and dK:
@@ -251,7 +239,7 @@ struct AttentionBackwardKernel {
 #pragma unroll
       for (int step = 0; step < kBlockK / 16; ++step)
         ptx::wgmma_m64n64k16_ss<HalfPair<T>::kBf16, 1, 1>(
-            qacc, ds_mnmajor + kMnmajorStep * step, k_mnmajor + kMnmajorStep * step, step > 0);
+            qacc, ds_mnmajor + stage * kDsStep + kMnmajorStep * step, k_mnmajor + kMnmajorStep * step, step > 0);
       ptx::wgmma_commit();
 #pragma unroll
       for (int c = 0; c < 4; ++c)
@@ -279,8 +267,11 @@ struct AttentionBackwardKernel {
         ptx::register_fence(dv[i]);
         ptx::register_fence(dk[i]);
       }
-      qb = next_qb;
-      bh = next_bh;
+      if (lane == 0) ptx::mbarrier_arrive(&s.empty[stage]);  // the warp is done with the stage
+      if (++qb == blocks) {
+        qb = first_block;
+        ++bh;
+      }
     }
 
     // dK (times the softmax scale) and dV, this warpgroup's 64 keys (accumulator element
@@ -298,15 +289,44 @@ struct AttentionBackwardKernel {
             HalfPair<T>::pack(dv[4 * j + 2 * half], dv[4 * j + 2 * half + 1]);
       }
     }
-#endif
   }
+
+  __device__ static void run(const AttentionBackwardParams& p, const AttentionBackwardMaps& maps,
+                             unsigned char* smem_raw) {
+    const uintptr_t base = (reinterpret_cast<uintptr_t>(smem_raw) + 1023) & ~static_cast<uintptr_t>(1023);
+    Smem& s = *reinterpret_cast<Smem*>(base);
+    if (threadIdx.x == 0) {
+      ptx::mbarrier_init(&s.kv_full, 1);
+      for (int i = 0; i < 2; ++i) {
+        ptx::mbarrier_init(&s.full[i], 1);  // the producer's arrive.expect_tx
+        ptx::mbarrier_init(&s.empty[i], kConsumerWarps);
+      }
+      ptx::fence_mbarrier_init();
+    }
+    __syncthreads();
+    if (threadIdx.x < 128) {
+      ptx::setmaxnreg_dec<24>();
+      if (threadIdx.x == 0) produce(p, maps, s);
+    } else {
+      ptx::setmaxnreg_inc<240>();
+      consume(p, s, threadIdx.x / 128 - 1);
+    }
+  }
+#endif
 };
 
+// One CTA per SM: 384 threads, registers rebalanced by setmaxnreg (24 for the producer, 240 for
+// the consumers: 128 * 24 + 256 * 240 = 64,512 of 65,536).
 template <typename T, bool kCausal>
-__global__ void __launch_bounds__(256, 1) attention_backward_wgmma_kernel(const __grid_constant__ AttentionBackwardParams p) {
+__global__ void __launch_bounds__(384, 1)
+    attention_backward_wgmma_kernel(const __grid_constant__ AttentionBackwardParams p,
+                                    const __grid_constant__ AttentionBackwardMaps maps) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ __align__(1024) unsigned char smem[];
-  AttentionBackwardKernel<T, kCausal>::run(p, smem);
+  AttentionBackwardKernel<T, kCausal>::run(p, maps, smem);
+#endif
 }
+
 
 // The backward's per-query inputs, padded to whole Q blocks for its 16-byte copies:
 // D = rowsum(dO * O) in float32 and the LSE in base 2 (a row with no key, LSE -inf, and the

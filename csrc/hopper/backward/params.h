@@ -2,6 +2,7 @@
 // its launch (hopper/backward/launch.cu), host-visible: no device code here.
 #pragma once
 
+#include <cuda.h>  // CUtensorMap
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -30,6 +31,13 @@ struct AttentionBackwardParams {
   int kv_len;
   float scale_log2;  // softmax scale times log2(e)
   float scale;       // softmax scale
+};
+
+// The copy engine's views (hopper/backward/launch.cu): q and dout [B*H][q_len][128] in boxes of
+// 64 channels x 64 queries, k and v [B*Hkv][kv_len][128] in boxes of 64 channels x 128 keys,
+// 16-bit elements, 128-byte swizzle; rows past the length land as zeros.
+struct AttentionBackwardMaps {
+  CUtensorMap q, dout, k, v;
 };
 
 cudaError_t launch_attention_backward_wgmma(const AttentionBackwardParams& p, bool bf16, bool causal, int batch,
