@@ -111,8 +111,9 @@ def main(argv: list[str] | None = None) -> int:
                                             pv_quant="none", return_lse=True)
                     cudnn = lambda: _backward._pytorch_kernels(  # noqa: E731
                         "cudnn", dout, q, k, v, out, lse, causal, scale, None)
+                    k_mean = k.mean(2, keepdim=True, dtype=torch.float32).to(dtype)
                     own = lambda: _backward._wgmma_kernel(  # noqa: E731
-                        dout, q, k, v, out, lse, causal, scale)
+                        dout, q, k, v, out, lse, k_mean, causal, scale)
                     t_cudnn = timing.median_ms(cudnn, rep=args.rep)
                     t_own = timing.median_ms(own, rep=args.rep)
                     cos = [float(F.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0))

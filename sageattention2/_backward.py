@@ -149,15 +149,16 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     # of K or Q (at 4K tokens those copies cost more than the forward saves).
     work = torch.float64 if k.dtype == torch.float64 else torch.float32
     mean = k.mean(dim=2, keepdim=True, dtype=work).to(k.dtype)
+    bias = None if attn_mask is None else _additive(attn_mask, q)
+    if _own_kernel(q, k, bias, grad_lse, is_causal):
+        # (the op centers its K tiles and shifts the LSE itself; GQA: dK and dV per KV head)
+        return _wgmma_kernel(grad_out, q, k, v, out, lse, mean, is_causal, scale)
     k = k - mean
     mean = _expand_kv_heads(mean, q.shape[1])
     lse = lse.float() - scale * _dot_float32(q, mean)
     # A row that sees no key has LSE -inf and P = 0 (its gradients are zero): +inf gives P = 0
     # where exp(-inf - -inf) would be NaN.
     lse = lse.masked_fill(lse == -torch.inf, torch.inf)
-    bias = None if attn_mask is None else _additive(attn_mask, q)
-    if _own_kernel(q, k, bias, grad_lse, is_causal):
-        return _wgmma_kernel(grad_out, q, k, v, out, lse, is_causal, scale)  # (GQA: per KV head)
     k_all, v_all = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
     kernel = _pytorch_kernel(q, bias, grad_lse)
     if kernel is not None:
@@ -195,12 +196,13 @@ def _own_kernel_runs_on(device: torch.device) -> bool:
 
 
 def _wgmma_kernel(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                  is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+                  k_mean: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV from csrc/hopper/backward's kernel (k and v may have fewer heads: dK and dV
-    per KV head); D = rowsum(dO * O) and the LSE in base 2 are computed by the op."""
+    per KV head) at the forward's natural-log ``lse``; the op subtracts ``k_mean`` ``[B, Hkv, 1,
+    D]`` (k's dtype) from K and shifts the LSE to match, and computes D = rowsum(dO * O)."""
     return torch.ops.sageattention2.attention_backward_wgmma(
         q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), grad_out.contiguous(),
-        lse.float().contiguous(), scale, is_causal)
+        lse.float().contiguous(), k_mean.contiguous(), scale, is_causal)
 
 
 def _dot_float32(q: Tensor, mean: Tensor) -> Tensor:

@@ -40,8 +40,8 @@ def exact_out_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_kernel_matches_the_formulas(wgmma_kernel: None, n: int, is_causal: bool,
                                      dtype: torch.dtype, family: str, kv_heads: int) -> None:
-    """dQ, dK, dV of the kernel against the formulas in float32 on the same O and LSE; with
-    kv_heads 2, GQA (dK and dV summed over each group of 2 query heads)."""
+    """dQ, dK, dV of the kernel against the formulas in float32 on the same O, LSE and centered
+    K; with kv_heads 2, GQA (dK and dV summed over each group of 2 query heads)."""
     own_kernel_built()
     torch.manual_seed(n + kv_heads)
     q, k, v = make_input_family(family, (2, 4, n, 128), dtype, "cuda")
@@ -50,10 +50,16 @@ def test_kernel_matches_the_formulas(wgmma_kernel: None, n: int, is_causal: bool
     k_all, v_all = (t.repeat_interleave(4 // kv_heads, dim=1) for t in (k, v))
     out, lse = exact_out_lse(q, k_all, v_all, is_causal)
     scale = 128 ** -0.5
-    want = list(_backward._chunked(dout, q, k_all, v_all, out, lse, is_causal, scale, None, None))
+    # The op subtracts k_mean from K (rounded to the dtype: dQ's operand) and shifts the LSE to
+    # match: the formulas run on the same centered K and shifted LSE.
+    k_mean = k.mean(2, keepdim=True, dtype=torch.float32).to(dtype)
+    mean_all = k_mean.repeat_interleave(4 // kv_heads, dim=1)
+    lse_centered = lse - scale * (q.float() @ mean_all.float().transpose(-1, -2)).squeeze(-1)
+    want = list(_backward._chunked(dout, q, k_all - mean_all, v_all, out, lse_centered, is_causal, scale,
+                                   None, None))
     want[1:] = [w.float().view(2, kv_heads, 4 // kv_heads, *w.shape[2:]).sum(2) for w in want[1:]]
     poison_freed_blocks(q, k, v)
-    got = _backward._wgmma_kernel(dout, q, k, v, out, lse, is_causal, scale)
+    got = _backward._wgmma_kernel(dout, q, k, v, out, lse, k_mean, is_causal, scale)
     for name, g, w in zip("qkv", got, want):
         assert g.dtype == dtype and g.shape == w.shape and torch.isfinite(g).all(), name
         assert cosine_similarity(g, w) >= 0.9999, (name, cosine_similarity(g, w))
@@ -115,17 +121,22 @@ def test_the_op_refuses_what_it_does_not_serve(wgmma_kernel: None) -> None:
     own_kernel_built()
     q = torch.randn(1, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
     lse = torch.zeros(1, 4, 64, device="cuda")
+    mean = q[:, :, :1].contiguous()
     op = torch.ops.sageattention2.attention_backward_wgmma
     with pytest.raises(RuntimeError, match="k must be .* 128"):
-        op(q, q[..., :64].contiguous(), q[..., :64].contiguous(), q, q, lse, 0.1, False)
+        op(q, q[..., :64].contiguous(), q[..., :64].contiguous(), q, q, lse, mean, 0.1, False)
     with pytest.raises(RuntimeError, match="dout must have q's dtype"):
-        op(q, q, q, q, q.half(), lse, 0.1, False)
+        op(q, q, q, q, q.half(), lse, mean, 0.1, False)
     with pytest.raises(RuntimeError, match="k's heads .3. must divide q's .4."):
-        op(q, q[:, :3].contiguous(), q[:, :3].contiguous(), q, q, lse, 0.1, False)
+        op(q, q[:, :3].contiguous(), q[:, :3].contiguous(), q, q, lse, mean, 0.1, False)
     with pytest.raises(RuntimeError, match="is_causal needs as many queries as keys"):
-        op(q, q[:, :, :32].contiguous(), q[:, :, :32].contiguous(), q, q, lse, 0.1, True)
+        op(q, q[:, :, :32].contiguous(), q[:, :, :32].contiguous(), q, q, lse, mean, 0.1, True)
     with pytest.raises(RuntimeError, match="lse must be a contiguous float32"):
-        op(q, q, q, q, q, lse[..., :32], 0.1, False)
+        op(q, q, q, q, q, lse[..., :32], mean, 0.1, False)
+    with pytest.raises(RuntimeError, match=r"k_mean must be a contiguous \[1, 4, 1, 128\] tensor of k's dtype"):
+        op(q, q, q, q, q, lse, mean.half(), 0.1, False)
+    with pytest.raises(RuntimeError, match=r"k_mean must be a contiguous \[1, 4, 1, 128\]"):
+        op(q, q, q, q, q, lse, q[:, :, :2].contiguous(), 0.1, False)
 
 
 def test_the_own_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:

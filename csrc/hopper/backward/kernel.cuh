@@ -127,6 +127,35 @@ struct AttentionBackwardKernel {
     return (step / 4) * chunk_step + (step % 4) * kKmajorStep;
   }
 
+  // K - k_mean in place, by the 256 consumer threads (16 bytes at a time; element e of 16-byte
+  // unit u of row r of chunk c is channel 64 c + 8 (u ^ (r % 8)) + e): the paper's K smoothing
+  // (Sec. 3.2) in the backward. dQ = scale dS K loses scale rowsum(dS) k_mean, zero in exact
+  // arithmetic but not with the forward's quantized O and LSE (session 40: dQ's CosSim 0.78 on K
+  // with channel offsets); S^T on the centered K pairs with the prepare kernel's shifted LSE.
+  // Each difference is rounded once to K's dtype, as PyTorch's k - k_mean.
+  __device__ static void center_keys(const AttentionBackwardParams& p, Smem& s, int64_t bkv) {
+    const int thread = threadIdx.x - 128;
+    // A thread's unit and row % 8 are the same for its 8 vectors: one mean vector per chunk.
+    const int channel = ((thread % 8) ^ ((thread / 8) % 8)) * 8;
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      float mean[8];
+      widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.k_mean) + bkv * kHeadDim + c * kChunk +
+                                                channel),
+                mean);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        uint4* unit = reinterpret_cast<uint4*>(s.k[c]) + thread + 256 * i;
+        float key[8];
+        widen8<T>(*unit, key);
+        *unit = make_uint4(HalfPair<T>::pack(key[0] - mean[0], key[1] - mean[1]),
+                           HalfPair<T>::pack(key[2] - mean[2], key[3] - mean[3]),
+                           HalfPair<T>::pack(key[4] - mean[4], key[5] - mean[5]),
+                           HalfPair<T>::pack(key[6] - mean[6], key[7] - mean[7]));
+      }
+    }
+  }
+
   // A consumer warpgroup (wg 0 or 1): 64 of the block's keys.
   __device__ static void consume(const AttentionBackwardParams& p, Smem& s, int wg) {
     const Work w = work(p);
@@ -154,6 +183,9 @@ struct AttentionBackwardKernel {
     for (int i = 0; i < 64; ++i) dv[i] = dk[i] = 0.0f;
 
     ptx::mbarrier_wait(&s.kv_full, 0);
+    center_keys(p, s, bkv);
+    ptx::fence_proxy_async_shared();
+    ptx::named_barrier_sync<2 * 128>(1);
     int qb = first_block;
     int64_t bh = w.bh_first;
     for (int it = 0; it < iterations; ++it) {
@@ -329,33 +361,43 @@ __global__ void __launch_bounds__(384, 1)
 
 
 // The backward's per-query inputs, padded to whole Q blocks for its 16-byte copies:
-// D = rowsum(dO * O) in float32 and the LSE in base 2 (a row with no key, LSE -inf, and the
-// padding get +inf: P = 0). 16 threads per row of 128 channels, 8 each, summed by shuffles.
+// D = rowsum(dO * O) in float32 and the LSE of the scores on K - k_mean in base 2 (softmax is
+// invariant to the shift of a score row by scale q . k_mean: P is unchanged; a row with no key,
+// LSE -inf, and the padding get +inf: P = 0). 16 threads per row of 128 channels, 8 each, summed
+// by shuffles.
 template <typename T>
-__global__ void attention_backward_prepare_kernel(const T* __restrict__ out, const T* __restrict__ dout,
-                                                  const float* __restrict__ lse, float* __restrict__ lse_log2,
-                                                  float* __restrict__ delta, int q_len, int q_padded, int64_t rows) {
+__global__ void attention_backward_prepare_kernel(const __grid_constant__ AttentionBackwardParams p, int64_t rows) {
   const int64_t thread = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   const int64_t row = thread / 16;
   if (row >= rows) return;  // (a row's 16 threads share a half warp: all leave or none)
-  const int64_t bh = row / q_padded;
-  const int n = static_cast<int>(row % q_padded);
-  float sum = 0.0f;
-  if (n < q_len) {
-    const int64_t offset = (bh * q_len + n) * 128 + (thread % 16) * 8;
-    float o[8], d[8];
-    widen8<T>(*reinterpret_cast<const uint4*>(out + offset), o);
-    widen8<T>(*reinterpret_cast<const uint4*>(dout + offset), d);
+  const int64_t bh = row / p.q_padded;
+  const int n = static_cast<int>(row % p.q_padded);
+  const int64_t bkv = bh / p.heads * p.kv_heads + bh % p.heads / (p.heads / p.kv_heads);
+  const int channel = static_cast<int>(thread % 16) * 8;
+  float delta = 0.0f, shift = 0.0f;
+  if (n < p.q_len) {
+    const int64_t offset = (bh * p.q_len + n) * 128 + channel;
+    float o[8], d[8], q[8], mean[8];
+    widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) + offset), o);
+    widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + offset), d);
+    widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + offset), q);
+    widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.k_mean) + bkv * 128 + channel), mean);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) sum = fmaf(o[i], d[i], sum);
+    for (int i = 0; i < 8; ++i) {
+      delta = fmaf(o[i], d[i], delta);
+      shift = fmaf(q[i], mean[i], shift);
+    }
   }
   const unsigned half_warp = 0xFFFFu << (threadIdx.x & 16);
 #pragma unroll
-  for (int offset = 8; offset > 0; offset /= 2) sum += __shfl_xor_sync(half_warp, sum, offset);
+  for (int offset = 8; offset > 0; offset /= 2) {
+    delta += __shfl_xor_sync(half_warp, delta, offset);
+    shift += __shfl_xor_sync(half_warp, shift, offset);
+  }
   if (thread % 16 == 0) {
-    const float value = n < q_len ? lse[bh * q_len + n] : -INFINITY;
-    delta[row] = sum;
-    lse_log2[row] = value == -INFINITY ? INFINITY : value * 1.4426950408889634f;
+    const float lse = n < p.q_len ? p.lse[bh * p.q_len + n] : -INFINITY;
+    p.delta[row] = delta;
+    p.lse_log2[row] = lse == -INFINITY ? INFINITY : (lse - p.scale * shift) * 1.4426950408889634f;
   }
 }
 

@@ -33,9 +33,7 @@ static cudaError_t launch_backward(const AttentionBackwardParams& p, int batch, 
   if (err != cudaSuccess) return err;
   const int blocks = (p.q_len + Kernel::kBlockQ - 1) / Kernel::kBlockQ;
   const int64_t rows = static_cast<int64_t>(batch) * p.heads * p.q_padded;
-  attention_backward_prepare_kernel<T><<<static_cast<unsigned>((rows * 16 + 255) / 256), 256, 0, stream>>>(
-      static_cast<const T*>(p.out), static_cast<const T*>(p.dout), p.lse, p.lse_log2, p.delta, p.q_len, p.q_padded,
-      rows);
+  attention_backward_prepare_kernel<T><<<static_cast<unsigned>((rows * 16 + 255) / 256), 256, 0, stream>>>(p, rows);
   err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   AttentionBackwardMaps maps;

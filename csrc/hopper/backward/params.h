@@ -16,8 +16,10 @@ struct AttentionBackwardParams {
   const void* v;
   const void* out;
   const void* dout;
+  const void* k_mean;     // [B, Hkv, 128]: K's mean over its tokens, rounded to K's dtype
   const float* lse;       // [B, H, q_len]: the forward's LSE (natural log)
-  float* lse_log2;        // [B, H, q_padded]: the LSE times log2(e), +inf past q_len (prepare kernel)
+  float* lse_log2;        // [B, H, q_padded]: (LSE - scale q . k_mean) log2(e), the LSE of the scores
+                          // on K - k_mean; +inf past q_len and where the LSE is -inf (prepare kernel)
   float* delta;           // [B, H, q_padded]: rowsum(dO * O), 0 past q_len (prepare kernel)
   float* dq_accum;        // [B, H, Q blocks of 64, 2, 4096], zeroed: dS K summed over the key blocks,
                           // each warpgroup's 64 x 64 tile in its warps' fragment order
