@@ -376,10 +376,26 @@ def _backward_8bit_one_p_scale_per_key(patch: pytest.MonkeyPatch) -> None:
     def one_scale(left_t: Any, right: Any) -> Any:
         left_codes, left_scale = rb.quantize_symmetric(left_t, (2,), rb.INT8_MAX)  # over all queries
         blocks = rb._blocks(left_codes.double() * left_scale.double())
-        right_codes, right_scale = rb.quantize_symmetric(rb._blocks(right), (3,), rb.INT8_MAX)
-        return (blocks.transpose(-1, -2) @ (right_codes.double() * right_scale.double())).sum(2)
+        right_codes, right_scale = rb.quantize_symmetric(right, (2,), rb.INT8_MAX)
+        return (blocks.transpose(-1, -2) @ rb._blocks(right_codes.double())).sum(2) * right_scale.double()
 
     patch.setattr(rb, "product_int8_per_block", one_scale)
+
+
+@mutant("backward-8bit-channel-scale-per-block",
+        "the 8-bit backward's reference scales dO and Q per channel per 64-query block instead of "
+        "over all tokens (the kernel could no longer apply the channel scales once, at the end)",
+        "test_reference_backward.py::test_the_channel_scales_span_all_tokens")
+def _backward_8bit_channel_scale_per_block(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import reference_backward as rb
+
+    def per_block(left_t: Any, right: Any) -> Any:
+        left_codes, left_scale = rb.quantize_symmetric(rb._blocks(left_t), (3,), rb.INT8_MAX)
+        right_codes, right_scale = rb.quantize_symmetric(rb._blocks(right), (3,), rb.INT8_MAX)
+        dots = left_codes.double().transpose(-1, -2) @ right_codes.double()
+        return (dots * left_scale.double().transpose(-1, -2) * right_scale.double()).sum(2)
+
+    patch.setattr(rb, "product_int8_per_block", per_block)
 
 
 @mutant("backward-8bit-q-unsmoothed",

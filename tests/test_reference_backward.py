@@ -48,7 +48,8 @@ def test_the_exact_path_is_the_backward_formulas(is_causal: bool) -> None:
 
 # CosSim against float64 autograd, from the exact O (rounded to bf16) and LSE, all three products
 # in INT8 (session 43, B1 H4 N1029: bias0 0.99996 / 0.99987 / 0.99988, bias4 0.99988 / 0.99979 /
-# 0.99992; outliers 0.935 / 0.963 / 0.963 from S^T alone: the training guard's family, D52).
+# 0.99992; outliers 0.935 / 0.963 / 0.963 from S^T alone: the training guard's family, D52;
+# session 44's per-head channel scales for dO and Q: dK and dV within 2e-5 of those).
 @pytest.mark.parametrize("family", ["bias0", "bias4"])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_int8_products_on_the_families(family: str, is_causal: bool) -> None:
@@ -66,17 +67,31 @@ def test_int8_products_on_the_families(family: str, is_causal: bool) -> None:
 
 def test_the_block_scales_keep_a_key_small_in_one_block() -> None:
     """One scale per key and 64-query block: a key whose P is 1e-4 in one block and 1 in another
-    keeps its small block (a scale per key over all queries would round it to zero)."""
+    keeps its small block (a scale per key over all queries would round it to zero). The right
+    operand's second block is its first negated: one channel scale serves each block alone and
+    both together, so the product of both is the sum of the blocks'."""
     torch.manual_seed(3)
     n_q, n_k = 2 * BLOCK_Q, 8
     left = torch.rand(1, 1, n_q, n_k, dtype=torch.float64)
     left[:, :, :BLOCK_Q] *= 1e-4
-    right = torch.randn(1, 1, n_q, 16, dtype=torch.float64)
+    right = torch.randn(1, 1, BLOCK_Q, 16, dtype=torch.float64)
+    right = torch.cat([right, -right], dim=2)
     first = product_int8_per_block(left[:, :, :BLOCK_Q], right[:, :, :BLOCK_Q])
     want = left[:, :, :BLOCK_Q].transpose(-1, -2) @ right[:, :, :BLOCK_Q]
     assert cosine_similarity(first, want) >= 0.9999
     both = product_int8_per_block(left, right)
     assert torch.allclose(both, first + product_int8_per_block(left[:, :, BLOCK_Q:], right[:, :, BLOCK_Q:]))
+
+
+def test_the_channel_scales_span_all_tokens() -> None:
+    """dO's (and Q's) scale per channel is over every token, not per block: a channel whose values
+    are 1e-3 in one block and 1 in another is quantized at the large block's scale (one scale per
+    block would keep the small block's 1e-3 exactly)."""
+    left = torch.ones(1, 1, 2 * BLOCK_Q, 1, dtype=torch.float64)
+    right = torch.full((1, 1, 2 * BLOCK_Q, 1), 1e-3, dtype=torch.float64)
+    right[:, :, BLOCK_Q:] = 1.0
+    # 1e-3 at the scale 1/127 is code 0: the small block adds nothing (per-block scales: 64.064)
+    assert float(product_int8_per_block(left, right)) == pytest.approx(BLOCK_Q * 1.0, rel=1e-6)
 
 
 def test_the_scores_are_smoothed() -> None:
