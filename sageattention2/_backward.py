@@ -176,7 +176,7 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
 # (csrc/hopper/backward) instead of PyTorch's where it serves the call: an sm_90 GPU, 16-bit
 # inputs, head_dim 128, GQA, no mask, no LSE gradient, equal lengths when causal. Measured slower
 # than cuDNN's: inside a 16K training step its kernels take 84.2 ms to cuDNN's 78.5 (0.93x; H200,
-# session 44): the base of the 8-bit tier, not the default.
+# session 44): the base of the 8-bit tier, not the default (docs/DECISIONS.md#d53).
 _OWN_KERNEL_ENVIRONMENT = "SAGEATTN_BACKWARD_KERNEL"
 
 
