@@ -35,7 +35,8 @@ namespace sageattention2 {
 template <typename T, bool kCausal>
 struct AttentionBackwardKernel {
   static constexpr int kHeadDim = 128, kBlockK = 128, kBlockQ = 64, kThreads = 384;
-  static constexpr int kChunk = 64;  // channels per 128-byte swizzle span
+  static constexpr int kChunk = 64;          // channels per 128-byte swizzle span
+  static constexpr int kChunkBytes = 128;    // the copy engine's views count bytes (params.h)
   static constexpr int kConsumerWarps = 8;
   static constexpr uint32_t kKvBytes = 2 * kBlockK * kHeadDim * 2;
   static constexpr uint32_t kStageBytes = 2 * kBlockQ * kHeadDim * 2 + 2 * kBlockQ * 4;
@@ -92,8 +93,8 @@ struct AttentionBackwardKernel {
     ptx::mbarrier_arrive_expect_tx(&s.kv_full, kKvBytes);
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
-      ptx::tma_load_3d(s.k[c], &maps.k, c * kChunk, w.k0, static_cast<int>(w.bkv), &s.kv_full);
-      ptx::tma_load_3d(s.v[c], &maps.v, c * kChunk, w.k0, static_cast<int>(w.bkv), &s.kv_full);
+      ptx::tma_load_3d(s.k[c], &maps.k, c * kChunkBytes, w.k0, static_cast<int>(w.bkv), &s.kv_full);
+      ptx::tma_load_3d(s.v[c], &maps.v, c * kChunkBytes, w.k0, static_cast<int>(w.bkv), &s.kv_full);
     }
     int qb = w.first_block;
     int64_t bh = w.bh_first;
@@ -103,8 +104,8 @@ struct AttentionBackwardKernel {
       ptx::mbarrier_arrive_expect_tx(&s.full[stage], kStageBytes);
 #pragma unroll
       for (int c = 0; c < 2; ++c) {
-        ptx::tma_load_3d(s.q[stage][c], &maps.q, c * kChunk, qb * kBlockQ, static_cast<int>(bh), &s.full[stage]);
-        ptx::tma_load_3d(s.dout[stage][c], &maps.dout, c * kChunk, qb * kBlockQ, static_cast<int>(bh),
+        ptx::tma_load_3d(s.q[stage][c], &maps.q, c * kChunkBytes, qb * kBlockQ, static_cast<int>(bh), &s.full[stage]);
+        ptx::tma_load_3d(s.dout[stage][c], &maps.dout, c * kChunkBytes, qb * kBlockQ, static_cast<int>(bh),
                          &s.full[stage]);
       }
       ptx::bulk_load(s.lse[stage], p.lse_log2 + bh * p.q_padded + qb * kBlockQ, kBlockQ * 4, &s.full[stage]);
@@ -156,6 +157,16 @@ struct AttentionBackwardKernel {
     }
   }
 
+  // acc = A B^T over the 128 channels, both K-major: 64 key rows (K or V) x 64 query rows (Q or
+  // dO), eight k-steps of 16 channels, committed as one group (S^T and dP^T).
+  __device__ static void issue_keys_by_queries(float (&acc)[32], uint64_t keys_kmajor, uint64_t queries_kmajor) {
+#pragma unroll
+    for (int step = 0; step < kHeadDim / 16; ++step)
+      ptx::wgmma_m64n64k16_ss<HalfPair<T>::kBf16, 0, 0>(acc, keys_kmajor + kmajor_step(step, kKChunkStep),
+                                                        queries_kmajor + kmajor_step(step, kQChunkStep), step > 0);
+    ptx::wgmma_commit();
+  }
+
   // A consumer warpgroup (wg 0 or 1): 64 of the block's keys.
   __device__ static void consume(const AttentionBackwardParams& p, Smem& s, int wg) {
     const Work w = work(p);
@@ -196,18 +207,8 @@ struct AttentionBackwardKernel {
       float sacc[32], dpacc[32];
       const uint64_t stage_step = stage * kStageStep;
       ptx::wgmma_fence();
-#pragma unroll
-      for (int step = 0; step < kHeadDim / 16; ++step)
-        ptx::wgmma_m64n64k16_ss<HalfPair<T>::kBf16, 0, 0>(
-            sacc, k_kmajor + kmajor_step(step, kKChunkStep), q_kmajor + stage_step + kmajor_step(step, kQChunkStep),
-            step > 0);
-      ptx::wgmma_commit();
-#pragma unroll
-      for (int step = 0; step < kHeadDim / 16; ++step)
-        ptx::wgmma_m64n64k16_ss<HalfPair<T>::kBf16, 0, 0>(
-            dpacc, v_kmajor + kmajor_step(step, kKChunkStep),
-            dout_kmajor + stage_step + kmajor_step(step, kQChunkStep), step > 0);
-      ptx::wgmma_commit();
+      issue_keys_by_queries(sacc, k_kmajor, q_kmajor + stage_step);
+      issue_keys_by_queries(dpacc, v_kmajor, dout_kmajor + stage_step);
 
       // P^T while dP^T is still in the tensor cores, then dS^T = P^T (dP^T - D) (accumulator
       // element 4j + 2 half + e: key row key_row + 8 half, query column 8j + 2t + e).

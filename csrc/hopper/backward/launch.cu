@@ -7,23 +7,6 @@
 #include "hopper/backward/kernel.cuh"
 
 namespace sageattention2 {
-namespace {
-
-// [slabs][rows][128] 16-bit elements in boxes of 64 channels x box_rows (see params.h).
-cudaError_t encode_rows_map(CUtensorMap* map, const void* base, int64_t slabs, int64_t rows, uint32_t box_rows) {
-  const auto encode = tensor_map_encoder();
-  if (encode == nullptr) return cudaErrorNotSupported;
-  const cuuint64_t dims[3] = {128, static_cast<cuuint64_t>(rows), static_cast<cuuint64_t>(slabs)};
-  const cuuint64_t strides[2] = {128 * 2, static_cast<cuuint64_t>(rows) * 128 * 2};  // bytes, dims 1 and 2
-  const cuuint32_t box[3] = {64, box_rows, 1};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  const CUresult r = encode(map, CU_TENSOR_MAP_DATA_TYPE_UINT16, 3, const_cast<void*>(base), dims, strides, box,
-                            element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                            CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  return r == CUDA_SUCCESS ? cudaSuccess : cudaErrorInvalidValue;
-}
-
-}  // namespace
 
 template <typename T, bool kCausal>
 static cudaError_t launch_backward(const AttentionBackwardParams& p, int batch, cudaStream_t stream) {
@@ -38,10 +21,14 @@ static cudaError_t launch_backward(const AttentionBackwardParams& p, int batch, 
   if (err != cudaSuccess) return err;
   AttentionBackwardMaps maps;
   const int64_t q_slabs = static_cast<int64_t>(batch) * p.heads, kv_slabs = static_cast<int64_t>(batch) * p.kv_heads;
-  err = encode_rows_map(&maps.q, p.q, q_slabs, p.q_len, Kernel::kBlockQ);
-  if (err == cudaSuccess) err = encode_rows_map(&maps.dout, p.dout, q_slabs, p.q_len, Kernel::kBlockQ);
-  if (err == cudaSuccess) err = encode_rows_map(&maps.k, p.k, kv_slabs, p.kv_len, Kernel::kBlockK);
-  if (err == cudaSuccess) err = encode_rows_map(&maps.v, p.v, kv_slabs, p.kv_len, Kernel::kBlockK);
+  // [slabs][rows][128] 16-bit elements (params.h) = [slabs][rows][256] bytes, in boxes of 64 channels x box_rows.
+  const auto encode_rows = [](CUtensorMap* map, const void* base, int64_t slabs, int64_t rows, uint32_t box_rows) {
+    return encode_byte_map(map, base, 256, static_cast<uint64_t>(rows), static_cast<uint64_t>(slabs), 128, box_rows);
+  };
+  err = encode_rows(&maps.q, p.q, q_slabs, p.q_len, Kernel::kBlockQ);
+  if (err == cudaSuccess) err = encode_rows(&maps.dout, p.dout, q_slabs, p.q_len, Kernel::kBlockQ);
+  if (err == cudaSuccess) err = encode_rows(&maps.k, p.k, kv_slabs, p.kv_len, Kernel::kBlockK);
+  if (err == cudaSuccess) err = encode_rows(&maps.v, p.v, kv_slabs, p.kv_len, Kernel::kBlockK);
   if (err != cudaSuccess) return err;
   const dim3 grid((p.kv_len + Kernel::kBlockK - 1) / Kernel::kBlockK, p.kv_heads, batch);
   kernel<<<grid, Kernel::kThreads, Kernel::kSmemBytes, stream>>>(p, maps);

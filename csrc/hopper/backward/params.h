@@ -35,9 +35,9 @@ struct AttentionBackwardParams {
   float scale;       // softmax scale
 };
 
-// The copy engine's views (hopper/backward/launch.cu): q and dout [B*H][q_len][128] in boxes of
-// 64 channels x 64 queries, k and v [B*Hkv][kv_len][128] in boxes of 64 channels x 128 keys,
-// 16-bit elements, 128-byte swizzle; rows past the length land as zeros.
+// The copy engine's views (hopper/backward/launch.cu), as bytes: q and dout [B*H][q_len][256] in
+// boxes of 128 bytes (64 channels) x 64 queries, k and v [B*Hkv][kv_len][256] in boxes of 128
+// bytes x 128 keys, 128-byte swizzle; rows past the length land as zeros.
 struct AttentionBackwardMaps {
   CUtensorMap q, dout, k, v;
 };
