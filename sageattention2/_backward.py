@@ -27,6 +27,7 @@ from torch import Tensor
 
 from . import ops
 from ._call import AttentionCall
+from ._execute import kernel_input
 from .reference import _expand_kv_heads
 
 __all__ = ["GUARD_ENVIRONMENT", "TRAINING_ENVIRONMENT", "attention_backward", "guard",
@@ -41,7 +42,7 @@ TRAINING_ENVIRONMENT = "SAGEATTN_TRAINING"
 TRAINING_MODES = ("exact", "quantized")
 
 # The training guard (docs/DECISIONS.md#d52): a call whose q or k has a head with a channel spread
-# (ops.channel_spread: the widest channel's range over the head's mean range) above this runs
+# (ops.head_channel_spread: the widest channel's range over the head's mean range) above this runs
 # exact SDPA. The gradients through INT8 QK fall with the spread (float64 emulation of the kernel,
 # 1,029 and 2,085 tokens, 6 channels widened f times, session 42): spread 2.3 -> dQ CosSim
 # 0.99998, 3.3 -> 0.9996-0.9997, 4.2 -> 0.9987, 5-6 -> 0.993-0.997, 9.5 (the outliers family)
@@ -93,8 +94,8 @@ _VERDICTS: "weakref.WeakKeyDictionary[AttentionCall, str | None]" = weakref.Weak
 def guard(call: AttentionCall) -> str | None:
     """Why the quantized forward's gradients would not hold for ``call`` (D52): its q or k has a
     head whose channel spread is above :func:`training_guard`; None where they hold (or the
-    guard is off). The statistic is two reductions over q and k (their means, their per-channel
-    extremes: no float32 copies) and one number read on the host, a synchronization, so it is
+    guard is off). The statistic is one pass over q and one over k (ops.head_channel_spread: no
+    float32 copies) and one number read on the host, a synchronization, so it is
     asked only of calls the quantized kernel would run, and not while a CUDA graph is being
     captured (nor under torch.compile: ``_compile.training_call``)."""
     threshold = training_guard()
@@ -103,9 +104,8 @@ def guard(call: AttentionCall) -> str | None:
     if call in _VERDICTS:
         return _VERDICTS[call]
     with torch.no_grad():
-        spread = float(torch.stack([
-            ops.channel_spread(x, x.mean(dim=2, dtype=torch.float32)).amax()
-            for x in (call.q, call.k)]).amax())
+        spread = float(torch.stack([ops.head_channel_spread(x).amax()
+                                    for x in (call.q, call.k)]).amax())
     verdict = None
     if spread > threshold:  # (the text without the spread itself: one warning, not one per step)
         verdict = (f"q or k with a channel spread above the training guard's {threshold:g} "
@@ -137,28 +137,12 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     heads_kv = k.shape[1]
     if scale is None:
         scale = q.shape[-1] ** -0.5
-    # K smoothing, as the forward does it (the paper's Sec. 3.2): softmax is invariant to a shift
-    # of each score row, so the backward runs on K minus its mean over tokens with the LSE
-    # shifted by scale * q . mean. P and dS are the same; dQ = scale dS (K - mean) drops
-    # scale rowsum(dS) mean, zero in exact arithmetic but not with the forward's quantized O and
-    # LSE: with K's channel offsets (the bias4 and outliers families) it took dQ's CosSim to 0.78
-    # (session 40's first GPU run).
-    # (The LSE itself is not shift-invariant: a gradient g on it adds scale g mean to dQ.)
-    # The mean in k's dtype, subtracted in k's dtype (each difference rounded once, as the float32
-    # subtraction would), so that the LSE's shift is by exactly the mean K lost; no float32 copy
-    # of K or Q (at 4K tokens those copies cost more than the forward saves).
-    work = torch.float64 if k.dtype == torch.float64 else torch.float32
-    mean = k.mean(dim=2, keepdim=True, dtype=work).to(k.dtype)
     bias = None if attn_mask is None else _additive(attn_mask, q)
     if _own_kernel(q, k, bias, grad_lse, is_causal):
         # (the op centers its K tiles and shifts the LSE itself; GQA: dK and dV per KV head)
+        mean = k.mean(dim=2, keepdim=True, dtype=torch.float32).to(k.dtype)
         return _wgmma_kernel(grad_out, q, k, v, out, lse, mean, is_causal, scale)
-    k = k - mean
-    mean = _expand_kv_heads(mean, q.shape[1])
-    lse = lse.float() - scale * _dot_float32(q, mean)
-    # A row that sees no key has LSE -inf and P = 0 (its gradients are zero): +inf gives P = 0
-    # where exp(-inf - -inf) would be NaN.
-    lse = lse.masked_fill(lse == -torch.inf, torch.inf)
+    k, lse, mean = _center_keys(q, k, lse, scale)
     k_all, v_all = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
     kernel = _pytorch_kernel(q, bias, grad_lse)
     if kernel is not None:
@@ -205,13 +189,33 @@ def _wgmma_kernel(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
         lse.float().contiguous(), k_mean.contiguous(), scale, is_causal)
 
 
-def _dot_float32(q: Tensor, mean: Tensor) -> Tensor:
-    """``q @ mean^T`` ``[B, H, N]`` in float32 from ``q`` ``[B, H, N, D]`` and ``mean`` ``[B, H,
-    1, D]`` (the LSE's shift: a bf16 product would be off by ~2^-9 of it), a batch item at a
-    time (a float32 copy of one item of q, not of all). (cuBLAS's float32-output bf16 GEMM,
-    ``bmm(out_dtype=)``, failed on the strides of an NHD q: session 41.)"""
-    return torch.stack([(q[b].float() @ mean[b].float().transpose(-1, -2)).squeeze(-1)
-                        for b in range(q.shape[0])])
+def _center_keys(q: Tensor, k: Tensor, lse: Tensor, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    """K smoothing, as the forward does it (the paper's Sec. 3.2), for PyTorch's kernels and the
+    float32 formulas: ``(k - mean, lse - scale q . mean, mean)``, the mean over K's tokens (in
+    float32; float64 for float64 inputs), each difference rounded once to k's dtype, the LSE in
+    float32 (float64) with +inf where it was -inf (a row that sees no key: P = 0 where
+    exp(-inf - -inf) would be NaN), ``mean`` per query head ``[B, Hq, 1, D]``.
+
+    Softmax is invariant to a shift of each score row: P and dS are the same. But dQ = scale dS
+    (K - mean) drops scale rowsum(dS) mean, zero in exact arithmetic and not with the forward's
+    quantized O and LSE: with K's channel offsets (the bias4 and outliers families) it took dQ's
+    CosSim to 0.78 (session 40's first GPU run). (The LSE itself is not shift-invariant: a
+    gradient g on it adds scale g mean to dQ.) On CUDA, one launch of the ``center_keys`` op; in
+    PyTorch's ops a broadcast subtraction, a float32 copy of q and a GEMV took 2.1 ms of a 16K
+    training step (B4 H32 hd128, H200, session 45)."""
+    work = torch.float64 if k.dtype == torch.float64 else torch.float32
+    mean = k.mean(dim=2, dtype=work)  # [B, Hkv, D]
+    query_mean = _expand_kv_heads(mean[:, :, None], q.shape[1])
+    if (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0
+            and q.shape[-1] <= 256 and ops.has_op("center_keys")):
+        k, lse = torch.ops.sageattention2.center_keys(
+            kernel_input(q, q.shape[-1]), kernel_input(k, k.shape[-1]), lse.float().contiguous(),
+            mean, scale)
+    else:
+        lse = lse.to(work) - scale * (q.to(work) * query_mean).sum(-1)
+        lse = lse.masked_fill(lse == -torch.inf, torch.inf)
+        k = (k.to(work) - mean[:, :, None]).to(k.dtype)
+    return k, lse, query_mean
 
 
 def _additive(attn_mask: Tensor, q: Tensor) -> Tensor:

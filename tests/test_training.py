@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from sageattention2 import _backward, _compile, ops, sageattn
-from sageattention2.testing import cosine_similarity, make_input_family
+from sageattention2.testing import cosine_similarity, make_input_family, poison_cuda_allocator
 
 
 def float64_grads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -216,8 +216,8 @@ def test_training_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("SAGEATTN_TRAINING_GUARD", raising=False)
     monkeypatch.setattr(_compile, "decide", lambda call: SimpleNamespace(quantized=True))  # GPU's
     measured: list[int] = []
-    real_spread = ops.channel_spread
-    monkeypatch.setattr(ops, "channel_spread", lambda *a: measured.append(1) or real_spread(*a))
+    real_spread = ops.head_channel_spread
+    monkeypatch.setattr(ops, "head_channel_spread", lambda *a: measured.append(1) or real_spread(*a))
     for family in ("bias0", "bias4"):
         call = guard_call(family)
         assert _compile.training_call(call) is not None and _backward.guard_verdict(call) is None
@@ -230,7 +230,7 @@ def test_training_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     verdict = _backward.guard_verdict(outliers)
     assert verdict is not None and verdict.startswith(
         "q or k with a channel spread above the training guard's 3.5 (")
-    assert real_spread(outliers.q, outliers.q.float().mean(2)).amax() > 5.0
+    assert real_spread(outliers.q).amax() > 5.0
     assert len(measured) == 8  # q and k of each call, once: the verdict is kept
     assert _backward.guard(outliers) == verdict and len(measured) == 8
     assert _backward.guard_verdict(guard_call("outliers")) is None  # another call: not asked
@@ -499,3 +499,76 @@ def test_pytorch_kernels_match_the_formulas(attention_kernel: None, head_dim: in
     want = _backward._chunked(dout, q, k, v, out, lse, True, head_dim ** -0.5, None)
     for g, w in zip(got, want):
         assert cosine_similarity(g, w.double()) >= 0.9999
+
+
+def pytorch_centering(monkeypatch: pytest.MonkeyPatch, *args: Any) -> tuple[torch.Tensor, ...]:
+    """_backward._center_keys in PyTorch's ops (its path where the center_keys op is absent)."""
+    real = ops.has_op
+    with monkeypatch.context() as patch:
+        patch.setattr(ops, "has_op", lambda name: name != "center_keys" and real(name))
+        return _backward._center_keys(*args)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_center_keys_op_matches_pytorch(attention_kernel: None, monkeypatch: pytest.MonkeyPatch,
+                                        head_dim: int, dtype: torch.dtype) -> None:
+    """The center_keys op (the inputs of PyTorch's backward kernels, D51): K - mean bit for bit
+    as PyTorch's ops round it, the LSE within float32 rounding of theirs and +inf where it was
+    -inf; GQA, odd lengths, q in NHD memory, every element written (NaN-poisoned memory)."""
+    if not ops.has_op("center_keys"):
+        pytest.skip("this build has no center_keys")
+    torch.manual_seed(head_dim)
+    q, k, _ = make_input_family("bias4", (2, 4, 1000 + head_dim, head_dim), dtype, "cuda")
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)  # NHD memory, as diffusers passes it
+    k = k[:, :2, :-301]  # GQA (two query heads per key head), fewer keys than queries
+    lse = torch.randn(q.shape[:3], device="cuda") * 4
+    lse[0, 1, :7] = -torch.inf  # rows that see no key
+    scale = head_dim ** -0.5
+    want_k, want_lse, want_mean = pytorch_centering(monkeypatch, q, k, lse, scale)
+    poison_cuda_allocator()
+    got_k, got_lse, got_mean = _backward._center_keys(q, k, lse, scale)
+    assert got_k.dtype == dtype and got_k.shape == k.shape and torch.equal(got_k, want_k)
+    assert torch.equal(got_mean, want_mean) and got_lse.dtype == torch.float32
+    assert torch.equal(got_lse == torch.inf, lse == -torch.inf) and not got_lse.isnan().any()
+    seen = lse > -torch.inf
+    bound = 1e-6 * (lse.abs() + scale * (q.float().abs() * want_mean.abs()).sum(-1)) + 1e-6
+    assert ((got_lse - want_lse).abs() <= bound)[seen].all(), (got_lse - want_lse)[seen].abs().max()
+    mean = k.mean(dim=2, dtype=torch.float32)
+    torch.library.opcheck(torch.ops.sageattention2.center_keys, (q, k, lse, mean, scale))
+
+
+def test_center_keys_shapes_and_refusals() -> None:
+    """center_keys' Meta implementation (what FakeTensor and torch.compile trace): K's shape and
+    dtype, the LSE's shape in float32; operands of the wrong shape refused by name."""
+    if not ops.has_op("center_keys"):
+        pytest.skip("this build has no center_keys")
+    center = torch.ops.sageattention2.center_keys
+
+    def meta(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.empty(shape, device="meta", dtype=dtype)
+
+    q, k = meta(2, 4, 100, 64, dtype=torch.bfloat16), meta(2, 2, 80, 64, dtype=torch.bfloat16)
+    lse, mean = meta(2, 4, 100), meta(2, 2, 64)
+    k_centered, lse_centered = center(q, k, lse, mean, 0.125)
+    assert k_centered.shape == k.shape and k_centered.dtype == torch.bfloat16
+    assert lse_centered.shape == lse.shape and lse_centered.dtype == torch.float32
+    with pytest.raises(RuntimeError, match="k's heads"):
+        center(q, meta(2, 3, 80, 64, dtype=torch.bfloat16), lse, meta(2, 3, 64), 0.125)
+    with pytest.raises(RuntimeError, match="k_mean must have shape"):
+        center(q, k, lse, meta(2, 2, 32), 0.125)
+    with pytest.raises(RuntimeError, match="lse must be"):
+        center(q, k, meta(2, 4, 99), mean, 0.125)
+    with pytest.raises(RuntimeError, match="must have the same dtype"):
+        center(q, meta(2, 2, 80, 64, dtype=torch.float16), lse, mean, 0.125)
+
+
+def test_head_channel_spread_is_channel_spread(attention_kernel: None) -> None:
+    """The training guard's statistic from one smoothing_stats pass equals channel_spread's from
+    aminmax and a mean (up to the two means' summation orders), q in NHD memory."""
+    torch.manual_seed(9)
+    for family in ("bias0", "outliers"):
+        q, k, _ = make_input_family(family, (2, 4, 3000, 128), torch.bfloat16, "cuda")
+        for x in (q.transpose(1, 2).contiguous().transpose(1, 2), k):
+            want = ops.channel_spread(x, x.mean(dim=2, dtype=torch.float32))
+            torch.testing.assert_close(ops.head_channel_spread(x), want, rtol=1e-5, atol=0)

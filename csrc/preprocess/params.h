@@ -118,6 +118,20 @@ struct PoisonParams {
   int64_t tokens = 0;
 };
 
+// The exact backward's inputs from PyTorch's kernels (center_keys, _backward): K minus its mean
+// over tokens, each element rounded once, and the forward's LSE shifted to the scores on those
+// keys, in one pass over K and Q.
+struct CenterKeysParams {
+  BhndView k;                     // [B, Hkv, Nk, D]
+  BhndView q;                     // [B, Hq, Nq, D], Hkv dividing Hq (GQA)
+  const float* k_mean = nullptr;  // [B, Hkv, D]
+  const float* lse = nullptr;     // [B, Hq, Nq], natural log
+  void* k_centered = nullptr;     // out: [B, Hkv, Nk, D] contiguous, K's dtype
+  float* lse_centered = nullptr;  // out: [B, Hq, Nq]
+  float scale = 1.0f;             // the softmax scale of the scores
+  int lanes_per_row = 1;          // a power of two >= D / 8: one 16-byte vector per lane
+};
+
 // quantize_kv quantizes K from registers (quantize_k_block_in_registers) for the head_dims it has
 // compiled in and the attention kernels' 128-key blocks, when no Delta-S is asked for; otherwise
 // from a tile staged in shared memory.
@@ -140,5 +154,6 @@ cudaError_t launch_key_ranges_of_mask(const KeyMaskParams& p, KeyMaskDtype dtype
 cudaError_t launch_poison_invalid_items(const PoisonParams& p, InputDtype dtype, cudaStream_t stream);
 cudaError_t launch_quantize_kv(const QuantizeKVParams& p, InputDtype dtype, bool int4, cudaStream_t stream,
                                bool after_smoothing_stats = false);
+cudaError_t launch_center_keys(const CenterKeysParams& p, InputDtype dtype, cudaStream_t stream);
 
 }  // namespace sageattention2

@@ -24,6 +24,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_
   return {o.k_codes, o.k_scales, o.v_codes, o.delta_s, o.v_tile_scale};
 }
 
+std::tuple<at::Tensor, at::Tensor> center_keys_meta(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+                                                    const at::Tensor& k_mean, double /*scale*/) {
+  auto o = allocate_center_keys(q, k, lse, k_mean);
+  return {o.k_centered, o.lse_centered};
+}
+
 std::tuple<at::Tensor, at::Tensor> attention_mma_meta(const at::Tensor& q, const std::optional<at::Tensor>& q_mean,
                                                       const at::Tensor& k_codes, const at::Tensor& k_scale,
                                                       const std::optional<at::Tensor>& delta_s, const at::Tensor& v,
@@ -102,6 +108,8 @@ TORCH_LIBRARY(sageattention2, m) {
       "quantize_kv(Tensor k, Tensor? v, Tensor? k_mean, Tensor? v_mean, Tensor? v_scale, "
       "Tensor? q_mean, int block_k, str qk_dtype, float delta_s_multiplier) "
       "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s, Tensor v_tile_scale)");
+  m.def("center_keys(Tensor q, Tensor k, Tensor lse, Tensor k_mean, float scale) -> (Tensor k_centered, "
+        "Tensor lse_centered)");
   m.def(
       "attention_mma(Tensor q, Tensor? q_mean, Tensor k_codes, Tensor k_scale, Tensor? delta_s, Tensor v, "
       "Tensor? v_scale, Tensor? v_mean, Tensor? k_mean, str qk_dtype, int kv_len, float sm_scale, bool is_causal, "
@@ -132,6 +140,7 @@ TORCH_LIBRARY(sageattention2, m) {
 TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("smoothing_stats", &sageattention2::smoothing_stats_cuda);
   m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
+  m.impl("center_keys", &sageattention2::center_keys_cuda);
   m.impl("attention_mma", &sageattention2::attention_mma_cuda);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
   m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_cuda);
@@ -143,6 +152,7 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
 TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("smoothing_stats", &sageattention2::smoothing_stats_meta);
   m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
+  m.impl("center_keys", &sageattention2::center_keys_meta);
   m.impl("attention_mma", &sageattention2::attention_mma_meta);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);
   m.impl("sageattn_wgmma", &sageattention2::sageattn_wgmma_meta);

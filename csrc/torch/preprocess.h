@@ -36,6 +36,13 @@ QuantizeKVOutputs allocate_quantize_kv(const at::Tensor& k, const std::optional<
                                        const std::optional<at::Tensor>& q_mean, int64_t block_k,
                                        const std::string& qk_dtype);
 
+// --- center_keys (the backward's inputs for PyTorch's kernels, _backward) ---
+struct CenterKeysOutputs {
+  at::Tensor k_centered, lse_centered;
+};
+CenterKeysOutputs allocate_center_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+                                       const at::Tensor& k_mean);
+
 // Checks that only a real (non-meta) CUDA launch needs: device and 16-byte alignment of every
 // row, since the kernels move 16-byte vectors.
 void check_launchable(const at::Tensor& t, const char* name);
@@ -51,6 +58,8 @@ const uint8_t* int8_heads_pointer(const at::Tensor& int8_heads, int64_t batch, i
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> smoothing_stats_cuda(
     const std::optional<at::Tensor>& q, const std::optional<at::Tensor>& k,
     const std::optional<at::Tensor>& v, bool smooth_v);
+std::tuple<at::Tensor, at::Tensor> center_keys_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+                                                    const at::Tensor& k_mean, double scale);
 // The key ranges of a [1 or batch, 1, rows, keys] key-padding mask (docs/DESIGN.md#key-ranges), read
 // on the GPU: int32 [batch, 3] (first key, end key, sample stride ceil(count / sample_tokens) | 1)
 // and int32 [batch, 1 + chunks] valid (the item's mask is a key-padding mask with a non-empty

@@ -1,6 +1,6 @@
 // CUDA implementations of the preprocessing ops: validate and allocate
 // (preprocess_shapes.cpp), fill the kernel parameters, launch on the current stream
-// (preprocess/smoothing_stats.cu, preprocess/quantize_kv.cu).
+// (preprocess/smoothing_stats.cu, preprocess/quantize_kv.cu, preprocess/center_keys.cu).
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -283,6 +283,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_kv_packed_cu
   p.item_padded_tokens = item_padded;
   C10_CUDA_CHECK(launch_quantize_kv(p, input_dtype(k), false, at::cuda::getCurrentCUDAStream(), after_smoothing_stats));
   return {out.k_codes, out.k_scales, out.v_codes, out.v_tile_scale};
+}
+
+std::tuple<at::Tensor, at::Tensor> center_keys_cuda(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+                                                    const at::Tensor& k_mean, double scale) {
+  CenterKeysOutputs out = allocate_center_keys(q, k, lse, k_mean);
+  check_launchable(q, "q");
+  check_launchable(k, "k");
+  const c10::cuda::CUDAGuard guard(q.device());
+  CenterKeysParams p;
+  p.k = make_view(k);
+  p.q = make_view(q);
+  p.k_mean = k_mean.data_ptr<float>();
+  p.lse = lse.data_ptr<float>();
+  p.k_centered = out.k_centered.data_ptr();
+  p.lse_centered = out.lse_centered.data_ptr<float>();
+  p.scale = static_cast<float>(scale);
+  while (p.lanes_per_row * kElemsPerVector < p.k.head_dim) p.lanes_per_row *= 2;
+  C10_CUDA_CHECK(launch_center_keys(p, input_dtype(q), at::cuda::getCurrentCUDAStream()));
+  return {out.k_centered, out.lse_centered};
 }
 
 }  // namespace sageattention2

@@ -157,4 +157,22 @@ QuantizeKVOutputs allocate_quantize_kv(const at::Tensor& k, const std::optional<
   return out;
 }
 
+CenterKeysOutputs allocate_center_keys(const at::Tensor& q, const at::Tensor& k, const at::Tensor& lse,
+                                       const at::Tensor& k_mean) {
+  check_bhnd(q, "q");
+  check_bhnd(k, "k");
+  check_same(k, "k", q, "q");
+  TORCH_CHECK(k.sym_size(0) == q.sym_size(0) && k.sym_size(3) == q.sym_size(3), "center_keys: k must be [",
+              q.sym_size(0), ", H_kv, N_k, ", q.sym_size(3), "] (q's batch and head_dim), got ", k.sym_sizes());
+  TORCH_CHECK(q.sym_size(1) % k.sym_size(1) == 0, "center_keys: k's heads (", k.sym_size(1), ") must divide q's (",
+              q.sym_size(1), ")");
+  TORCH_CHECK(lse.device() == q.device() && lse.scalar_type() == at::kFloat && lse.is_contiguous() &&
+                  lse.dim() == 3 && lse.sym_size(0) == q.sym_size(0) && lse.sym_size(1) == q.sym_size(1) &&
+                  lse.sym_size(2) == q.sym_size(2),
+              "center_keys: lse must be a contiguous float32 [", q.sym_size(0), ", ", q.sym_size(1), ", ",
+              q.sym_size(2), "] on q's device, got ", lse.sym_sizes(), " ", lse.scalar_type());
+  check_channel_vector(k_mean, "k_mean", k.sym_size(0), k.sym_size(1), k.sym_size(3).guard_int(__FILE__, __LINE__), q);
+  return {at::empty_symint(k.sym_sizes(), k.options()), at::empty_symint(lse.sym_sizes(), lse.options())};
+}
+
 }  // namespace sageattention2
