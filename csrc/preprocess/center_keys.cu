@@ -3,7 +3,7 @@
 // score row, so the backward runs on K - mean with each row's LSE lowered by scale q . mean: the
 // same P and dS, while dQ = scale dS (K - mean) keeps the forward's rowsum(dS) != 0 (its O and
 // LSE are quantized) away from K's channel offsets (docs/DECISIONS.md#d51). In PyTorch these were
-// a broadcast subtraction, a float32 copy of Q and a GEMV: 2.1 ms of a 16K training step (B4
+// a broadcast subtraction, a float32 copy of Q and a GEMV: 1.9 ms of a 16K training step (B4
 // H32 hd128, H200, session 45); here one read of K and Q and one write of K.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
