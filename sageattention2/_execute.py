@@ -230,8 +230,7 @@ def _kernel_view(t: Tensor) -> Tensor:
     """``t`` if the preprocessing and attention ops can read it in place (last dimension
     contiguous, the other strides multiples of 8 elements, 16-byte aligned), else a contiguous
     copy (an unusual input layout costs one copy, not the quantized path)."""
-    if (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
-            and t.data_ptr() % 16 == 0):
+    if ops.readable_in_place(t):
         return t
     return t.clone(memory_format=torch.contiguous_format)
 

@@ -126,6 +126,7 @@ __all__ = [
     "kernel_family",
     "kernels_for_capability",
     "quantize_kv",
+    "readable_in_place",
     "sageattn_mma",
     "sageattn_mma_varlen",
     "sageattn_wgmma",
@@ -593,15 +594,21 @@ def _spread_of_ranges(ranges: Tensor) -> Tensor:
     return ranges.amax(-1).mul(ranges.gt(0).sum(-1)).div(ranges.sum(-1))
 
 
+def readable_in_place(t: Tensor) -> bool:
+    """Whether the ops read ``t`` as it is: last dimension contiguous, the other strides multiples
+    of 8 elements, 16-byte aligned (they move 16-byte vectors)."""
+    return (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+            and t.data_ptr() % 16 == 0)
+
+
 def head_channel_spread(x: Tensor) -> Tensor:
     """:func:`channel_spread` of ``x`` ``[B, H, N, D]`` about its own mean over all tokens, from
     one smoothing_stats pass where the op reads x in place (its V statistics: each channel's
     mean and max |x - mean| / 448, one read of x; aminmax and a mean read it twice, 0.33 ms
     against ~0.14 for a 16K-token B4 H32 hd128 tensor on the H200), else from those two."""
-    readable = (x.stride(-1) == 1 and all(s % 8 == 0 for s in x.stride()[:-1])
-                and x.data_ptr() % 16 == 0)
     if (x.is_cuda and x.dtype in (torch.float16, torch.bfloat16) and x.shape[-1] % 8 == 0
-            and x.shape[-1] <= 256 and x.shape[2] > 0 and readable and has_op("smoothing_stats")):
+            and x.shape[-1] <= 256 and x.shape[2] > 0 and readable_in_place(x)
+            and has_op("smoothing_stats")):
         return _spread_of_ranges(smoothing_stats(None, None, x, True).v_scale)
     return channel_spread(x, x.mean(dim=2, dtype=torch.float32))
 
