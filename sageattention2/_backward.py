@@ -31,7 +31,7 @@ from ._execute import kernel_input
 from .reference import _expand_kv_heads
 
 __all__ = ["GUARD_ENVIRONMENT", "TRAINING_ENVIRONMENT", "attention_backward", "guard",
-           "guard_verdict", "refusal", "training_guard", "training_mode"]
+           "guard_verdict", "refusal", "reset_guard", "training_guard", "training_mode"]
 
 # Opt-in until the quantized forward's gradients meet the exact bar on every input family
 # (session 41: met on bias0 and bias4 with PV in 16 bits; outliers 0.90 / 0.94 / 0.95, D51,
@@ -89,25 +89,90 @@ def training_guard() -> float:
 # The guard's verdict per call object, so that the fallback's reason reads it back
 # (guard_verdict) instead of measuring again.
 _VERDICTS: "weakref.WeakKeyDictionary[AttentionCall, str | None]" = weakref.WeakKeyDictionary()
+# Measurements a kind of call may leave unread before the oldest is waited for.
+_MAX_PENDING = 64
+
+
+class _Spread:
+    """The largest channel spread of q's and k's heads (ops.head_channel_spread), on its way to
+    the host: on a GPU copied into pinned memory behind an event, so that it is read without
+    waiting for the work queued after it; on the CPU, at once."""
+
+    def __init__(self, q: Tensor, k: Tensor) -> None:
+        with torch.no_grad():
+            spread = torch.stack([ops.head_channel_spread(x).amax() for x in (q, k)]).amax()
+        self._event = None
+        if spread.is_cuda:
+            self._host = torch.empty((), dtype=torch.float32, pin_memory=True)
+            self._host.copy_(spread, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+        else:
+            self._host = spread
+
+    def ready(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def value(self) -> float:
+        if self._event is not None:
+            self._event.synchronize()
+        return float(self._host)
+
+
+class _GuardKind:
+    """What the guard knows of one kind of call: the largest spread read so far, and the
+    measurements not read yet."""
+
+    def __init__(self) -> None:
+        self.spread: float | None = None
+        self.pending: list[_Spread] = []
+
+    def read(self, wait_for: int = 0) -> None:
+        """Fold in the measurements whose copies have landed (and the oldest ``wait_for``)."""
+        unread = []
+        for i, measured in enumerate(self.pending):
+            if i < wait_for or measured.ready():
+                self.spread = max(self.spread or 0.0, measured.value())
+            else:
+                unread.append(measured)
+        self.pending = unread
+
+
+# Per kind of call (q's and k's heads, head_dim, dtype, device: a model's layers of one shape
+# share one, and so do a varlen call's sequences), for the process (reset_guard forgets).
+_KINDS: dict[tuple[object, ...], _GuardKind] = {}
+
+
+def reset_guard() -> None:
+    """Forget what the training guard has measured (every kind is measured anew)."""
+    _KINDS.clear()
+    _VERDICTS.clear()
 
 
 def guard(call: AttentionCall) -> str | None:
     """Why the quantized forward's gradients would not hold for ``call`` (D52): its q or k has a
     head whose channel spread is above :func:`training_guard`; None where they hold (or the
     guard is off). The statistic is one pass over q and one over k (ops.head_channel_spread: no
-    float32 copies) and one number read on the host, a synchronization, so it is
-    asked only of calls the quantized kernel would run, and not while a CUDA graph is being
-    captured (nor under torch.compile: ``_compile.training_call``)."""
+    float32 copies). Reading it on the host would make every training call wait for the GPU
+    (4.9 % of Flux's training step, 1.3 % of Wan's: session 45), so only the first call of a
+    kind of call waits for its own; each later one is decided by the largest spread read so far
+    for its kind and measured on the GPU, read by a later call once its copy has landed (a
+    step later at most, in practice): a kind stays exact from the first measurement above the
+    threshold on, for all its calls. Asked only of calls the quantized kernel would run, not
+    while a CUDA graph is being captured (nor under torch.compile: ``_compile.training_call``)."""
     threshold = training_guard()
     if threshold == 0.0 or (call.q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return None
     if call in _VERDICTS:
         return _VERDICTS[call]
-    with torch.no_grad():
-        spread = float(torch.stack([ops.head_channel_spread(x).amax()
-                                    for x in (call.q, call.k)]).amax())
+    kind = _KINDS.setdefault((call.q.shape[1], call.k.shape[1], call.head_dim, call.q.dtype,
+                              call.q.device), _GuardKind())
+    kind.read(wait_for=len(kind.pending) - _MAX_PENDING)
+    if kind.spread is None or kind.spread <= threshold:
+        kind.pending.append(_Spread(call.q, call.k))
+        kind.read(wait_for=1 if kind.spread is None else 0)  # (the first of a kind waits)
     verdict = None
-    if spread > threshold:  # (the text without the spread itself: one warning, not one per step)
+    if kind.spread > threshold:  # (the text without the spread: one warning, not one per step)
         verdict = (f"q or k with a channel spread above the training guard's {threshold:g} "
                    f"(INT8 QK's gradients fall below CosSim 0.999 from about 4: "
                    f"docs/DECISIONS.md#d52; {GUARD_ENVIRONMENT} sets the threshold, or 'off')")

@@ -145,18 +145,21 @@ def _fresh_fallback_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     always runs the quantized kernel, which is what the tests of the kernels test (the tests of
     the crossover, tests/test_crossover.py, give it their own tables); and with the INT4 guard
     off, so that qk_quant="int4" runs INT4 on every head, as the emulation does (the tests of the
-    guard turn it on)."""
-    from sageattention2 import _crossover, _execute
+    guard turn it on); and with nothing measured by the training guard (it remembers each kind
+    of call's spread)."""
+    from sageattention2 import _backward, _crossover, _execute
 
     monkeypatch.setenv(_crossover.ENVIRONMENT, "off")
     monkeypatch.setenv(_execute.INT4_GUARD_ENVIRONMENT, "off")
     _execute._warned_reasons.clear()
     _execute.clear_call_cache()
     _crossover.clear_cache()
+    _backward.reset_guard()
     yield
     _execute._warned_reasons.clear()
     _execute.clear_call_cache()
     _crossover.clear_cache()
+    _backward.reset_guard()
 
 
 # ------------------------------------------------------------------------------------------------

@@ -206,10 +206,11 @@ def guard_call(family: str, dtype: torch.dtype = torch.float32) -> Any:
 
 
 def test_training_guard(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The training guard (D52): a call the kernel would run is measured once (two reductions
-    and one number read on the host); with outliers' wide channels it runs exact SDPA, and the
-    fallback's reason (explain, the warning) names the spread; bias0 and bias4 keep the kernel;
-    the threshold is the environment's, "off" turns it off, and a bad value is refused by name."""
+    """The training guard (D52): a call the kernel would run is measured once (a statistics pass
+    over q and one over k; on the CPU read at once); with outliers' wide channels it runs exact
+    SDPA, and the fallback's reason (explain, the warning) names the spread; bias0 and bias4 keep
+    the kernel; a kind of call stays exact once tripped, without measuring again; the threshold
+    is the environment's, "off" turns it off, and a bad value is refused by name."""
     from sageattention2._plan import CALL_RULES
 
     monkeypatch.setenv("SAGEATTN_TRAINING", "quantized")
@@ -223,19 +224,21 @@ def test_training_guard(monkeypatch: pytest.MonkeyPatch) -> None:
         assert _compile.training_call(call) is not None and _backward.guard_verdict(call) is None
     outliers = guard_call("outliers")
     assert _compile.training_call(outliers) is None
-    wide_q = guard_call("bias0")
-    with torch.no_grad():
-        wide_q.q[..., :3] *= 12  # q's channels alone
-    assert _compile.training_call(wide_q) is None and _backward.guard_verdict(wide_q)
     verdict = _backward.guard_verdict(outliers)
     assert verdict is not None and verdict.startswith(
         "q or k with a channel spread above the training guard's 3.5 (")
     assert real_spread(outliers.q).amax() > 5.0
-    assert len(measured) == 8  # q and k of each call, once: the verdict is kept
-    assert _backward.guard(outliers) == verdict and len(measured) == 8
+    assert len(measured) == 6  # q and k of each call, once: the verdict is kept
+    assert _backward.guard(outliers) == verdict and len(measured) == 6
     assert _backward.guard_verdict(guard_call("outliers")) is None  # another call: not asked
+    assert _compile.training_call(guard_call("bias0")) is None and len(measured) == 6  # tripped
     (grad_rule,) = [rule for rule in CALL_RULES if "training guard" in rule.when]
     assert verdict in grad_rule.message(outliers)
+    _backward.reset_guard()
+    wide_q = guard_call("bias0")
+    with torch.no_grad():
+        wide_q.q[..., :3] *= 12  # q's channels alone
+    assert _compile.training_call(wide_q) is None and _backward.guard_verdict(wide_q)
     monkeypatch.setenv("SAGEATTN_TRAINING_GUARD", "20")
     assert _compile.training_call(guard_call("outliers")) is not None
     monkeypatch.setenv("SAGEATTN_TRAINING_GUARD", "off")
@@ -244,6 +247,50 @@ def test_training_guard(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SAGEATTN_TRAINING_GUARD", "0.5")
     with pytest.raises(ValueError, match="SAGEATTN_TRAINING_GUARD must be 'off' or a number >= 1"):
         _compile.training_call(guard_call("bias0"))
+
+
+class InFlightSpread:
+    """A stand-in for _backward._Spread on a GPU: its copy lands when the test says so."""
+
+    landed = False
+    waited: list[float] = []
+
+    def __init__(self, q: torch.Tensor, k: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.spread = float(torch.stack([ops.head_channel_spread(x).amax() for x in (q, k)]).amax())
+
+    def ready(self) -> bool:
+        return InFlightSpread.landed
+
+    def value(self) -> float:
+        if not InFlightSpread.landed:
+            InFlightSpread.waited.append(self.spread)
+        return self.spread
+
+
+def test_training_guard_waits_only_for_a_kinds_first_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a GPU the guard reads a call's statistic without waiting for the queue (D52, session
+    45): the first call of a kind waits for its own; later ones are decided by what has landed,
+    so an outliers call after bias0 runs the kernel until its measurement lands, and from then
+    on the kind runs exact SDPA; more than _MAX_PENDING unread measurements wait for the oldest."""
+    monkeypatch.setenv("SAGEATTN_TRAINING", "quantized")
+    monkeypatch.delenv("SAGEATTN_TRAINING_GUARD", raising=False)
+    monkeypatch.setattr(_compile, "decide", lambda call: SimpleNamespace(quantized=True))  # GPU's
+    monkeypatch.setattr(_backward, "_Spread", InFlightSpread)
+    monkeypatch.setattr(InFlightSpread, "landed", False)
+    monkeypatch.setattr(InFlightSpread, "waited", [])
+    assert _compile.training_call(guard_call("bias0")) is not None
+    assert len(InFlightSpread.waited) == 1  # the kind's first call waited for its own
+    assert _compile.training_call(guard_call("outliers")) is not None  # in flight: not waited for
+    assert len(InFlightSpread.waited) == 1
+    monkeypatch.setattr(InFlightSpread, "landed", True)
+    late = guard_call("bias0")
+    assert _compile.training_call(late) is None and _backward.guard_verdict(late)  # the kind tripped
+    _backward.reset_guard()
+    monkeypatch.setattr(InFlightSpread, "landed", False)
+    for _ in range(1 + _backward._MAX_PENDING + 2):  # the first, a full queue, two more
+        assert _compile.training_call(guard_call("bias0")) is not None
+    assert len(InFlightSpread.waited) == 1 + 1 + 1  # the first call, then the oldest beyond the cap
 
 
 @pytest.mark.parametrize("kind", ["bool", "float"])
