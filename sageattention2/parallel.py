@@ -6,7 +6,11 @@ yunchang's USP give the attention):
 
 - **Ulysses** (``ulysses_group``): an all-to-all turns each rank's token shard of all heads into
   all tokens of ``1/P`` of the heads; :func:`sageattn` runs there, exactly as on one GPU (so the
-  output is the one-GPU output bit for bit); an all-to-all brings the output back.
+  output is the one-GPU output bit for bit); an all-to-all brings the output back. Where the
+  group's GPUs share one host (CUDA, NCCL), the all-to-all is each rank copying its shard
+  straight into the other ranks' memory (PyTorch's symmetric memory: every rank maps the
+  others' buffers), between two barriers: the permuting copy and the transfer are one copy, and
+  the received tokens need no second one (``SAGEATTN_PEER_MEMORY=0`` keeps NCCL's all-to-all).
 - **Ring** (``ring_group``): every rank's K and V shard goes to every rank of the group in one
   all-gather, started before the kernel runs on the local shard, so that the bytes travel while
   the kernel runs; each rank attends its queries to every shard, and the partial outputs are
@@ -27,8 +31,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import math
+import os
+import secrets
+import socket
+import struct
+import sys
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -41,6 +50,7 @@ from .api import sageattn
 __all__ = ["EXCHANGES", "context_parallel_attention", "last_ring_bytes"]
 
 EXCHANGES = ("auto", "quantized", "input")
+PEER_MEMORY_ENVIRONMENT = "SAGEATTN_PEER_MEMORY"  # "0": Ulysses through NCCL's all-to-all only
 _OPTION_NAMES = ("qk_quant", "pv_quant", "smooth_k", "smooth_q", "smooth_v", "strict")
 _ALIGN = 256  # every part of an exchanged buffer starts 256-byte aligned (the kernels read 16 B)
 _last_ring_bytes = 0
@@ -52,7 +62,8 @@ _last_ring_bytes = 0
 
 _MESSAGE_BYTES = 512
 _FIELDS = ("batch", "query tokens", "key tokens", "query heads", "key heads", "head_dim",
-           "value head_dim", "dtype", "is_causal", "mask", "options", "tensor_layout", "exchange")
+           "value head_dim", "dtype", "is_causal", "mask", "options", "tensor_layout", "exchange",
+           PEER_MEMORY_ENVIRONMENT)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _host_groups: dict[str, Any] = {}
 
@@ -79,16 +90,121 @@ class CallRecord(NamedTuple):
         return CallRecord(fields, error_rank, message)
 
 
+def _group_name(group: Any) -> str:
+    return dist._get_process_group_name(group) if hasattr(dist, "_get_process_group_name") else str(id(group))
+
+
 def _host_group(group: Any) -> Any:
     """A gloo group of ``group``'s ranks (``group`` itself where it is gloo): the records travel
     on the host, so agreeing costs no GPU synchronisation."""
     if dist.get_backend(group) == "gloo":
         return group
-    name = dist._get_process_group_name(group) if hasattr(dist, "_get_process_group_name") else str(id(group))
+    name = _group_name(group)
     if name not in _host_groups:
         _host_groups[name] = dist.new_group(dist.get_process_group_ranks(group), backend="gloo",
                                             use_local_synchronization=True)
     return _host_groups[name]
+
+
+class _HostMesh:
+    """A group's ranks on one host, every pair joined by a UNIX stream socket (Linux's abstract
+    names: no file to remove). An all-reduce of the agreement's 29 integers through it takes
+    about 10 us; gloo's took 0.3-0.9 ms, and the first attention call of a forward waited on it
+    with the GPU idle (session 46's profile of Wan on 2 GPUs: 1.4 ms a forward)."""
+
+    def __init__(self, sockets: dict[int, socket.socket]) -> None:
+        self.sockets = sockets  # by the peer's rank in the group
+
+    def max(self, values: list[int]) -> list[int]:
+        message = struct.pack(f"<{len(values)}q", *values)
+        for peer in self.sockets.values():
+            peer.sendall(message)  # (232 bytes: every send fits the socket's buffer; none waits)
+        result = list(values)
+        for peer in self.sockets.values():
+            theirs = struct.unpack(f"<{len(values)}q", _receive(peer, len(message)))
+            result = [max(a, b) for a, b in zip(result, theirs)]
+        return result
+
+
+_MESH_TIMEOUT_S = 1800.0  # a peer that never answers: an error after gloo's default timeout
+_host_meshes: dict[str, _HostMesh | None] = {}
+
+
+def _receive(peer: socket.socket, nbytes: int) -> bytes:
+    chunks, left = [], nbytes
+    while left:
+        try:
+            chunk = peer.recv(left)
+        except socket.timeout:
+            raise RuntimeError("context_parallel_attention: a rank of the group did not answer the "
+                               f"agreement in {_MESH_TIMEOUT_S:.0f} s") from None
+        if not chunk:
+            raise RuntimeError("context_parallel_attention: a rank of the group left (its socket closed)")
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+def _host_mesh(group: Any) -> _HostMesh | None:
+    """The group's :class:`_HostMesh`, made at its first use (a collective step), or None where
+    its ranks are not all on this host or the sockets cannot be made (gloo then carries the
+    agreement)."""
+    name = _group_name(group)
+    if name not in _host_meshes:
+        _host_meshes[name] = _connect_host_mesh(group)
+    return _host_meshes[name]
+
+
+def _connect_host_mesh(group: Any) -> _HostMesh | None:
+    host, size, me = _host_group(group), dist.get_world_size(group), dist.get_rank(group)
+    listener, address = None, None
+    if sys.platform.startswith("linux"):
+        try:
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            address = f"\0sageattention2-{os.getpid()}-{secrets.token_hex(8)}"
+            listener.bind(address)
+            listener.listen(size)
+            listener.settimeout(60.0)
+        except OSError:
+            listener, address = None, None
+    entries: list[Any] = [None] * size
+    dist.all_gather_object(entries, (socket.gethostname(), address), group=host)
+    sockets: dict[int, socket.socket] = {}
+    connected = listener is not None and all(e[1] and e[0] == entries[0][0] for e in entries)
+    try:
+        for peer in range(me + 1, size) if connected else ():  # the lower rank connects
+            joined = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            sockets[peer] = joined
+            joined.connect(entries[peer][1])
+            joined.sendall(struct.pack("<q", me))
+    except OSError:
+        connected = False
+    flags = torch.tensor([-int(connected)], dtype=torch.int64)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=host)  # every rank, the same answer
+    if flags.item() == -1:
+        for _ in range(me):
+            joined, _ = listener.accept()  # type: ignore[union-attr]
+            joined.settimeout(_MESH_TIMEOUT_S)
+            sockets[struct.unpack("<q", _receive(joined, 8))[0]] = joined
+        for joined in sockets.values():
+            joined.settimeout(_MESH_TIMEOUT_S)
+    if listener is not None:
+        listener.close()
+    if flags.item() != -1:
+        for joined in sockets.values():
+            joined.close()
+        return None
+    return _HostMesh(sockets)
+
+
+def _host_max(values: list[int], group: Any) -> list[int]:
+    """The element-wise maximum of ``values`` over the ranks of ``group``, on the host."""
+    mesh = _host_mesh(group)
+    if mesh is not None:
+        return mesh.max(values)
+    mine = torch.tensor(values, dtype=torch.int64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=_host_group(group))
+    return mine.tolist()
 
 
 def _exchange_records(record: CallRecord, group: Any) -> list[CallRecord]:
@@ -101,15 +217,12 @@ def _exchange_records(record: CallRecord, group: Any) -> list[CallRecord]:
 
 def _all_agree(record: CallRecord, group: Any) -> bool:
     """Whether every rank of ``group`` found no error and has ``record``'s fields: one all-reduce
-    (max) of 27 integers, ``[error?, fields, -fields]``, on the host. Every rank gets the same
-    answer, so every rank takes the same path after it; the full records (error messages,
-    which fields differ) travel only when the answer is no. Session 39 measured the full
-    exchange on every call at 1.5 ms per Wan forward on 4 GPUs."""
+    (max) of 29 integers, ``[error?, fields, -fields]``, on the host (:func:`_host_max`). Every
+    rank gets the same answer, so every rank takes the same path after it; the full records
+    (error messages, which fields differ) travel only when the answer is no. Session 39
+    measured the full exchange on every call at 1.5 ms per Wan forward on 4 GPUs."""
     fields = (*record.fields, *(0,) * (len(_FIELDS) - len(record.fields)))
-    mine = torch.tensor([int(record.error_rank >= 0), *fields, *(-f for f in fields)],
-                        dtype=torch.int64)
-    dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=_host_group(group))
-    seen = mine.tolist()
+    seen = _host_max([int(record.error_rank >= 0), *fields, *(-f for f in fields)], group)
     n = len(_FIELDS)
     return seen[0] == 0 and all(seen[1 + i] == -seen[1 + n + i] for i in range(n))
 
@@ -172,7 +285,8 @@ class ParallelCall:
         options = _options_digest(repr(sorted(self.options.items())))
         return (b, n_q, self.k.shape[1], h_q, self.k.shape[2], d, self.v.shape[-1],
                 _DTYPES.index(self.q.dtype), int(self.is_causal), mask, options,
-                ("HND", "NHD").index(self.tensor_layout), EXCHANGES.index(self.exchange))
+                ("HND", "NHD").index(self.tensor_layout), EXCHANGES.index(self.exchange),
+                int(self.ulysses is not None and _peer_memory_allowed()))
 
 
 @functools.lru_cache(maxsize=64)
@@ -278,10 +392,14 @@ def _tokens_of_heads(received: Tensor) -> Tensor:
     return received.transpose(0, 1).reshape(b, p * s, hp, d)
 
 
-def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any) -> tuple[Tensor, Tensor, Tensor]:
+def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any,
+                     memory: _PeerMemory | None) -> tuple[Tensor, Tensor, Tensor]:
     """q, k and v ``[B, S, H, D]`` (this rank's tokens, all heads) -> ``[B, P * S, H / P, D]``
-    (all tokens, this rank's heads). All three are started before any is waited on: the
-    permuting copy of k and v runs while q's bytes travel."""
+    (all tokens, this rank's heads), through the peers' memory where there is one. Otherwise
+    all three all-to-alls are started before any is waited on: the permuting copy of k and v
+    runs while q's bytes travel."""
+    if memory is not None:
+        return _tokens_to_heads_in_peers(q, k, v, memory)
     sent = [_send_tokens_to_heads(t, group) for t in (q, k, v)]
     for _, work in sent:
         work.wait()
@@ -289,9 +407,11 @@ def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any) -> tuple[Tenso
     return q, k, v
 
 
-def _heads_to_tokens(x: Tensor, group: Any) -> Tensor:
+def _heads_to_tokens(x: Tensor, group: Any, memory: _PeerMemory | None) -> Tensor:
     """``[B, P * S, H / P, D]`` (all tokens, this rank's heads) -> ``[B, S, H, D]`` (this rank's
-    tokens, all heads): the inverse of :func:`_send_tokens_to_heads` and :func:`_tokens_of_heads`."""
+    tokens, all heads): the inverse of :func:`_tokens_to_heads`."""
+    if memory is not None:
+        return _heads_to_tokens_in_peers(x, memory)
     p = dist.get_world_size(group)
     b, ps, hp, d = x.shape
     send = x.reshape(b, p, ps // p, hp, d).transpose(0, 1).contiguous()
@@ -315,6 +435,123 @@ def _all_keys_mask(mask: Tensor | None, local_keys: int, group: Any) -> Tensor |
     parts = [torch.empty_like(mask) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, mask.contiguous(), group=group)
     return torch.cat(parts, dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ulysses through the peers' memory (one host): each rank writes its shard into the others'
+# ------------------------------------------------------------------------------------------------
+
+_GRANULE = 2 << 20  # peer buffers grow in 2 MiB steps (the driver maps whole pages anyway)
+
+
+class _PeerMemory(NamedTuple):
+    """A buffer of the same size on every rank of a group, each rank's mapped into every other
+    rank's address space (``torch.distributed._symmetric_memory``: CUDA IPC over NVLink), and a
+    barrier on the current stream across the group's ranks."""
+
+    rank: int                       # this rank's index in the group
+    buffers: list[Tensor]           # uint8, one per rank of the group ([rank]: this rank's own)
+    barrier: Callable[[], None]
+    keep: Any = None                # what keeps the mappings alive (the allocation and its handle)
+
+    def view(self, owner: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+        nbytes = math.prod(shape) * dtype.itemsize
+        return self.buffers[owner][offset:offset + nbytes].view(dtype).view(shape)
+
+
+_peer_memories: dict[tuple[str, int], _PeerMemory | None] = {}
+
+
+def _peer_memory_allowed() -> bool:
+    return os.environ.get(PEER_MEMORY_ENVIRONMENT, "1") != "0"
+
+
+def _peer_memory(group: Any, nbytes: int, device: torch.device) -> _PeerMemory | None:
+    """The group's peer buffers, at least ``nbytes`` each, or None where NCCL's all-to-all
+    carries Ulysses (not CUDA, not NCCL, ``SAGEATTN_PEER_MEMORY=0``, ranks on several hosts, or
+    no symmetric memory here). Every rank reaches the same answer: the record agreed on the
+    environment variable, and a first allocation is agreed on by one host all-reduce before the
+    collective rendezvous."""
+    if device.type != "cuda" or not _peer_memory_allowed() or dist.get_backend(group) != "nccl":
+        return None
+    key = (_group_name(group), device.index)
+    memory = _peer_memories.get(key, False)
+    if memory is None:
+        return None
+    if memory is not False and memory.buffers[memory.rank].numel() >= nbytes:
+        return memory
+    _peer_memories[key] = None  # (the old buffer is released before a larger one is mapped)
+    _peer_memories[key] = _map_peer_memory(group, -(-nbytes // _GRANULE) * _GRANULE, device)
+    return _peer_memories[key]
+
+
+def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> _PeerMemory | None:
+    try:
+        from torch.distributed import _symmetric_memory as symmetric
+
+        local: Tensor | None = symmetric.empty(nbytes, dtype=torch.uint8, device=device)
+    except Exception:  # noqa: BLE001 (no symmetric memory in this build or on this device)
+        local = None
+    host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+    seen = _host_max([-int(local is not None), host, -host], group)
+    if seen[0] != -1 or seen[1] != -seen[2]:  # a rank without it, or ranks on several hosts
+        return None
+    handle = symmetric.rendezvous(local, group)
+    buffers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(dist.get_world_size(group))]
+    return _PeerMemory(dist.get_rank(group), buffers, lambda: handle.barrier(channel=0),
+                       (local, handle))
+
+
+def _tokens_to_heads_layout(q: Tensor, k: Tensor, v: Tensor,
+                            p: int) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
+    """Where q, k and v land in every rank's buffer, ``[B, P * S, H / P, D]`` each (offset,
+    shape), and the bytes the buffer needs: those, or the output ``[B, S, H, Dv]`` (which lands
+    at offset 0 once the kernel has read q), whichever is more."""
+    parts, total = [], 0
+    for t in (q, k, v):
+        b, s, h, d = t.shape
+        parts.append((total, (b, p * s, h // p, d)))
+        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+    out = q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] * q.element_size()
+    return parts, max(total, out)
+
+
+def _tokens_to_heads_in_peers(q: Tensor, k: Tensor, v: Tensor,
+                              memory: _PeerMemory) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_tokens_to_heads` through the peers' memory: this rank copies heads
+    ``[r H / P, (r + 1) H / P)`` of its tokens into rank r's buffer, at its own token rows. The
+    first barrier: every rank's kernel has finished reading what the last call left there; the
+    second: every rank's rows have arrived."""
+    p, me = len(memory.buffers), memory.rank
+    parts, _ = _tokens_to_heads_layout(q, k, v, p)
+    memory.barrier()
+    for x, (offset, shape) in zip((q, k, v), parts):
+        b, s, h, _ = x.shape
+        words = _as_words(x).unflatten(2, (p, h // p))  # [B, S, P, H / P, words]
+        for step in range(p):  # (each rank starts with a different peer)
+            owner = (me + step) % p
+            rows = memory.view(owner, offset, shape, x.dtype).view(words.dtype)
+            rows[:, me * s:(me + 1) * s].copy_(words[:, :, owner])
+    memory.barrier()
+    return tuple(memory.view(me, offset, shape, x.dtype)  # type: ignore[return-value]
+                 for x, (offset, shape) in zip((q, k, v), parts))
+
+
+def _heads_to_tokens_in_peers(x: Tensor, memory: _PeerMemory) -> Tensor:
+    """:func:`_heads_to_tokens` through the peers' memory, into offset 0 of every buffer (q's
+    part, which every rank's kernel has read once the first barrier is passed)."""
+    p, me = len(memory.buffers), memory.rank
+    b, ps, hp, d = x.shape
+    s = ps // p
+    shape = (b, s, p * hp, d)
+    words = _as_words(x)
+    memory.barrier()
+    for step in range(p):
+        owner = (me + step) % p
+        heads = memory.view(owner, 0, shape, x.dtype).view(words.dtype)
+        heads[:, :, me * hp:(me + 1) * hp].copy_(words[:, owner * s:(owner + 1) * s])
+    memory.barrier()
+    return memory.view(me, 0, shape, x.dtype).clone()  # (the buffer is the next call's)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -566,9 +803,12 @@ def context_parallel_attention(
         return sageattn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                         tensor_layout=tensor_layout, return_lse=return_lse, **options)
     q, k, v, mask = call.q, call.k, call.v, call.attn_mask
+    memory = None
     if call.ulysses is not None:
         mask = _all_keys_mask(mask, k.shape[1], call.ulysses)
-        q, k, v = _tokens_to_heads(q, k, v, call.ulysses)
+        _, nbytes = _tokens_to_heads_layout(q, k, v, _degree(call.ulysses))
+        memory = _peer_memory(call.ulysses, nbytes, q.device)
+        q, k, v = _tokens_to_heads(q, k, v, call.ulysses, memory)
     if call.ring is not None:
         out, lse = _ring(call, q, k, v, mask, call.ring)
     else:  # Ulysses alone: the one-GPU call on this rank's heads
@@ -576,7 +816,7 @@ def context_parallel_attention(
                           tensor_layout="NHD", return_lse=return_lse, **call.options)
         out, lse = result if return_lse else (result, None)
     if call.ulysses is not None:
-        out = _heads_to_tokens(out, call.ulysses)
+        out = _heads_to_tokens(out, call.ulysses, memory)
         if lse is not None:
             lse = _lse_heads_to_tokens(lse.contiguous(), call.ulysses)
     if tensor_layout == "HND":

@@ -769,6 +769,17 @@ def _ulysses_lse_heads_misplaced(patch: pytest.MonkeyPatch) -> None:
 
     _wrap(patch, parallel, "_lse_heads_to_tokens",
           lambda real, lse, group: real(lse, group).roll(lse.shape[1], dims=1))
+@mutant("ulysses-peers-rank-off-by-one",
+        "Ulysses through the peers' memory takes the next rank's index for its own: its rows land "
+        "in another rank's place and it reads another rank's heads",
+        "test_parallel.py::test_ulysses_through_peer_memory")
+def _ulysses_peers_rank_off_by_one(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import parallel
+
+    _wrap(patch, parallel, "_tokens_to_heads_in_peers", lambda real, q, k, v, memory: real(
+        q, k, v, memory._replace(rank=(memory.rank + 1) % len(memory.buffers))))
+
+
 @mutant("compat-drops-softmax-scale",
         "the drop-in ignores flash-attn's softmax_scale= (as the authors' function does)",
         "test_compat.py::test_keywords_are_translated", "test_compat.py::test_callers_on_the_cpu")

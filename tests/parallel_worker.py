@@ -247,6 +247,46 @@ def gpu_ulysses_bit_exact() -> None:
 
 
 @scenario
+def gpu_ulysses_through_peer_memory() -> None:
+    """On the GPUs Ulysses travels through the peers' memory (the group's buffers are mapped
+    after a call) and gives NCCL's all-to-all's output and LSE bit for bit (HND inputs, GQA,
+    batch 2, an odd shard length, value head_dim 64 under head_dim 128, poisoned memory); a rank
+    whose environment disables it while another's does not raises on every rank."""
+    from sageattention2 import parallel
+    from sageattention2.testing import poison_cuda_allocator
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = GROUPS["world"]
+    n = 1001 * world
+    (q, k, v), local = whole_and_shard(2, n, 8, 4, 128, 41, rank, world, dtype=torch.bfloat16)
+    v, local = v[..., :64], (*local[:2], local[2][..., :64])
+    local = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in local)  # HND memory
+    options = dict(return_lse=True, qk_quant="int8", enable_gqa=True)
+    results = {}
+    for allowed in ("1", "0", "1 poisoned"):
+        os.environ[parallel.PEER_MEMORY_ENVIRONMENT] = allowed[0]
+        poison_cuda_allocator(DEVICE)
+        memory = parallel._peer_memories.get((parallel._group_name(group), DEVICE.index))
+        if allowed == "1 poisoned":
+            assert memory, "the peers' memory was not mapped on 2 GPUs of one host"
+            memory.buffers[memory.rank].fill_(255)  # (NaN in bf16: every byte read must be written)
+        results[allowed] = run(args=local, ulysses_group=group, **options)
+    os.environ.pop(parallel.PEER_MEMORY_ENVIRONMENT)
+    rows = slice(rank * 1001, (rank + 1) * 1001)
+    want = whole(q, k, v, **options)
+    for allowed in ("1", "1 poisoned"):
+        for got, other in zip(results[allowed], results["0"]):
+            assert torch.equal(got, other), allowed
+        assert torch.equal(results[allowed][0], want[0][:, rows]), allowed
+        assert torch.equal(results[allowed][1], want[1][:, :, rows]), allowed
+    os.environ[parallel.PEER_MEMORY_ENVIRONMENT] = "0" if rank == 0 else "1"
+    try:
+        expect_error("differ in SAGEATTN_PEER_MEMORY", args=local, ulysses_group=group, **options)
+    finally:
+        os.environ.pop(parallel.PEER_MEMORY_ENVIRONMENT)
+
+
+@scenario
 def diffusers_models_as_shipped() -> None:
     """Wan and Flux (tiny, float32) with our backend under diffusers' context parallelism,
     chosen before and after enable_parallelism and by attention_backend(...), Ulysses and the
@@ -398,6 +438,8 @@ def bad_input_on_one_rank_raises_everywhere() -> None:
     # records (messages, which fields differ) travel only when a rank's call is bad or differs
     from sageattention2 import parallel
 
+    assert isinstance(parallel._host_meshes.get(parallel._group_name(group)), parallel._HostMesh), \
+        "the ranks of one host did not agree through their sockets"
     exchanges: list[int] = []
     real = parallel._exchange_records
     parallel._exchange_records = lambda *a: exchanges.append(1) or real(*a)  # type: ignore[assignment]
@@ -411,6 +453,31 @@ def bad_input_on_one_rank_raises_everywhere() -> None:
         assert exchanges
     finally:
         parallel._exchange_records = real
+
+
+@scenario
+def bad_input_raises_everywhere_through_gloo() -> None:
+    """The same where the ranks' sockets cannot be made: gloo carries the agreement."""
+    from sageattention2 import parallel
+
+    name = parallel._group_name(GROUPS["world"])
+    mesh = parallel._host_meshes.get(name)
+    parallel._host_meshes[name] = None
+    agreed: list[int] = []
+    real = parallel.dist.all_reduce
+    parallel.dist.all_reduce = lambda *a, **k: agreed.append(1) or real(*a, **k)  # type: ignore[assignment]
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        _, (q, k, v) = whole_and_shard(1, 8, 4, 4, 8, 1, rank, world)
+        for mode in ("ring_group", "ulysses_group"):
+            bad_q = q.long() if rank == 1 else q
+            expect_error("rank 1: TypeError", args=(bad_q, k, v), **{mode: GROUPS["world"]})
+            expect_error("differ in query tokens", args=(q[:, :2] if rank == 1 else q, k, v),
+                         **{mode: GROUPS["world"]})
+        assert agreed, "gloo did not carry the agreement"
+    finally:
+        parallel.dist.all_reduce = real  # type: ignore[assignment]
+        parallel._host_meshes[name] = mesh
 
 
 def main() -> int:

@@ -66,7 +66,8 @@ def test_two_ranks_on_the_cpu() -> None:
     run_ranks(2, "gloo", "ring_matches_one_process", "ring_causal_matches_one_process",
               "ulysses_matches_one_process", "ulysses_causal_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
-              "bad_input_on_one_rank_raises_everywhere", "quantized_exchange_plumbing")
+              "bad_input_on_one_rank_raises_everywhere", "bad_input_raises_everywhere_through_gloo",
+              "quantized_exchange_plumbing")
 
 
 def test_ulysses_and_ring_on_four_cpu_ranks() -> None:
@@ -112,13 +113,60 @@ def test_one_rank_is_sageattn() -> None:
         context_parallel_attention(q, k, v, exchange="fp8")
 
 
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype, head_dim, value_dim", [(torch.bfloat16, 128, 128),
+                                                        (torch.float16, 64, 128),
+                                                        (torch.float32, 5, 3)])  # (no 8-byte words)
+def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: int,
+                                     value_dim: int) -> None:
+    """Ulysses' exchanges through the peers' memory, with threads standing in for the ranks
+    (their buffers in one process, a threading barrier for the GPU's): every rank receives all
+    tokens of its heads of q, k and v (GQA, batch 2, NHD views of HND tensors) and gets back its
+    tokens of every head of the output, exactly; the buffer is the size the layout asks for."""
+    import threading
+
+    from sageattention2 import parallel
+
+    b, n, hq, hkv = 2, 6 * world, 2 * world, world
+    s = n // world
+    g = torch.Generator().manual_seed(world + head_dim)
+    q = torch.randn(b, hq, n, head_dim, generator=g).to(dtype).transpose(1, 2)  # NHD views
+    k = torch.randn(b, hkv, n, head_dim, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(b, hkv, n, value_dim, generator=g).to(dtype).transpose(1, 2)
+    out = torch.randn(b, n, hq, value_dim, generator=g).to(dtype)
+    shards = [[t[:, r * s:(r + 1) * s] for t in (q, k, v)] for r in range(world)]
+    nbytes = parallel._tokens_to_heads_layout(*shards[0], world)[1]
+    buffers = [torch.full((nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
+    barrier = threading.Barrier(world, timeout=60)
+    got: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
+
+    def rank(r: int) -> None:
+        memory = parallel._PeerMemory(r, buffers, barrier.wait)
+        heads = [t.clone() for t in parallel._tokens_to_heads_in_peers(*shards[r], memory)]
+        hp = hq // world
+        got[r] = heads, parallel._heads_to_tokens_in_peers(out[:, :, r * hp:(r + 1) * hp], memory)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(world))
+    for r, (heads, tokens) in got.items():
+        for name, whole, part in zip("qkv", (q, k, v), heads):
+            hp = whole.shape[2] // world
+            assert torch.equal(part, whole[:, :, r * hp:(r + 1) * hp]), (r, name)
+        assert torch.equal(tokens, out[:, r * s:(r + 1) * s]), r
+
+
 @pytest.mark.gpu
 def test_two_gpus(attention_kernel: None) -> None:
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 GPUs")
     run_ranks(2, "nccl", "ring_matches_one_process", "ulysses_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
-              "bad_input_on_one_rank_raises_everywhere", "gpu_quantized_ring", "gpu_ulysses_bit_exact")
+              "bad_input_on_one_rank_raises_everywhere", "gpu_quantized_ring", "gpu_ulysses_bit_exact",
+              "gpu_ulysses_through_peer_memory")
 
 
 def test_bench_rows_of_the_authors_package(monkeypatch: pytest.MonkeyPatch) -> None:
