@@ -248,7 +248,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "models_train.md/png)")
     bench.add_argument("--gpus", type=int, default=None, metavar="N",
                        help="--models on N GPUs of this host under context parallelism (diffusers' "
-                            "native backends against ours, each mode; parallel.md): wan, wan14b, "
+                            "native backends against ours, each mode; parallel.md/png): wan, wan14b, "
                             "flux2k")
     args = parser.parse_args(argv)
     if args.command == "info":

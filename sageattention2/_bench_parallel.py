@@ -14,7 +14,8 @@ row: the median forward (ms, every rank starting together, the slowest rank's ti
 speedup over the best native row of that model, the scaling over our one-GPU forward, the bytes
 each rank sends per ring call (ours), and the output's relative L1 distance to our one-GPU
 output; with the authors' rows, a line comparing our best with theirs. Writes ``parallel.md``
-to --out.
+(the table) and ``parallel.png`` (every context-parallel row's speedup over its model's best
+native row; with matplotlib, the [models] extra) to --out.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from . import _model_suite
+from . import _bench_models, _model_suite
 from .testing import relative_l1
 
 # Models with a diffusers context-parallel plan, at the sizes people run them on several GPUs.
@@ -86,6 +87,33 @@ def versus_authors(rows: list[tuple[Any, ...]]) -> str | None:
             f"{min(theirs):.1f} ms: {min(theirs) / min(ours):.2f}x")
 
 
+Row = tuple[str, int, str, str, float, str, torch.Tensor]  # model, GPUs, mode, backend, ms, bytes, out
+
+
+def report(key: str, single: dict[str, tuple[float, torch.Tensor]],
+           rows: list[Row]) -> tuple[list[str], list[dict[str, Any]]]:
+    """One model's table lines (its one-GPU rows, then every context-parallel row, then how our
+    best compares with the authors' where they ran) and its chart bars: each context-parallel
+    row's speedup over the model's best native row (rows that could not run have none)."""
+    ours_ms, ours_out = single["sageattention2"]
+    native = [r[4] for r in rows if "native" in r[3] and r[4] == r[4]]
+    best = min(native) if native else float("nan")
+    lines, bars = [], []
+    for name, (ms, out) in single.items():
+        lines.append(f"| {key} | 1 | - | {name} | {ms:.1f} | - | - | - | "
+                     f"{relative_l1(out, ours_out):.4f} |")
+    for _, n, mode, label, ms, sent, out in rows:
+        error = f"{relative_l1(out, ours_out):.4f}" if out.numel() else "-"
+        lines.append(f"| {key} | {n} | {mode} | {label} | {ms:.1f} | {best / ms:.2f}x | "
+                     f"{ours_ms / ms:.2f}x | {sent if sent != '0' else '-'} | {error} |")
+        if ms == ms and best == best:
+            bars.append({"model": f"{key}, {n} GPUs, {mode}: {label}", "speedup": best / ms})
+    authors = versus_authors(rows)
+    if authors:
+        lines.append(f"| {authors} |" + " |" * 8)
+    return lines, bars
+
+
 def _forward_ms(model: torch.nn.Module, inputs: dict[str, Any], reps: int,
                 group: Any) -> tuple[float, torch.Tensor]:
     """Median forward over ``reps`` (after one warm-up), every rank of ``group`` starting each
@@ -124,13 +152,14 @@ def _worker(rank: int, gpus: int, port: str, keys: list[str], reps: int, out_dir
         c.key: c.build for c in (*_model_suite.CASES, *_model_suite.PARALLEL_CASES)}
     lines = ["| model | GPUs | mode | backend | forward ms | vs best native | scaling vs our 1 GPU | "
              "bytes sent per ring call | rel. L1 vs our 1 GPU |", "|---|---|---|---|---|---|---|---|---|"]
+    bars: list[dict[str, Any]] = []
     for key in keys:
         def fresh() -> tuple[torch.nn.Module, dict[str, Any]]:
             torch.manual_seed(0)
             model, inputs = builders[key](device, torch.bfloat16, False)
             return model, dict(inputs, return_dict=False)  # what the plans' output hooks take
 
-        rows: list[tuple[str, int, str, str, float, str, torch.Tensor]] = []
+        rows: list[Row] = []
         single: dict[str, tuple[float, torch.Tensor]] = {}
         if rank == 0:
             model, inputs = fresh()
@@ -167,25 +196,20 @@ def _worker(rank: int, gpus: int, port: str, keys: list[str], reps: int, out_dir
                 del model
                 torch.cuda.empty_cache()
         if rank == 0:
-            ours_ms, ours_out = single["sageattention2"]
-            native = [r[4] for r in rows if "native" in r[3] and r[4] == r[4]]
-            best = min(native) if native else float("nan")
-            for name, (ms, out) in single.items():
-                lines.append(f"| {key} | 1 | - | {name} | {ms:.1f} | - | - | - | "
-                             f"{relative_l1(out, ours_out):.4f} |")
-            for _, n, mode, label, ms, sent, out in rows:
-                error = f"{relative_l1(out, ours_out):.4f}" if out.numel() else "-"
-                lines.append(f"| {key} | {n} | {mode} | {label} | {ms:.1f} | {best / ms:.2f}x | "
-                             f"{ours_ms / ms:.2f}x | {sent if sent != '0' else '-'} | {error} |")
-            authors = versus_authors(rows)
-            if authors:
-                lines.append(f"| {authors} |" + " |" * 8)
-            print("\n".join(lines[-len(rows) - len(single) - bool(authors):]), flush=True)
+            model_lines, model_bars = report(key, single, rows)
+            lines += model_lines
+            bars += model_bars
+            print("\n".join(model_lines), flush=True)
         dist.barrier()
     if rank == 0:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
         (Path(out_dir) / "parallel.md").write_text("\n".join(lines) + "\n")
         print("\n".join(lines))
+        title = (f"Context parallelism, {gpus} x {torch.cuda.get_device_name(device)} "
+                 f"(torch {torch.__version__})")
+        if bars and _bench_models.chart(bars, Path(out_dir) / "parallel.png", title,
+                                        "forward speedup over diffusers' best native CP row"):
+            print(f"wrote {Path(out_dir) / 'parallel.png'}")
     dist.destroy_process_group()
 
 

@@ -41,7 +41,7 @@ steps
   --models          python -m sageattention2 bench --models: whole models, default SDPA vs sageattn ($OUT/models.md,
                     models.png); diffusers comes from the wheels in .whl/ (carried) where the image lacks it
   --parallel KEYS   python -m sageattention2 bench --models KEYS --gpus <every GPU here>: diffusers'
-                    context parallelism, native backends against ours ($OUT/parallel.md;
+                    context parallelism, native backends against ours ($OUT/parallel.md/png;
                     KEYS space-separated in one argument: "wan flux2k")
   --authors DIR     the authors' SageAttention built from its source in DIR, their sm90 kernel and
                     fused quantizers only, into /tmp/authors, which later --parallel steps put on

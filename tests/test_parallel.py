@@ -169,6 +169,34 @@ def test_two_gpus(attention_kernel: None) -> None:
               "gpu_ulysses_through_peer_memory")
 
 
+def test_bench_report_and_chart(tmp_path: Path) -> None:
+    """``bench --gpus``' report of one model: the one-GPU rows, every context-parallel row with
+    its speedup over the best native row, its scaling over our one GPU and its distance to our
+    one-GPU output; the chart's bars are those speedups (a row that could not run has none), and
+    with matplotlib they are drawn."""
+    from sageattention2 import _bench_models
+    from sageattention2 import _bench_parallel as bench
+
+    ours = torch.ones(4)
+    single = {"SDPA (default)": (80.0, ours * 1.5), "sageattention2": (64.0, ours)}
+    rows = [("wan", 2, "ulysses", "SDPA (native)", 44.0, "0", ours),
+            ("wan", 2, "ulysses", "sageattention2", 32.0, "0", ours),
+            ("wan", 2, "ring", "cudnn (native)", 48.0, "0", ours),
+            ("wan", 2, "ring", "sageattention2, K/V quantized", 40.0, "1000", ours * 2),
+            ("wan", 2, "ring", "sageattention2, K/V bf16", float("nan"), "0", torch.empty(0))]
+    lines, bars = bench.report("wan", single, rows)
+    assert lines[0] == "| wan | 1 | - | SDPA (default) | 80.0 | - | - | - | 0.5000 |"
+    assert lines[3] == "| wan | 2 | ulysses | sageattention2 | 32.0 | 1.38x | 2.00x | - | 0.0000 |"
+    assert lines[5] == ("| wan | 2 | ring | sageattention2, K/V quantized | 40.0 | 1.10x | 1.60x | "
+                        "1000 | 1.0000 |")
+    assert lines[6].endswith("| - |")  # the row that could not run
+    assert [b["model"] for b in bars] == [f"wan, 2 GPUs, {r[2]}: {r[3]}" for r in rows[:4]]
+    assert [round(b["speedup"], 3) for b in bars] == [1.0, 1.375, 0.917, 1.1]
+    if _bench_models.pyplot() is not None:
+        assert _bench_models.chart(bars, tmp_path / "parallel.png", "t", "x")
+        assert (tmp_path / "parallel.png").stat().st_size > 0
+
+
 def test_bench_rows_of_the_authors_package(monkeypatch: pytest.MonkeyPatch) -> None:
     """``bench --gpus`` adds the authors' package (diffusers' ``sage`` backend) to every mode where
     it is installed, never this project's drop-in of the same name, and says how our best row
