@@ -769,6 +769,16 @@ def _ulysses_lse_heads_misplaced(patch: pytest.MonkeyPatch) -> None:
 
     _wrap(patch, parallel, "_lse_heads_to_tokens",
           lambda real, lse, group: real(lse, group).roll(lse.shape[1], dims=1))
+@mutant("agreement-ignores-peers",
+        "the ranks' agreement through their sockets returns this rank's own record, as if every "
+        "rank agreed: a bad input on one rank leaves the others in the collective",
+        "test_parallel.py::test_two_ranks_on_the_cpu")
+def _agreement_ignores_peers(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import parallel
+
+    _wrap(patch, parallel._HostMesh, "max", lambda real, self, values: list(values))
+
+
 @mutant("ulysses-peers-rank-off-by-one",
         "Ulysses through the peers' memory takes the next rank's index for its own: its rows land "
         "in another rank's place and it reads another rank's heads",
