@@ -228,7 +228,7 @@ def heads_inner(t: Tensor) -> bool:
 
 def _kernel_view(t: Tensor) -> Tensor:
     """``t`` if the preprocessing and attention ops can read it in place (last dimension
-    contiguous, the other strides multiples of 8 elements, 16-byte aligned), else a contiguous
+    contiguous, the other strides multiples of 16 bytes, 16-byte aligned), else a contiguous
     copy (an unusual input layout costs one copy, not the quantized path)."""
     if ops.readable_in_place(t):
         return t
@@ -420,7 +420,7 @@ def _bottom_right(call: AttentionCall, choice: KernelChoice) -> tuple[Tensor, Te
     last = dataclasses.replace(part, k=k[:, :, seen:], v=v[:, :, seen:])
     out_a, lse_a = KernelCall.of(first, choice)(q, first.k, first.v)
     out_b, lse_b = KernelCall.of(last, choice)(q, last.k, last.v)
-    return merge_by_lse(out_a, lse_a, out_b, lse_b)
+    return merge_parts([out_a, out_b], [lse_a, lse_b], heads_inner(out_a))
 
 
 def merge_by_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> tuple[Tensor, Tensor]:
@@ -436,6 +436,22 @@ def merge_by_lse(out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor) -> 
     divisor = torch.where(total > 0, total, torch.ones_like(total))  # (no key: 0 / 1)
     out = (out_a.float() * (w_a / divisor)[..., None] + out_b.float() * (w_b / divisor)[..., None])
     return out.to(out_a.dtype), top + torch.log(total)
+
+
+def merge_parts(outs: list[Tensor], lses: list[Tensor], out_nhd: bool) -> tuple[Tensor, Tensor]:
+    """:func:`merge_by_lse` over any number of parts, outputs ``[B, H, N, D]`` and LSEs
+    ``[B, H, N]``: (out in the parts' dtype, NHD memory if ``out_nhd``; lse float32). In one pass
+    of the extension's op where it reads every part as it is (the same arithmetic: two parts give
+    merge_by_lse's bits), else folded here in float32 and rounded once."""
+    if ops.merges_in_one_pass(outs, lses):
+        return ops.merge_attention_parts(outs, lses, out_nhd)
+    out, lse = outs[0].float(), lses[0].float()
+    for part, part_lse in zip(outs[1:], lses[1:]):
+        out, lse = merge_by_lse(out, lse, part, part_lse)
+    merged = (torch.empty(out.shape[0], out.shape[2], out.shape[1], out.shape[3], dtype=outs[0].dtype,
+                          device=out.device).transpose(1, 2) if out_nhd
+              else torch.empty(out.shape, dtype=outs[0].dtype, device=out.device))
+    return merged.copy_(out), lse
 
 
 # ------------------------------------------------------------------------------------------------

@@ -323,11 +323,12 @@ def _run_bottom_right(run: Callable[[tuple[Span, ...], bool, bool], tuple[Tensor
     if merge:
         out_a, lse_a = run(parts.unmasked, False, True)
         rows = _row_index(parts.merged_rows, out.device)
-        merged, merged_lse = _execute.merge_by_lse(
-            out_a.index_select(0, rows), lse_a.index_select(1, rows).t(),
-            out.index_select(0, rows), lse.index_select(1, rows).t())
-        out.index_copy_(0, rows, merged)
-        lse.index_copy_(1, rows, merged_lse.t())
+        # ([rows, H, D] as [1, H, rows, D] in NHD memory, the LSEs [1, H, rows])
+        merged, merged_lse = _execute.merge_parts(
+            [o.index_select(0, rows)[None].transpose(1, 2) for o in (out_a, out)],
+            [t.index_select(1, rows)[None] for t in (lse_a, lse)], True)
+        out.index_copy_(0, rows, merged.transpose(1, 2)[0])
+        lse.index_copy_(1, rows, merged_lse[0])
     if parts.blind_rows:
         rows = _row_index(parts.blind_rows, out.device)
         out.index_fill_(0, rows, 0)

@@ -125,6 +125,7 @@ __all__ = [
     "has_op",
     "kernel_family",
     "kernels_for_capability",
+    "merge_attention_parts",
     "quantize_kv",
     "readable_in_place",
     "sageattn_mma",
@@ -172,6 +173,8 @@ PREPROCESS_FAMILY = "preprocess"
 MMA_FAMILY = "attention_mma"
 MMA_FP8_FAMILY = "attention_mma_fp8"
 WGMMA_FAMILY = "attention_wgmma"
+# merge_attention_parts' parts per launch (csrc/parallel/merge_parts.h: kMergeMaxParts).
+MERGE_MAX_PARTS = 8
 # Absent outputs are empty float32 tensors of shape [0] (docs/DESIGN.md#ops).
 
 
@@ -214,7 +217,7 @@ _OP_HANDLES: dict[str, Any] = {}
 # torch.compile'd caller (dynamo guards on it) is not recompiled when an op is first used.
 if HAS_EXTENSION:
     for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma", "sageattn_wgmma_varlen",
-                  "sageattn_mma", "sageattn_mma_varlen"):
+                  "sageattn_mma", "sageattn_mma_varlen", "merge_attention_parts"):
         if hasattr(getattr(torch.ops, NAMESPACE), _name):
             _OP_HANDLES[_name] = getattr(getattr(torch.ops, NAMESPACE), _name).default
 
@@ -595,10 +598,34 @@ def _spread_of_ranges(ranges: Tensor) -> Tensor:
 
 
 def readable_in_place(t: Tensor) -> bool:
-    """Whether the ops read ``t`` as it is: last dimension contiguous, the other strides multiples
-    of 8 elements, 16-byte aligned (they move 16-byte vectors)."""
-    return (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+    """Whether the ops read ``t`` as it is, in 16-byte vectors: last dimension contiguous, the
+    other strides multiples of 16 bytes (8 elements of the kernels' 16-bit inputs), 16-byte
+    aligned."""
+    size = t.element_size()
+    return (t.stride(-1) == 1 and all(stride * size % 16 == 0 for stride in t.stride()[:-1])
             and t.data_ptr() % 16 == 0)
+
+
+def merges_in_one_pass(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> bool:
+    """Whether the extension's ``merge_attention_parts`` reads every part as it is: up to
+    MERGE_MAX_PARTS CUDA fp16/bf16 outputs with head_dim a multiple of 8, each read in place,
+    and float32 LSEs."""
+    if not 0 < len(outs) <= MERGE_MAX_PARTS:
+        return False
+    first = outs[0]
+    return (first.is_cuda and first.dim() == 4
+            and first.dtype in (torch.float16, torch.bfloat16) and first.shape[-1] % 8 == 0
+            and all(readable_in_place(t) for t in outs) and all(t.dtype == torch.float32 for t in lses)
+            and has_op("merge_attention_parts"))
+
+
+def merge_attention_parts(outs: Sequence[Tensor], lses: Sequence[Tensor],
+                          out_nhd: bool) -> tuple[Tensor, Tensor]:
+    """The extension's ``merge_attention_parts`` (csrc/parallel/merge_parts.cu): the parts'
+    outputs ``[B, H, N, D]`` and float32 LSEs ``[B, H, N]``, each over its own keys, merged into
+    (out ``[B, H, N, D]`` in their dtype, NHD memory if ``out_nhd``; lse float32) in one pass."""
+    _require_op("merge_attention_parts")
+    return _op("merge_attention_parts")(list(outs), list(lses), out_nhd)
 
 
 def head_channel_spread(x: Tensor) -> Tensor:

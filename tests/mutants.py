@@ -790,6 +790,17 @@ def _ulysses_peers_rank_off_by_one(patch: pytest.MonkeyPatch) -> None:
         q, k, v, memory._replace(rank=(memory.rank + 1) % len(memory.buffers))))
 
 
+@mutant("merge-parts-weights-by-first-lse",
+        "merging attention parts weighs every part by the first part's LSE (the parts as if they "
+        "saw equally many keys)",
+        "test_parallel.py::test_merge_parts_on_the_cpu")
+def _merge_parts_weights_by_first_lse(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import _execute
+
+    _wrap(patch, _execute, "merge_parts", lambda real, outs, lses, out_nhd: real(
+        outs, [lses[0]] * len(lses), out_nhd))
+
+
 @mutant("compat-drops-softmax-scale",
         "the drop-in ignores flash-attn's softmax_scale= (as the authors' function does)",
         "test_compat.py::test_keywords_are_translated", "test_compat.py::test_callers_on_the_cpu")

@@ -5,6 +5,7 @@ and on 2 GPUs over NCCL (the quantized path against the one-GPU call). Each rank
 running tests/parallel_worker.py."""
 from __future__ import annotations
 
+import math
 import os
 import socket
 import subprocess
@@ -157,6 +158,141 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
             hp = whole.shape[2] // world
             assert torch.equal(part, whole[:, :, r * hp:(r + 1) * hp]), (r, name)
         assert torch.equal(tokens, out[:, r * s:(r + 1) * s]), r
+
+
+def _merge_parts_case(device: str, parts: int, dtype: torch.dtype, head_dim: int, nhd: bool,
+                      seed: int) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """Attention over ``parts`` disjoint key sets of fresh inputs with channel offsets, computed in
+    float64 part by part: (the parts' outputs ``[B, H, N, D]`` in ``dtype``, NHD memory where
+    ``nhd``; their LSEs as strided float32 views; the float64 attention over all keys). Part 0's
+    rows 0-4 see none of its keys (LSE -inf, output 0); rows 5-6 see no key in any part."""
+    g = torch.Generator().manual_seed(seed)
+    b, h, n, keys = 2, 3, 37, 29
+    q = torch.randn(b, h, n, head_dim, generator=g, dtype=torch.float64) + torch.randn(head_dim, generator=g) * 2
+    k = torch.randn(b, h, parts * keys, head_dim, generator=g, dtype=torch.float64) * 1.5
+    v = torch.randn(b, h, parts * keys, head_dim, generator=g, dtype=torch.float64) + 3
+    scores = q @ k.transpose(-1, -2) / math.sqrt(head_dim)
+    seen = torch.ones(b, h, n, parts * keys, dtype=torch.bool)
+    seen[:, :, 0:5, :keys] = False
+    seen[:, :, 5:7] = False
+    scores = scores.masked_fill(~seen, -math.inf)
+    whole = torch.softmax(scores, -1).nan_to_num(0) @ v
+    outs, lses = [], []
+    for part in range(parts):
+        s = scores[..., part * keys:(part + 1) * keys]
+        lse = torch.logsumexp(s, -1)
+        out = (torch.softmax(s, -1).nan_to_num(0) @ v[:, :, part * keys:(part + 1) * keys]).to(dtype)
+        if nhd:
+            out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        outs.append(out.to(device))
+        # a strided LSE, as the kernels' padded rows leave it
+        padded = torch.full((b, h, n + 3), float("nan"), dtype=torch.float32)
+        padded[..., :n] = lse
+        lses.append(padded.to(device)[..., :n])
+    return outs, lses, whole
+
+
+def _merged_reference(outs: list[torch.Tensor], lses: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The parts merged in float64 (no rounding but the parts' own)."""
+    lse = torch.stack([t.double().cpu() for t in lses])
+    top = lse.max(0).values.nan_to_num(neginf=0.0)
+    weight = torch.exp(lse - top)
+    total = weight.sum(0)
+    out = sum(w[..., None] * o.double().cpu() for w, o in zip(weight, outs)) / total.clamp_min(1e-300)[..., None]
+    return out, top + torch.log(total)
+
+
+def _check_merged(out: torch.Tensor, lse: torch.Tensor, outs: list[torch.Tensor], lses: list[torch.Tensor],
+                  whole: torch.Tensor, out_nhd: bool) -> None:
+    """Merged rows equal the float64 merge of the parts to the output dtype's rounding, and the
+    float64 attention over all keys to the parts' rounding; rows that see no key: 0 and -inf."""
+    ref_out, ref_lse = _merged_reference(outs, lses)
+    assert out.shape == outs[0].shape and out.dtype == outs[0].dtype
+    assert (out.stride(1) < out.stride(2)) == out_nhd
+    assert lse.shape == lses[0].shape and lse.dtype == torch.float32
+    got = out.double().cpu()
+    assert bool(torch.isfinite(got).all()), "an element of the merged output was not written"
+    eps = torch.finfo(out.dtype).eps
+    torch.testing.assert_close(got, ref_out, rtol=eps, atol=eps * 1e-2)
+    torch.testing.assert_close(got, whole, rtol=4 * eps, atol=4 * eps)
+    torch.testing.assert_close(lse.double().cpu(), ref_lse, rtol=1e-6, atol=1e-6)
+    assert bool((got[:, :, 5:7] == 0).all()) and bool(torch.isneginf(lse[:, :, 5:7]).all())
+
+
+@pytest.mark.parametrize("out_nhd", [False, True])
+def test_merge_parts_on_the_cpu(out_nhd: bool) -> None:
+    """_execute.merge_parts without the op (CPU tensors): the parts folded in float32, rounded
+    once, in the memory order asked."""
+    from sageattention2 import _execute
+
+    for parts in (1, 2, 3):
+        outs, lses, whole = _merge_parts_case("cpu", parts, torch.bfloat16, 16, not out_nhd, parts)
+        out, lse = _execute.merge_parts(outs, lses, out_nhd)
+        _check_merged(out, lse, outs, lses, whole, out_nhd)
+
+
+def test_merge_attention_parts_refusals() -> None:
+    """The op's checks (its Meta implementation) name the argument and what is allowed; a good
+    call's Meta result has the shapes and the memory order asked."""
+    from sageattention2 import ops
+
+    if not ops.has_op("merge_attention_parts"):
+        pytest.skip("the extension has no merge_attention_parts op")
+    op = torch.ops.sageattention2.merge_attention_parts
+
+    def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    o, l = meta(2, 3, 5, 16), meta(2, 3, 5, dtype=torch.float32)
+    cases = [
+        (([o] * 9, [l] * 9), "1 to 8 parts"),
+        (([o, o], [l]), "one LSE per part"),
+        (([meta(2, 3, 5, 16, dtype=torch.float32)], [l]), "float16 or bfloat16"),
+        (([meta(3, 5, 16)], [meta(3, 5, dtype=torch.float32)]), r"\[B, H, N, D\]"),
+        (([meta(2, 3, 5, 12)], [l]), "multiple of 8"),
+        (([o, meta(2, 3, 6, 16)], [l, l]), r"outs\[1\] must be like outs\[0\]"),
+        (([o, meta(2, 3, 5, 16, dtype=torch.float16)], [l, l]), r"outs\[1\] must be like"),
+        (([meta(2, 3, 16, 5).transpose(-1, -2)], [l]), "contiguous in its last dimension"),
+        (([meta(2000).as_strided((2, 3, 5, 16), (480, 160, 20, 1))], [l]),
+         r"outs\[0\].stride\(2\) must be a multiple of 8"),
+        (([o], [meta(2, 3, 5)]), r"lses\[0\] must be float32"),
+        (([o], [meta(2, 3, 6, dtype=torch.float32)]), r"lses\[0\] must be float32 \[2, 3, 5\]"),
+    ]
+    for (outs, lses), match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            op(outs, lses, False)
+    for out_nhd in (False, True):
+        out, lse = op([o, o], [l, l], out_nhd)
+        assert out.shape == o.shape and lse.shape == l.shape and lse.dtype == torch.float32
+        assert (out.stride(1) < out.stride(2)) == out_nhd
+
+
+@pytest.mark.gpu
+def test_merge_attention_parts_on_the_gpu() -> None:
+    """The op on the GPU, into a poisoned allocator: 1, 2, 3 and 8 parts, fp16 and bf16, head_dim
+    8 to 256, parts in NHD and HND memory, strided LSEs, both output orders, rows that see no key
+    in one part or in all; two parts give merge_by_lse's bits; opcheck."""
+    from sageattention2 import _execute, ops
+    from sageattention2.testing import poison_cuda_allocator
+
+    if not torch.cuda.is_available() or not ops.has_op("merge_attention_parts"):
+        pytest.skip("needs a CUDA GPU and the merge_attention_parts op")
+    seed = 0
+    for parts, dtype, head_dim in [(1, torch.bfloat16, 128), (2, torch.bfloat16, 128), (2, torch.float16, 64),
+                                   (3, torch.float16, 8), (8, torch.bfloat16, 256), (3, torch.bfloat16, 96)]:
+        for nhd in (False, True):
+            for out_nhd in (False, True):
+                seed += 1
+                outs, lses, whole = _merge_parts_case("cuda", parts, dtype, head_dim, nhd, seed)
+                assert ops.merges_in_one_pass(outs, lses)
+                poison_cuda_allocator()
+                out, lse = _execute.merge_parts(outs, lses, out_nhd)
+                _check_merged(out, lse, outs, lses, whole, out_nhd)
+                if parts == 2:
+                    pair_out, pair_lse = _execute.merge_by_lse(outs[0], lses[0], outs[1], lses[1])
+                    assert torch.equal(out, pair_out) and torch.equal(lse, pair_lse)
+    outs, lses, _ = _merge_parts_case("cuda", 3, torch.bfloat16, 64, True, 99)
+    torch.library.opcheck(torch.ops.sageattention2.merge_attention_parts.default, (outs, lses, True))
 
 
 @pytest.mark.gpu

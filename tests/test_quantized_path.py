@@ -17,6 +17,9 @@ from sageattention2 import _execute, _plan, ops, sageattn
 from sageattention2 import reference as ref
 from sageattention2.api import smoothing_sample_stride
 
+BF16 = torch.bfloat16  # (the kernels' inputs)
+
+
 def test_smoothing_sample_stride() -> None:
     """The Hopper path's smoothing means: every token up to SMOOTHING_SAMPLE_TOKENS, then an odd
     stride (coprime with power-of-two periods of the token order) that keeps between a third of
@@ -37,26 +40,28 @@ def test_smoothing_sample_stride() -> None:
 @pytest.mark.parametrize(
     "make",
     [
-        lambda: torch.randn(2, 4, 9, 64),
-        lambda: torch.randn(2, 9, 4, 64).transpose(1, 2),
-        lambda: torch.randn(2, 9, 3, 4, 64)[:, :, 1].transpose(1, 2),  # packed qkv
-        lambda: torch.randn(2, 4, 64, 9).transpose(2, 3),  # last dim not contiguous
-        lambda: torch.randn(2, 4, 9, 68)[..., :64],  # row stride 68: not a multiple of 8
-        lambda: torch.randn(2 * 4 * 9 * 64 + 1)[1:].view(2, 4, 9, 64),  # 4-byte misaligned
+        lambda: torch.randn(2, 4, 9, 64, dtype=BF16),
+        lambda: torch.randn(2, 9, 4, 64, dtype=BF16).transpose(1, 2),
+        lambda: torch.randn(2, 9, 3, 4, 64, dtype=BF16)[:, :, 1].transpose(1, 2),  # packed qkv
+        lambda: torch.randn(2, 4, 64, 9, dtype=BF16).transpose(2, 3),  # last dim not contiguous
+        lambda: torch.randn(2, 4, 9, 68, dtype=BF16)[..., :64],  # rows of 136 bytes
+        lambda: torch.randn(2 * 4 * 9 * 64 + 1, dtype=BF16)[1:].view(2, 4, 9, 64),  # 2-byte misaligned
+        lambda: torch.randn(2, 4, 9, 68)[..., :64],  # float32 rows of 272 bytes: in place
     ],
-    ids=["contiguous", "nhd", "packed", "transposed", "row-stride-68", "misaligned"],
+    ids=["contiguous", "nhd", "packed", "transposed", "row-stride-68", "misaligned", "float32-rows"],
 )
 def test_kernel_view(make: Any) -> None:
     t = make()
     view = _execute._kernel_view(t)
     assert torch.equal(view, t)
-    readable = (t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1])
+    size = t.element_size()  # (the ops move 16-byte vectors)
+    readable = (t.stride(-1) == 1 and all(s * size % 16 == 0 for s in t.stride()[:-1])
                 and t.data_ptr() % 16 == 0)
     if readable:
         assert view.data_ptr() == t.data_ptr()
     else:
         assert view.is_contiguous() and view.data_ptr() % 16 == 0
-        assert all(s % 8 == 0 for s in view.stride()[:-1])
+        assert all(s * size % 16 == 0 for s in view.stride()[:-1])
 
 
 # ------------------------------------------------------------------------------------------------

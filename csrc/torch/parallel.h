@@ -1,0 +1,17 @@
+// Host interface of the context-parallel ops (docs/DESIGN.md, "Context parallelism").
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+namespace sageattention2 {
+
+// merge_attention_parts(outs, lses, out_nhd): the parts' outputs [B, H, N, D] and LSEs [B, H, N],
+// each over its own keys, merged by their LSE into (out, lse) over all of them
+// (parallel/merge_parts.cu). Validation shared by the CUDA and the Meta implementation.
+void check_merge_parts(at::TensorList outs, at::TensorList lses);
+std::tuple<at::Tensor, at::Tensor> merge_parts_cuda(at::TensorList outs, at::TensorList lses, bool out_nhd);
+std::tuple<at::Tensor, at::Tensor> merge_parts_meta(at::TensorList outs, at::TensorList lses, bool out_nhd);
+
+}  // namespace sageattention2

@@ -1,0 +1,109 @@
+// The context-parallel ops' validation and implementations (torch/parallel.h).
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/ops/empty.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include <cstdint>
+
+#include "parallel/merge_parts.h"
+#include "torch/parallel.h"
+
+namespace sageattention2 {
+namespace {
+
+constexpr int64_t kVectorBytes = 16;
+constexpr int64_t kMaxVectors = int64_t{1} << 31;
+
+}  // namespace
+
+// SymInt-aware: the Meta implementation runs it under dynamic shapes (torch.compile, opcheck).
+void check_merge_parts(at::TensorList outs, at::TensorList lses) {
+  TORCH_CHECK(!outs.empty() && outs.size() <= static_cast<size_t>(kMergeMaxParts),
+              "merge_attention_parts: outs must hold 1 to ", kMergeMaxParts, " parts, got ", outs.size());
+  TORCH_CHECK(lses.size() == outs.size(), "merge_attention_parts: lses must hold one LSE per part (",
+              outs.size(), "), got ", lses.size());
+  const at::Tensor& first = outs[0];
+  TORCH_CHECK(first.scalar_type() == at::kHalf || first.scalar_type() == at::kBFloat16,
+              "merge_attention_parts: outs must be float16 or bfloat16, got ", first.scalar_type());
+  TORCH_CHECK(first.dim() == 4, "merge_attention_parts: outs must be [B, H, N, D], got ", first.dim(),
+              " dimensions");
+  TORCH_CHECK(first.sym_size(3) % 8 == 0, "merge_attention_parts: the head_dim of outs must be a multiple of 8, got ",
+              first.sym_size(3));
+  const c10::SymIntArrayRef rows = first.sym_sizes().slice(0, 3);
+  for (size_t i = 0; i < outs.size(); ++i) {
+    const at::Tensor &out = outs[i], &lse = lses[i];
+    TORCH_CHECK(out.sym_sizes() == first.sym_sizes() && out.scalar_type() == first.scalar_type() &&
+                    out.device() == first.device(),
+                "merge_attention_parts: outs[", i, "] must be like outs[0] (", first.sym_sizes(), " ",
+                first.scalar_type(), " on ", first.device(), "), got ", out.sym_sizes(), " ", out.scalar_type(),
+                " on ", out.device());
+    TORCH_CHECK(out.sym_stride(3) == 1, "merge_attention_parts: outs[", i,
+                "] must be contiguous in its last dimension, got stride ", out.sym_stride(3));
+    for (int64_t d = 0; d < 3; ++d) {
+      TORCH_CHECK(out.sym_stride(d) % 8 == 0, "merge_attention_parts: outs[", i, "].stride(", d,
+                  ") must be a multiple of 8 elements (16-byte vectors), got ", out.sym_stride(d));
+    }
+    TORCH_CHECK(lse.scalar_type() == at::kFloat && lse.sym_sizes() == rows && lse.device() == first.device(),
+                "merge_attention_parts: lses[", i, "] must be float32 ", rows, " on ", first.device(), ", got ",
+                lse.scalar_type(), " ", lse.sym_sizes(), " on ", lse.device());
+  }
+  TORCH_CHECK(first.sym_numel() / 8 < kMaxVectors, "merge_attention_parts: outs[0] has ", first.sym_numel(),
+              " elements; at most 2^34");
+}
+
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> allocate_merged(const at::Tensor& first, bool out_nhd) {
+  const auto s = first.sym_sizes();
+  at::Tensor merged = out_nhd ? at::empty_symint({s[0], s[2], s[1], s[3]}, first.options()).transpose(1, 2)
+                              : at::empty_symint(s, first.options());
+  return {merged, at::empty_symint(s.slice(0, 3), first.options().dtype(at::kFloat))};
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> merge_parts_meta(at::TensorList outs, at::TensorList lses, bool out_nhd) {
+  check_merge_parts(outs, lses);
+  return allocate_merged(outs[0], out_nhd);
+}
+
+std::tuple<at::Tensor, at::Tensor> merge_parts_cuda(at::TensorList outs, at::TensorList lses, bool out_nhd) {
+  check_merge_parts(outs, lses);
+  const at::Tensor& first = outs[0];
+  TORCH_CHECK(first.is_cuda(), "merge_attention_parts: the tensors must be CUDA tensors, got ", first.device());
+  const c10::cuda::CUDAGuard guard(first.device());
+  auto [merged, merged_lse] = allocate_merged(first, out_nhd);
+  // The walk follows the merged output's memory: (batch, tokens, heads) for NHD.
+  const int order[3] = {0, out_nhd ? 2 : 1, out_nhd ? 1 : 2};
+  MergePartsParams p;
+  p.parts = static_cast<int>(outs.size());
+  for (int part = 0; part < p.parts; ++part) {
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(outs[part].data_ptr()) % kVectorBytes == 0, "merge_attention_parts: outs[",
+                part, "] must start at a 16-byte aligned address");
+    p.outs[part] = outs[part].data_ptr();
+    p.lses[part] = lses[part].data_ptr<float>();
+    for (int d = 0; d < 3; ++d) {
+      p.out_stride[part][d] = outs[part].stride(order[d]);
+      p.lse_stride[part][d] = lses[part].stride(order[d]);
+    }
+  }
+  p.merged = merged.data_ptr();
+  p.merged_lse = merged_lse.data_ptr<float>();
+  for (int d = 0; d < 3; ++d) {
+    p.merged_stride[d] = merged.stride(order[d]);
+    p.merged_lse_stride[d] = merged_lse.stride(order[d]);
+    p.rows[d] = static_cast<uint32_t>(first.size(order[d]));
+  }
+  p.row_vectors = static_cast<uint32_t>(first.size(3) / 8);
+  p.vectors = static_cast<uint32_t>(first.numel() / 8);
+  if (p.vectors == 0) return {merged, merged_lse};
+  p.by_row_vectors = FastDivisor::of(p.row_vectors);
+  p.by_rows2 = FastDivisor::of(p.rows[2]);
+  p.by_rows1 = FastDivisor::of(p.rows[1]);
+  const InputDtype dtype = first.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
+  C10_CUDA_CHECK(launch_merge_parts(p, dtype, first.get_device(), at::cuda::getCurrentCUDAStream()));
+  return {merged, merged_lse};
+}
+
+}  // namespace sageattention2
