@@ -121,6 +121,7 @@ __all__ = [
     "attention_mma",
     "attention_wgmma",
     "build_info",
+    "copy_many_",
     "family_runs_on",
     "has_op",
     "kernel_family",
@@ -173,6 +174,8 @@ PREPROCESS_FAMILY = "preprocess"
 MMA_FAMILY = "attention_mma"
 MMA_FP8_FAMILY = "attention_mma_fp8"
 WGMMA_FAMILY = "attention_wgmma"
+# copy_many_'s pairs per launch (csrc/parallel/copy_many.h: kCopyManyMaxPairs).
+COPY_MANY_MAX_PAIRS = 32
 # merge_attention_parts' parts per launch (csrc/parallel/merge_parts.h: kMergeMaxParts).
 MERGE_MAX_PARTS = 8
 # Absent outputs are empty float32 tensors of shape [0] (docs/DESIGN.md#ops).
@@ -217,7 +220,8 @@ _OP_HANDLES: dict[str, Any] = {}
 # torch.compile'd caller (dynamo guards on it) is not recompiled when an op is first used.
 if HAS_EXTENSION:
     for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma", "sageattn_wgmma_varlen",
-                  "sageattn_mma", "sageattn_mma_varlen", "merge_attention_parts"):
+                  "sageattn_mma", "sageattn_mma_varlen", "copy_many_",
+                  "merge_attention_parts"):
         if hasattr(getattr(torch.ops, NAMESPACE), _name):
             _OP_HANDLES[_name] = getattr(getattr(torch.ops, NAMESPACE), _name).default
 
@@ -604,6 +608,25 @@ def readable_in_place(t: Tensor) -> bool:
     size = t.element_size()
     return (t.stride(-1) == 1 and all(stride * size % 16 == 0 for stride in t.stride()[:-1])
             and t.data_ptr() % 16 == 0)
+
+
+def _moved_as_words(t: Tensor) -> bool:
+    """Whether copy_many_ moves ``t`` as it is: CUDA, 1 to 4 dimensions, rows of whole 16-byte
+    words, :func:`readable_in_place`."""
+    return (t.is_cuda and 1 <= t.dim() <= 4 and t.shape[-1] * t.element_size() % 16 == 0
+            and readable_in_place(t))
+
+
+def copy_many_(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+    """``dsts[i].copy_(srcs[i])`` for every i (same shapes and dtypes, no overlaps): in one launch
+    of the extension's ``copy_many_`` where it moves every tensor as it is (every pair at once:
+    context parallelism's local and remote copies side by side), else one ``copy_`` each."""
+    if (0 < len(dsts) <= COPY_MANY_MAX_PAIRS and has_op("copy_many_")
+            and all(_moved_as_words(t) for t in (*dsts, *srcs))):
+        _op("copy_many_")(list(dsts), list(srcs))
+        return
+    for dst, src in zip(dsts, srcs):
+        dst.copy_(src)
 
 
 def merges_in_one_pass(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> bool:

@@ -278,20 +278,21 @@ class ParallelCall:
     options: dict[str, Any]
     ulysses: Any
     ring: Any
+    peer_memory: bool  # Ulysses may go through the peers' memory (SAGEATTN_PEER_MEMORY, read once)
 
     def record_fields(self) -> tuple[int, ...]:
         b, n_q, h_q, d = self.q.shape
         mask = 0 if self.attn_mask is None else 1 + int(self.attn_mask.shape[-1] == self.k.shape[1])
-        options = _options_digest(repr(sorted(self.options.items())))
+        options = _digest(repr(sorted(self.options.items())))
         return (b, n_q, self.k.shape[1], h_q, self.k.shape[2], d, self.v.shape[-1],
                 _DTYPES.index(self.q.dtype), int(self.is_causal), mask, options,
                 ("HND", "NHD").index(self.tensor_layout), EXCHANGES.index(self.exchange),
-                int(self.ulysses is not None and _peer_memory_allowed()))
+                int(self.peer_memory))
 
 
 @functools.lru_cache(maxsize=64)
-def _options_digest(text: str) -> int:
-    """The same number on every rank for the same options (``hash`` of a str differs per process)."""
+def _digest(text: str) -> int:
+    """The same number on every rank for the same text (``hash`` of a str differs per process)."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little")
 
 
@@ -347,7 +348,8 @@ def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p:
             raise ValueError("attn_mask under Ulysses and ring together is not supported")
     return ParallelCall(qn, kn, vn, mask, is_causal, scale, enable_gqa, tensor_layout, return_lse,
                         exchange, dict(options), ulysses if p_u > 1 else None,
-                        ring if p_r > 1 else None)
+                        ring if p_r > 1 else None,
+                        p_u > 1 and os.environ.get(PEER_MEMORY_ENVIRONMENT, "1") != "0")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -392,14 +394,14 @@ def _tokens_of_heads(received: Tensor) -> Tensor:
     return received.transpose(0, 1).reshape(b, p * s, hp, d)
 
 
-def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any,
-                     memory: _PeerMemory | None) -> tuple[Tensor, Tensor, Tensor]:
+def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any, memory: _PeerMemory | None,
+                     parts: list[tuple[int, tuple[int, ...]]]) -> tuple[Tensor, Tensor, Tensor]:
     """q, k and v ``[B, S, H, D]`` (this rank's tokens, all heads) -> ``[B, P * S, H / P, D]``
     (all tokens, this rank's heads), through the peers' memory where there is one. Otherwise
     all three all-to-alls are started before any is waited on: the permuting copy of k and v
     runs while q's bytes travel."""
     if memory is not None:
-        return _tokens_to_heads_in_peers(q, k, v, memory)
+        return _tokens_to_heads_in_peers(q, k, v, memory, parts)
     sent = [_send_tokens_to_heads(t, group) for t in (q, k, v)]
     for _, work in sent:
         work.wait()
@@ -444,6 +446,11 @@ def _all_keys_mask(mask: Tensor | None, local_keys: int, group: Any) -> Tensor |
 _GRANULE = 2 << 20  # peer buffers grow in 2 MiB steps (the driver maps whole pages anyway)
 
 
+def _bytes_as(buffer: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
+    """``buffer`` (uint8) from ``offset`` viewed as a contiguous ``dtype`` tensor of ``shape``."""
+    return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
 class _PeerMemory(NamedTuple):
     """A buffer of the same size on every rank of a group, each rank's mapped into every other
     rank's address space (``torch.distributed._symmetric_memory``: CUDA IPC over NVLink), and a
@@ -455,24 +462,20 @@ class _PeerMemory(NamedTuple):
     keep: Any = None                # what keeps the mappings alive (the allocation and its handle)
 
     def view(self, owner: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        nbytes = math.prod(shape) * dtype.itemsize
-        return self.buffers[owner][offset:offset + nbytes].view(dtype).view(shape)
+        return _bytes_as(self.buffers[owner], offset, shape, dtype)
 
 
 _peer_memories: dict[tuple[str, int], _PeerMemory | None] = {}
 
 
-def _peer_memory_allowed() -> bool:
-    return os.environ.get(PEER_MEMORY_ENVIRONMENT, "1") != "0"
-
-
-def _peer_memory(group: Any, nbytes: int, device: torch.device) -> _PeerMemory | None:
-    """The group's peer buffers, at least ``nbytes`` each, or None where NCCL's all-to-all
-    carries Ulysses (not CUDA, not NCCL, ``SAGEATTN_PEER_MEMORY=0``, ranks on several hosts, or
-    no symmetric memory here). Every rank reaches the same answer: the record agreed on the
-    environment variable, and a first allocation is agreed on by one host all-reduce before the
-    collective rendezvous."""
-    if device.type != "cuda" or not _peer_memory_allowed() or dist.get_backend(group) != "nccl":
+def _peer_memory(call: ParallelCall, nbytes: int, device: torch.device) -> _PeerMemory | None:
+    """The Ulysses group's peer buffers, at least ``nbytes`` each, or None where NCCL's
+    all-to-all carries Ulysses (not CUDA, not NCCL, ``SAGEATTN_PEER_MEMORY=0``, ranks on several
+    hosts, or no symmetric memory here). Every rank reaches the same answer: the record agreed on
+    the environment variable, and a first allocation is agreed on by one host all-reduce before
+    the collective rendezvous."""
+    group = call.ulysses
+    if device.type != "cuda" or not call.peer_memory or dist.get_backend(group) != "nccl":
         return None
     key = (_group_name(group), device.index)
     memory = _peer_memories.get(key, False)
@@ -492,7 +495,7 @@ def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> _PeerMemo
         local: Tensor | None = symmetric.empty(nbytes, dtype=torch.uint8, device=device)
     except Exception:  # noqa: BLE001 (no symmetric memory in this build or on this device)
         local = None
-    host = int.from_bytes(hashlib.sha256(socket.gethostname().encode()).digest()[:7], "little")
+    host = _digest(socket.gethostname())
     seen = _host_max([-int(local is not None), host, -host], group)
     if seen[0] != -1 or seen[1] != -seen[2]:  # a rank without it, or ranks on several hosts
         return None
@@ -516,22 +519,23 @@ def _tokens_to_heads_layout(q: Tensor, k: Tensor, v: Tensor,
     return parts, max(total, out)
 
 
-def _tokens_to_heads_in_peers(q: Tensor, k: Tensor, v: Tensor,
-                              memory: _PeerMemory) -> tuple[Tensor, Tensor, Tensor]:
+def _tokens_to_heads_in_peers(q: Tensor, k: Tensor, v: Tensor, memory: _PeerMemory,
+                              parts: list[tuple[int, tuple[int, ...]]]) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_tokens_to_heads` through the peers' memory: this rank copies heads
     ``[r H / P, (r + 1) H / P)`` of its tokens into rank r's buffer, at its own token rows. The
     first barrier: every rank's kernel has finished reading what the last call left there; the
-    second: every rank's rows have arrived."""
+    second: every rank's rows have arrived. ``parts``: :func:`_tokens_to_heads_layout`'s."""
     p, me = len(memory.buffers), memory.rank
-    parts, _ = _tokens_to_heads_layout(q, k, v, p)
-    memory.barrier()
+    dsts, srcs = [], []
     for x, (offset, shape) in zip((q, k, v), parts):
-        b, s, h, _ = x.shape
-        words = _as_words(x).unflatten(2, (p, h // p))  # [B, S, P, H / P, words]
+        s, h = x.shape[1], x.shape[2]
+        heads = x.unflatten(2, (p, h // p))  # [B, S, P, H / P, D]
         for step in range(p):  # (each rank starts with a different peer)
             owner = (me + step) % p
-            rows = memory.view(owner, offset, shape, x.dtype).view(words.dtype)
-            rows[:, me * s:(me + 1) * s].copy_(words[:, :, owner])
+            dsts.append(memory.view(owner, offset, shape, x.dtype)[:, me * s:(me + 1) * s])
+            srcs.append(heads[:, :, owner])
+    memory.barrier()
+    ops.copy_many_(dsts, srcs)  # (one launch: the local and the remote copies side by side)
     memory.barrier()
     return tuple(memory.view(me, offset, shape, x.dtype)  # type: ignore[return-value]
                  for x, (offset, shape) in zip((q, k, v), parts))
@@ -544,12 +548,10 @@ def _heads_to_tokens_in_peers(x: Tensor, memory: _PeerMemory) -> Tensor:
     b, ps, hp, d = x.shape
     s = ps // p
     shape = (b, s, p * hp, d)
-    words = _as_words(x)
+    owners = [(me + step) % p for step in range(p)]
     memory.barrier()
-    for step in range(p):
-        owner = (me + step) % p
-        heads = memory.view(owner, 0, shape, x.dtype).view(words.dtype)
-        heads[:, :, me * hp:(me + 1) * hp].copy_(words[:, owner * s:(owner + 1) * s])
+    ops.copy_many_([memory.view(owner, 0, shape, x.dtype)[:, :, me * hp:(me + 1) * hp] for owner in owners],
+                   [x[:, owner * s:(owner + 1) * s] for owner in owners])
     memory.barrier()
     return memory.view(me, 0, shape, x.dtype).clone()  # (the buffer is the next call's)
 
@@ -579,8 +581,7 @@ class _Packed(NamedTuple):
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         for t, where in zip(parts, layout):
             if t is not None and where is not None:
-                nbytes = t.numel() * t.element_size()
-                buffer[where[0]:where[0] + nbytes].view(t.dtype).view(t.shape).copy_(t)
+                _bytes_as(buffer, where[0], where[2], where[1]).copy_(t)
         return _Packed(buffer, layout)
 
     def unpack(self, row: Tensor) -> list[Tensor | None]:
@@ -591,8 +592,7 @@ class _Packed(NamedTuple):
                 out.append(None)
                 continue
             offset, dtype, shape = where
-            nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-            out.append(row[offset:offset + nbytes].view(dtype).view(shape))
+            out.append(_bytes_as(row, offset, shape, dtype))
         return out
 
 
@@ -640,21 +640,12 @@ def _attend_quantized(kernel: _execute.KernelCall, q: Tensor, shard: _QuantizedS
     return out, lse
 
 
-def _merge(acc: tuple[Tensor, Tensor] | None, out: Tensor, lse: Tensor,
-           masked: bool = False) -> tuple[Tensor, Tensor]:
-    """Fold one shard's ``out [B, N, H, D]`` and ``lse [B, H, N]`` into the float32 running
-    result (``_execute.merge_by_lse``: a row that sees none of a shard's keys adds nothing).
-    ``masked``: the shard ran with a key mask, and its rows that see no key are set so whatever
-    an SDPA backend wrote there (NaN on some)."""
-    if masked:
-        unseen = torch.isneginf(lse) | torch.isnan(lse)
-        lse = lse.masked_fill(unseen, -math.inf)
-        out = out.masked_fill(unseen.transpose(1, 2)[..., None], 0)
-    if acc is None:
-        return out.float(), lse.float()
-    merged, merged_lse = _execute.merge_by_lse(acc[0].transpose(1, 2), acc[1],
-                                               out.transpose(1, 2), lse)
-    return merged.transpose(1, 2), merged_lse
+def _seen_rows_only(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
+    """A part that ran with a key mask (``out [B, H, N, D]``, ``lse [B, H, N]``), its rows that
+    see none of its keys set to what merging by LSE expects: LSE -inf, output 0 (whatever an SDPA
+    backend wrote there: NaN on some)."""
+    unseen = torch.isneginf(lse) | torch.isnan(lse)
+    return out.masked_fill(unseen[..., None], 0), lse.masked_fill(unseen, -math.inf)
 
 
 def _ring_plan(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor) -> _execute.KernelCall | None:
@@ -709,31 +700,30 @@ def _ring(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
         mask = _all_keys_mask(mask, local_keys, group)
 
     def attend(shard: list[Tensor | None], owner: int) -> tuple[Tensor, Tensor] | None:
+        """q over ``owner``'s keys: (out ``[B, H, N, D]``, lse), or None where it sees none."""
         causal = _shard_causality(call.is_causal, owner, rank)
         if causal is None:
             return None
         if kernel is not None:
-            out, lse = _attend_quantized(kernel, q.transpose(1, 2), _QuantizedShard(*shard),
-                                         local_keys, causal)
-            return out.transpose(1, 2), lse
+            return _attend_quantized(kernel, q.transpose(1, 2), _QuantizedShard(*shard), local_keys,
+                                     causal)
         keys = slice(owner * local_keys, (owner + 1) * local_keys)
         shard_mask = None if mask is None else mask[..., keys]
         out, lse = sageattn(q, shard[0], shard[1], shard_mask, 0.0, causal, call.scale,
                             call.enable_gqa, tensor_layout="NHD", return_lse=True, **call.options)
-        return out, lse
+        out = out.transpose(1, 2)
+        return _seen_rows_only(out, lse) if mask is not None else (out, lse)
 
-    acc = None
-    part = attend(local, rank)
-    if part is not None:
-        acc = _merge(acc, *part, masked=mask is not None)
+    # Every part is kept and merged once at the end, in one pass (_execute.merge_parts).
+    parts = [attend(local, rank)]
     work.wait()
     for step in range(1, p):
         owner = (rank + step) % p
-        part = attend(packed.unpack(received[owner]), owner)
-        if part is not None:
-            acc = _merge(acc, *part, masked=mask is not None)
-    assert acc is not None  # the local shard always contributes
-    return acc[0].to(q.dtype), acc[1]
+        parts.append(attend(packed.unpack(received[owner]), owner))
+    seen = [part for part in parts if part is not None]
+    assert seen  # the local shard always contributes
+    out, lse = _execute.merge_parts([o for o, _ in seen], [l for _, l in seen], True)
+    return out.transpose(1, 2), lse
 
 
 def last_ring_bytes() -> int:
@@ -806,9 +796,9 @@ def context_parallel_attention(
     memory = None
     if call.ulysses is not None:
         mask = _all_keys_mask(mask, k.shape[1], call.ulysses)
-        _, nbytes = _tokens_to_heads_layout(q, k, v, _degree(call.ulysses))
-        memory = _peer_memory(call.ulysses, nbytes, q.device)
-        q, k, v = _tokens_to_heads(q, k, v, call.ulysses, memory)
+        parts, nbytes = _tokens_to_heads_layout(q, k, v, _degree(call.ulysses))
+        memory = _peer_memory(call, nbytes, q.device)
+        q, k, v = _tokens_to_heads(q, k, v, call.ulysses, memory, parts)
     if call.ring is not None:
         out, lse = _ring(call, q, k, v, mask, call.ring)
     else:  # Ulysses alone: the one-GPU call on this rank's heads

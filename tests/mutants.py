@@ -786,8 +786,8 @@ def _agreement_ignores_peers(patch: pytest.MonkeyPatch) -> None:
 def _ulysses_peers_rank_off_by_one(patch: pytest.MonkeyPatch) -> None:
     from sageattention2 import parallel
 
-    _wrap(patch, parallel, "_tokens_to_heads_in_peers", lambda real, q, k, v, memory: real(
-        q, k, v, memory._replace(rank=(memory.rank + 1) % len(memory.buffers))))
+    _wrap(patch, parallel, "_tokens_to_heads_in_peers", lambda real, q, k, v, memory, parts: real(
+        q, k, v, memory._replace(rank=(memory.rank + 1) % len(memory.buffers)), parts))
 
 
 @mutant("merge-parts-weights-by-first-lse",

@@ -26,6 +26,7 @@ KERNEL_GEOMETRY = {
             "kMmaInputPvTileK": ops.MMA_INPUT_PV_TILE_K,
             "kMmaLazyRescaleLog2": ops.MMA_LAZY_RESCALE_LOG2},
     "wgmma": {"kWgmmaBlockK": ops.WGMMA_BLOCK_K, "kWgmmaBlockQ": 128},
+    "parallel": {"kCopyManyMaxPairs": ops.COPY_MANY_MAX_PAIRS},
     "merge": {"kMergeMaxParts": ops.MERGE_MAX_PARTS},
 }
 
@@ -34,7 +35,7 @@ KERNEL_GEOMETRY = {
 def test_geometry_matches_csrc(kernel: str) -> None:
     """ops' geometry constants of each kernel are its csrc header's."""
     path = REPO / "csrc" / {"mma": "mma/params.h", "wgmma": "hopper/params.h",
-                            "merge": "parallel/merge_parts.h"}[kernel]
+                            "parallel": "parallel/copy_many.h", "merge": "parallel/merge_parts.h"}[kernel]
     if not path.exists():
         pytest.skip(f"{path} not in this checkout")
     text = path.read_text()

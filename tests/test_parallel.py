@@ -143,7 +143,8 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
 
     def rank(r: int) -> None:
         memory = parallel._PeerMemory(r, buffers, barrier.wait)
-        heads = [t.clone() for t in parallel._tokens_to_heads_in_peers(*shards[r], memory)]
+        parts = parallel._tokens_to_heads_layout(*shards[r], world)[0]
+        heads = [t.clone() for t in parallel._tokens_to_heads_in_peers(*shards[r], memory, parts)]
         hp = hq // world
         got[r] = heads, parallel._heads_to_tokens_in_peers(out[:, :, r * hp:(r + 1) * hp], memory)
 
@@ -158,6 +159,117 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
             hp = whole.shape[2] // world
             assert torch.equal(part, whole[:, :, r * hp:(r + 1) * hp]), (r, name)
         assert torch.equal(tokens, out[:, r * s:(r + 1) * s]), r
+
+
+def _copy_pairs(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    """copy_many_'s cases: (destinations, sources, the buffers the destinations are views of,
+    filled with 0xFF around them). Ulysses' views (a token slice of a head group; its source
+    from NHD and from HND memory, GQA's fewer heads), the output's (a head slice), 3-, 2- and
+    1-D pairs, fp16, float32 and bytes, an empty pair."""
+    g = torch.Generator().manual_seed(5)
+
+    def data(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if dtype == torch.uint8:
+            return torch.randint(0, 256, shape, generator=g, dtype=dtype).to(device)
+        return torch.randn(shape, generator=g).to(dtype).to(device)
+
+    def poisoned(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:  # 0xFF: NaN in floats
+        nbytes = math.prod(shape) * dtype.itemsize
+        return torch.full((nbytes,), 255, dtype=torch.uint8, device=device).view(dtype).view(shape)
+
+    dsts, srcs, buffers = [], [], []
+
+    def pair(buffer: torch.Tensor, dst: torch.Tensor, src: torch.Tensor) -> None:
+        buffers.append(buffer)
+        dsts.append(dst)
+        srcs.append(src)
+
+    for owner in range(2):  # q and k of one rank (of 2) to both owners, B 2, S 37, H 8 / 4
+        for h in (8, 4):
+            buffer = poisoned((2, 74, h // 2, 128), torch.bfloat16)
+            nhd = data((2, 37, h, 128), torch.bfloat16)
+            source = nhd if h == 8 else nhd.transpose(1, 2).contiguous().transpose(1, 2)
+            pair(buffer, buffer[:, 37:], source.unflatten(2, (2, h // 2))[:, :, owner])
+    out_buffer = poisoned((1, 40, 6, 64), torch.float16)
+    pair(out_buffer, out_buffer[:, :, 3:], data((1, 80, 3, 64), torch.float16)[:, 40:])
+    flat = poisoned((9, 24), torch.float32)
+    pair(flat, flat[2:7, 4:12], data((5, 8), torch.float32))
+    rows = poisoned((3, 5, 48), torch.uint8)
+    pair(rows, rows[:, 1:4, 16:32], data((3, 3, 16), torch.uint8))
+    line = poisoned((64,), torch.uint8)
+    pair(line, line[16:48], data((32,), torch.uint8))
+    empty = torch.zeros(0, 8, dtype=torch.float16, device=device)
+    pair(empty, empty, data((0, 8), torch.float16))
+    return dsts, srcs, buffers
+
+
+def _check_copied(dsts: list[torch.Tensor], srcs: list[torch.Tensor], buffers: list[torch.Tensor]) -> None:
+    """Every destination equals its source, and every byte of its buffer outside it kept 0xFF."""
+    for i, (dst, src, buffer) in enumerate(zip(dsts, srcs, buffers)):
+        assert torch.equal(dst.view(torch.uint8), src.contiguous().view(torch.uint8)), i
+        outside = torch.ones_like(buffer, dtype=torch.bool)
+        outside.as_strided(dst.shape, dst.stride(), dst.storage_offset()).fill_(False)
+        kept = buffer.view(torch.uint8).view(*buffer.shape, buffer.element_size())[outside]
+        assert bool((kept == 255).all()), f"pair {i} wrote outside its destination"
+
+
+def test_copy_many_on_the_cpu() -> None:
+    """ops.copy_many_ without the kernel (CPU tensors): one copy each, the same result."""
+    from sageattention2 import ops
+
+    dsts, srcs, buffers = _copy_pairs("cpu")
+    ops.copy_many_(dsts, srcs)
+    _check_copied(dsts, srcs, buffers)
+
+
+def test_copy_many_refusals() -> None:
+    """The op's checks (its Meta implementation, what torch.compile traces): each names the pair
+    and what is allowed."""
+    from sageattention2 import ops
+
+    if not ops.has_op("copy_many_"):
+        pytest.skip("the extension has no copy_many_ op")
+    op = torch.ops.sageattention2.copy_many_
+
+    def meta(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device="meta")
+
+    cases = [
+        (([meta(4, 8)], []), "lists of the same length"),
+        (([meta(4, 8)] * 33, [meta(4, 8)] * 33), "at most 32 pairs"),
+        (([meta(4, 8)], [meta(4, 16)]), r"dsts\[0\] and srcs\[0\] must have the same shape"),
+        (([meta(4, 8)], [meta(4, 8, dtype=torch.float16)]), "same shape and dtype"),
+        (([meta(2, 2, 2, 2, 8)], [meta(2, 2, 2, 2, 8)]), "1 to 4 dimensions"),
+        (([meta(4, 4)], [meta(4, 4)]), "multiple of 16 bytes"),
+        (([meta(8, 8).t()], [meta(8, 8)]), "contiguous last dimension"),
+        (([meta(4, 12)[:, :8]], [meta(4, 8)]), r"stride 0 must be a multiple of 16 bytes"),
+    ]
+    for (dsts, srcs), match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            op(dsts, srcs)
+    op([meta(4, 8)], [meta(4, 8)])  # a good call passes
+
+
+@pytest.mark.gpu
+def test_copy_many_on_the_gpu() -> None:
+    """The op on the GPU: every case of :func:`_copy_pairs` in one launch, nothing written
+    outside the destinations (their buffers poisoned); ops.copy_many_ takes the op for them;
+    overlapping pairs refused; opcheck."""
+    from sageattention2 import ops
+
+    if not torch.cuda.is_available() or not ops.has_op("copy_many_"):
+        pytest.skip("needs a CUDA GPU and the copy_many_ op")
+    dsts, srcs, buffers = _copy_pairs("cuda")
+    assert all(ops._moved_as_words(t) for t in (*dsts, *srcs))
+    ops.copy_many_(dsts, srcs)
+    _check_copied(dsts, srcs, buffers)
+    whole, other = torch.zeros(2, 64, dtype=torch.uint8, device="cuda")
+    with pytest.raises(RuntimeError, match=r"srcs\[0\] overlaps dsts\[0\]"):
+        torch.ops.sageattention2.copy_many_([whole[16:48]], [whole[:32]])
+    with pytest.raises(RuntimeError, match=r"dsts\[1\] overlaps dsts\[0\]"):
+        torch.ops.sageattention2.copy_many_([whole[:32], whole[16:48]], [other[:32], other[32:]])
+    dsts, srcs, _ = _copy_pairs("cuda")
+    torch.library.opcheck(torch.ops.sageattention2.copy_many_.default, (dsts[:5], srcs[:5]))
 
 
 def _merge_parts_case(device: str, parts: int, dtype: torch.dtype, head_dim: int, nhd: bool,

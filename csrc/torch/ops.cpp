@@ -111,6 +111,7 @@ TORCH_LIBRARY(sageattention2, m) {
       "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s, Tensor v_tile_scale)");
   m.def("center_keys(Tensor q, Tensor k, Tensor lse, Tensor k_mean, float scale) -> (Tensor k_centered, "
         "Tensor lse_centered)");
+  m.def("copy_many_(Tensor(a!)[] dsts, Tensor[] srcs) -> ()");
   m.def("merge_attention_parts(Tensor[] outs, Tensor[] lses, bool out_nhd) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_mma(Tensor q, Tensor? q_mean, Tensor k_codes, Tensor k_scale, Tensor? delta_s, Tensor v, "
@@ -143,6 +144,7 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("smoothing_stats", &sageattention2::smoothing_stats_cuda);
   m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
   m.impl("center_keys", &sageattention2::center_keys_cuda);
+  m.impl("copy_many_", &sageattention2::copy_many_cuda);
   m.impl("merge_attention_parts", &sageattention2::merge_parts_cuda);
   m.impl("attention_mma", &sageattention2::attention_mma_cuda);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
@@ -156,6 +158,7 @@ TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("smoothing_stats", &sageattention2::smoothing_stats_meta);
   m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
   m.impl("center_keys", &sageattention2::center_keys_meta);
+  m.impl("copy_many_", &sageattention2::copy_many_meta);
   m.impl("merge_attention_parts", &sageattention2::merge_parts_meta);
   m.impl("attention_mma", &sageattention2::attention_mma_meta);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);

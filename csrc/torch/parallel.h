@@ -7,6 +7,12 @@
 
 namespace sageattention2 {
 
+// copy_many_(dsts, srcs): srcs[i] into dsts[i] for every i in one launch (parallel/copy_many.cu).
+// Validation shared by the CUDA and the Meta implementation.
+void check_copy_many(at::TensorList dsts, at::TensorList srcs);
+void copy_many_cuda(at::TensorList dsts, at::TensorList srcs);
+void copy_many_meta(at::TensorList dsts, at::TensorList srcs);
+
 // merge_attention_parts(outs, lses, out_nhd): the parts' outputs [B, H, N, D] and LSEs [B, H, N],
 // each over its own keys, merged by their LSE into (out, lse) over all of them
 // (parallel/merge_parts.cu). Validation shared by the CUDA and the Meta implementation.

@@ -4,20 +4,107 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <utility>
 
+#include "parallel/copy_many.h"
 #include "parallel/merge_parts.h"
 #include "torch/parallel.h"
 
 namespace sageattention2 {
 namespace {
 
-constexpr int64_t kVectorBytes = 16;
-constexpr int64_t kMaxVectors = int64_t{1} << 31;
+constexpr int64_t kWordBytes = 16;
+constexpr int64_t kMaxWords = int64_t{1} << 31;
+
+// [first byte, one past the last byte] that a strided view touches.
+std::pair<uintptr_t, uintptr_t> byte_extent(const at::Tensor& t) {
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto first = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
+}
+
+bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto [a0, a1] = byte_extent(a);
+  const auto [b0, b1] = byte_extent(b);
+  return a0 < b1 && b0 < a1;
+}
 
 }  // namespace
 
 // SymInt-aware: the Meta implementation runs it under dynamic shapes (torch.compile, opcheck).
+void check_copy_many(at::TensorList dsts, at::TensorList srcs) {
+  TORCH_CHECK(dsts.size() == srcs.size(), "copy_many_: dsts and srcs must be lists of the same length, got ",
+              dsts.size(), " and ", srcs.size());
+  TORCH_CHECK(dsts.size() <= static_cast<size_t>(kCopyManyMaxPairs), "copy_many_ takes at most ",
+              kCopyManyMaxPairs, " pairs, got ", dsts.size());
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    const at::Tensor &dst = dsts[i], &src = srcs[i];
+    TORCH_CHECK(dst.sym_sizes() == src.sym_sizes() && dst.scalar_type() == src.scalar_type(), "copy_many_: dsts[", i,
+                "] and srcs[", i, "] must have the same shape and dtype, got ", dst.sym_sizes(), " ", dst.scalar_type(),
+                " and ", src.sym_sizes(), " ", src.scalar_type());
+    TORCH_CHECK(dst.dim() >= 1 && dst.dim() <= 4, "copy_many_: pair ", i, " must have 1 to 4 dimensions, got ",
+                dst.dim());
+    TORCH_CHECK(dst.device() == dsts[0].device() && src.device() == dsts[0].device(), "copy_many_: pair ", i,
+                " must be on ", dsts[0].device(), " (every tensor on one device), got ", dst.device(), " and ",
+                src.device());
+    const int64_t elem = dst.element_size();
+    for (const at::Tensor* t : {&dst, &src}) {
+      const char* name = t == &dst ? "dsts" : "srcs";
+      TORCH_CHECK(t->sym_stride(-1) == 1 && (t->sym_size(-1) * elem) % kWordBytes == 0, "copy_many_: ", name, "[", i,
+                  "] must have a contiguous last dimension of a multiple of 16 bytes (the kernel moves 16-byte "
+                  "words), got size ", t->sym_size(-1), " stride ", t->sym_stride(-1));
+      for (int64_t d = 0; d + 1 < t->dim(); ++d) {
+        TORCH_CHECK((t->sym_stride(d) * elem) % kWordBytes == 0, "copy_many_: ", name, "[", i, "]'s stride ", d,
+                    " must be a multiple of 16 bytes, got ", t->sym_stride(d) * elem, " bytes");
+      }
+    }
+    TORCH_CHECK(dst.sym_numel() * elem / kWordBytes < kMaxWords, "copy_many_: pair ", i, " has ",
+                dst.sym_numel() * elem, " bytes; at most 32 GiB a pair");
+  }
+}
+
+void copy_many_meta(at::TensorList dsts, at::TensorList srcs) { check_copy_many(dsts, srcs); }
+
+void copy_many_cuda(at::TensorList dsts, at::TensorList srcs) {
+  check_copy_many(dsts, srcs);
+  if (dsts.empty()) return;
+  TORCH_CHECK(dsts[0].is_cuda(), "copy_many_: the tensors must be CUDA tensors, got ", dsts[0].device());
+  CopyManyParams p;
+  for (size_t i = 0; i < dsts.size(); ++i) {
+    const at::Tensor &dst = dsts[i], &src = srcs[i];
+    for (const at::Tensor* t : {&dst, &src}) {
+      TORCH_CHECK(reinterpret_cast<uintptr_t>(t->data_ptr()) % kWordBytes == 0, "copy_many_: ",
+                  t == &dst ? "dsts[" : "srcs[", i, "] must start at a 16-byte aligned address");
+    }
+    for (size_t j = 0; j < dsts.size(); ++j) {
+      TORCH_CHECK(!overlap(src, dsts[j]), "copy_many_: srcs[", i, "] overlaps dsts[", j, "]");
+      TORCH_CHECK(j >= i || !overlap(dst, dsts[j]), "copy_many_: dsts[", i, "] overlaps dsts[", j, "]");
+    }
+    if (dst.numel() == 0) continue;
+    const int64_t elem = dst.element_size(), outer = dst.dim() - 1;
+    CopyPair& pair = p.pairs[p.num_pairs++];
+    pair.src = src.data_ptr();
+    pair.dst = dst.data_ptr();
+    for (int d = 0; d < 3; ++d) {  // outer dimensions right-aligned; the missing ones of size 1
+      const int64_t source_dim = d - (3 - outer);
+      pair.rows[d] = source_dim < 0 ? 1u : static_cast<uint32_t>(dst.size(source_dim));
+      pair.src_stride[d] = source_dim < 0 ? 0 : src.stride(source_dim) * elem / kWordBytes;
+      pair.dst_stride[d] = source_dim < 0 ? 0 : dst.stride(source_dim) * elem / kWordBytes;
+    }
+    pair.row_words = static_cast<uint32_t>(dst.size(-1) * elem / kWordBytes);
+    pair.words = static_cast<uint32_t>(dst.numel() * elem / kWordBytes);
+    pair.by_row_words = FastDivisor::of(pair.row_words);
+    pair.by_rows2 = FastDivisor::of(pair.rows[2]);
+    pair.by_rows1 = FastDivisor::of(pair.rows[1]);
+  }
+  const c10::cuda::CUDAGuard guard(dsts[0].device());
+  C10_CUDA_CHECK(launch_copy_many(p, dsts[0].get_device(), at::cuda::getCurrentCUDAStream()));
+}
+
+// SymInt-aware like check_copy_many.
 void check_merge_parts(at::TensorList outs, at::TensorList lses) {
   TORCH_CHECK(!outs.empty() && outs.size() <= static_cast<size_t>(kMergeMaxParts),
               "merge_attention_parts: outs must hold 1 to ", kMergeMaxParts, " parts, got ", outs.size());
@@ -48,7 +135,7 @@ void check_merge_parts(at::TensorList outs, at::TensorList lses) {
                 "merge_attention_parts: lses[", i, "] must be float32 ", rows, " on ", first.device(), ", got ",
                 lse.scalar_type(), " ", lse.sym_sizes(), " on ", lse.device());
   }
-  TORCH_CHECK(first.sym_numel() / 8 < kMaxVectors, "merge_attention_parts: outs[0] has ", first.sym_numel(),
+  TORCH_CHECK(first.sym_numel() / 8 < kMaxWords, "merge_attention_parts: outs[0] has ", first.sym_numel(),
               " elements; at most 2^34");
 }
 
@@ -79,7 +166,7 @@ std::tuple<at::Tensor, at::Tensor> merge_parts_cuda(at::TensorList outs, at::Ten
   MergePartsParams p;
   p.parts = static_cast<int>(outs.size());
   for (int part = 0; part < p.parts; ++part) {
-    TORCH_CHECK(reinterpret_cast<uintptr_t>(outs[part].data_ptr()) % kVectorBytes == 0, "merge_attention_parts: outs[",
+    TORCH_CHECK(reinterpret_cast<uintptr_t>(outs[part].data_ptr()) % kWordBytes == 0, "merge_attention_parts: outs[",
                 part, "] must start at a 16-byte aligned address");
     p.outs[part] = outs[part].data_ptr();
     p.lses[part] = lses[part].data_ptr<float>();
