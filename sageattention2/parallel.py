@@ -446,6 +446,10 @@ def _all_keys_mask(mask: Tensor | None, local_keys: int, group: Any) -> Tensor |
 _GRANULE = 2 << 20  # peer buffers grow in 2 MiB steps (the driver maps whole pages anyway)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def _bytes_as(buffer: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
     """``buffer`` (uint8) from ``offset`` viewed as a contiguous ``dtype`` tensor of ``shape``."""
     return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
@@ -484,7 +488,7 @@ def _peer_memory(call: ParallelCall, nbytes: int, device: torch.device) -> _Peer
     if memory is not False and memory.buffers[memory.rank].numel() >= nbytes:
         return memory
     _peer_memories[key] = None  # (the old buffer is released before a larger one is mapped)
-    _peer_memories[key] = _map_peer_memory(group, -(-nbytes // _GRANULE) * _GRANULE, device)
+    _peer_memories[key] = _map_peer_memory(group, _round_up(nbytes, _GRANULE), device)
     return _peer_memories[key]
 
 
@@ -514,7 +518,7 @@ def _tokens_to_heads_layout(q: Tensor, k: Tensor, v: Tensor,
     for t in (q, k, v):
         b, s, h, d = t.shape
         parts.append((total, (b, p * s, h // p, d)))
-        total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+        total += _round_up(t.numel() * t.element_size(), _ALIGN)
     out = q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] * q.element_size()
     return parts, max(total, out)
 
@@ -576,7 +580,7 @@ class _Packed(NamedTuple):
                 layout.append(None)
                 continue
             layout.append((total, t.dtype, tuple(t.shape)))
-            total += -(-t.numel() * t.element_size() // _ALIGN) * _ALIGN
+            total += _round_up(t.numel() * t.element_size(), _ALIGN)
         device = next(t.device for t in parts if t is not None)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         for t, where in zip(parts, layout):

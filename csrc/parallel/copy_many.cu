@@ -12,20 +12,14 @@
 namespace sageattention2 {
 namespace {
 
-__global__ void __launch_bounds__(kCopyManyThreads) copy_many_kernel(const __grid_constant__ CopyManyParams p) {
+__global__ void __launch_bounds__(kVectorWalkThreads) copy_many_kernel(const __grid_constant__ CopyManyParams p) {
   const CopyPair& pair = p.pairs[blockIdx.y];
   const uint4* src = static_cast<const uint4*>(pair.src);
   uint4* dst = static_cast<uint4*>(pair.dst);
-  const uint32_t step = gridDim.x * kCopyManyThreads;  // (i + step < 2^32: both are < 2^31)
-  for (uint32_t i = blockIdx.x * kCopyManyThreads + threadIdx.x; i < pair.words; i += step) {
-    // A word's place by multiply and shift (common/fast_divisor.h): three runtime divisions per
-    // 16 bytes would cost ~60 instructions where HBM delivers a word every few cycles per SM.
-    const uint32_t row = pair.by_row_words.quotient(i), word = i - row * pair.row_words;
-    const uint32_t outer = pair.by_rows2.quotient(row), i2 = row - outer * pair.rows[2];
-    const uint32_t i0 = pair.by_rows1.quotient(outer), i1 = outer - i0 * pair.rows[1];
-    const int64_t from = i0 * pair.src_stride[0] + i1 * pair.src_stride[1] + i2 * pair.src_stride[2] + word;
-    const int64_t to = i0 * pair.dst_stride[0] + i1 * pair.dst_stride[1] + i2 * pair.dst_stride[2] + word;
-    dst[to] = ptx::ld_global_nc_v4(src + from);
+  const uint32_t step = gridDim.x * kVectorWalkThreads;  // (i + step < 2^32: both are < 2^31)
+  for (uint32_t i = blockIdx.x * kVectorWalkThreads + threadIdx.x; i < pair.walk.vectors; i += step) {
+    const VectorWalk::Place at = pair.walk.place(i);
+    dst[at.row(pair.dst_stride) + at.vector] = ptx::ld_global_nc_v4(src + at.row(pair.src_stride) + at.vector);
   }
 }
 
@@ -34,17 +28,14 @@ __global__ void __launch_bounds__(kCopyManyThreads) copy_many_kernel(const __gri
 cudaError_t launch_copy_many(const CopyManyParams& p, int device, cudaStream_t stream) {
   if (p.num_pairs <= 0) return cudaSuccess;
   uint32_t most = 0;
-  for (int i = 0; i < p.num_pairs; ++i) most = p.pairs[i].words > most ? p.pairs[i].words : most;
+  for (int i = 0; i < p.num_pairs; ++i) most = p.pairs[i].walk.vectors > most ? p.pairs[i].walk.vectors : most;
   int sms = 0;
   if (const cudaError_t status = device_attribute(cudaDevAttrMultiProcessorCount, device, &sms);
       status != cudaSuccess) {
     return status;
   }
-  // Eight CTAs of 256 threads fill an SM; the pairs share the GPU, four words a thread at least.
-  const uint32_t wanted = (most + kCopyManyThreads * 4 - 1) / (kCopyManyThreads * 4);
-  const uint32_t room = static_cast<uint32_t>(sms * 8 / p.num_pairs);
-  const dim3 grid(wanted < 1 ? 1 : (wanted < room ? wanted : (room < 1 ? 1 : room)), p.num_pairs);
-  return launch_kernel(copy_many_kernel, grid, dim3(kCopyManyThreads), 0, stream, false, p);
+  const dim3 grid(vector_walk_ctas(most, sms, p.num_pairs), p.num_pairs);  // (the pairs share the GPU)
+  return launch_kernel(copy_many_kernel, grid, dim3(kVectorWalkThreads), 0, stream, false, p);
 }
 
 }  // namespace sageattention2

@@ -6,26 +6,22 @@
 
 #include <cstdint>
 
-#include "common/fast_divisor.h"
+#include "parallel/vector_walk.h"
 
 namespace sageattention2 {
 
 // Ulysses on 8 ranks moves q, k and v to every rank: 24 pairs; the parameter block stays under
 // the 4 KB that every arch takes without the CUDA 12.1 large-parameter path.
 inline constexpr int kCopyManyMaxPairs = 32;
-inline constexpr int kCopyManyThreads = 256;
 
-// One pair as rows of 16-byte words: up to three outer dimensions (size 1 where absent), each
-// with its own stride on either side, and the last dimension contiguous on both.
+// One pair: the walk over its shape, and the strides of its outer dimensions on either side (in
+// 16-byte vectors).
 struct CopyPair {
   const void* src;
   void* dst;
-  int64_t src_stride[3];  // words
+  int64_t src_stride[3];
   int64_t dst_stride[3];
-  uint32_t rows[3];       // sizes of the outer dimensions
-  uint32_t row_words;
-  uint32_t words;         // rows[0] * rows[1] * rows[2] * row_words, < 2^31
-  FastDivisor by_row_words, by_rows2, by_rows1;
+  VectorWalk walk;
 };
 
 struct CopyManyParams {

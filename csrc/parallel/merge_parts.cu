@@ -21,19 +21,16 @@ namespace sageattention2 {
 namespace {
 
 template <typename T>
-__global__ void __launch_bounds__(kMergeThreads) merge_parts_kernel(const __grid_constant__ MergePartsParams p) {
-  const uint32_t step = gridDim.x * kMergeThreads;  // (i + step < 2^32: both are < 2^31)
-  for (uint32_t i = blockIdx.x * kMergeThreads + threadIdx.x; i < p.vectors; i += step) {
-    const uint32_t row = p.by_row_vectors.quotient(i), vector = i - row * p.row_vectors;
-    const uint32_t outer = p.by_rows2.quotient(row), i2 = row - outer * p.rows[2];
-    const uint32_t i0 = p.by_rows1.quotient(outer), i1 = outer - i0 * p.rows[1];
+__global__ void __launch_bounds__(kVectorWalkThreads) merge_parts_kernel(const __grid_constant__ MergePartsParams p) {
+  const uint32_t step = gridDim.x * kVectorWalkThreads;  // (i + step < 2^32: both are < 2^31)
+  for (uint32_t i = blockIdx.x * kVectorWalkThreads + threadIdx.x; i < p.walk.vectors; i += step) {
+    const VectorWalk::Place at = p.walk.place(i);
     float lse[kMergeMaxParts];
     float top = -INFINITY;
 #pragma unroll
     for (int part = 0; part < kMergeMaxParts; ++part) {
       if (part < p.parts) {
-        const int64_t* s = p.lse_stride[part];
-        lse[part] = p.lses[part][i0 * s[0] + i1 * s[1] + i2 * s[2]];
+        lse[part] = p.lses[part][at.row(p.lse_stride[part])];
         top = fmaxf(top, lse[part]);
       }
     }
@@ -52,10 +49,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_parts_kernel(const __grid
 #pragma unroll
     for (int part = 0; part < kMergeMaxParts; ++part) {
       if (part < p.parts) {
-        const int64_t* s = p.out_stride[part];
-        const T* base = static_cast<const T*>(p.outs[part]);
+        const T* row = static_cast<const T*>(p.outs[part]) + at.row(p.out_stride[part]);
         float values[8];
-        widen8<T>(ptx::ld_global_nc_v4(base + i0 * s[0] + i1 * s[1] + i2 * s[2] + vector * 8), values);
+        widen8<T>(ptx::ld_global_nc_v4(row + at.vector * 8), values);
         const float w = __fdiv_rn(weight[part], divisor);
 #pragma unroll
         for (int c = 0; c < 8; ++c) {
@@ -69,11 +65,9 @@ __global__ void __launch_bounds__(kMergeThreads) merge_parts_kernel(const __grid
     packed.y = HalfPair<T>::pack(merged[2], merged[3]);
     packed.z = HalfPair<T>::pack(merged[4], merged[5]);
     packed.w = HalfPair<T>::pack(merged[6], merged[7]);
-    const int64_t* s = p.merged_stride;
-    *reinterpret_cast<uint4*>(static_cast<T*>(p.merged) + i0 * s[0] + i1 * s[1] + i2 * s[2] + vector * 8) = packed;
-    if (vector == 0) {
-      const int64_t* t = p.merged_lse_stride;
-      p.merged_lse[i0 * t[0] + i1 * t[1] + i2 * t[2]] = __fadd_rn(top, logf(total));
+    *reinterpret_cast<uint4*>(static_cast<T*>(p.merged) + at.row(p.merged_stride) + at.vector * 8) = packed;
+    if (at.vector == 0) {
+      p.merged_lse[at.row(p.merged_lse_stride)] = __fadd_rn(top, logf(total));
     }
   }
 }
@@ -81,19 +75,16 @@ __global__ void __launch_bounds__(kMergeThreads) merge_parts_kernel(const __grid
 }  // namespace
 
 cudaError_t launch_merge_parts(const MergePartsParams& p, InputDtype dtype, int device, cudaStream_t stream) {
-  if (p.vectors == 0) return cudaSuccess;
+  if (p.walk.vectors == 0) return cudaSuccess;
   int sms = 0;
   if (const cudaError_t status = device_attribute(cudaDevAttrMultiProcessorCount, device, &sms);
       status != cudaSuccess) {
     return status;
   }
-  // Eight CTAs of 256 threads fill an SM; a few vectors a thread at least.
-  const uint32_t wanted = (p.vectors + kMergeThreads * 4 - 1) / (kMergeThreads * 4);
-  const uint32_t room = static_cast<uint32_t>(sms * 8);
-  const dim3 grid(wanted < room ? (wanted < 1 ? 1 : wanted) : room);
+  const dim3 grid(vector_walk_ctas(p.walk.vectors, sms, 1));
   return dtype == InputDtype::kFloat16
-             ? launch_kernel(merge_parts_kernel<__half>, grid, dim3(kMergeThreads), 0, stream, false, p)
-             : launch_kernel(merge_parts_kernel<__nv_bfloat16>, grid, dim3(kMergeThreads), 0, stream, false, p);
+             ? launch_kernel(merge_parts_kernel<__half>, grid, dim3(kVectorWalkThreads), 0, stream, false, p)
+             : launch_kernel(merge_parts_kernel<__nv_bfloat16>, grid, dim3(kVectorWalkThreads), 0, stream, false, p);
 }
 
 }  // namespace sageattention2

@@ -8,14 +8,13 @@
 
 #include <cstdint>
 
-#include "common/fast_divisor.h"
 #include "common/input_dtype.h"
+#include "parallel/vector_walk.h"
 
 namespace sageattention2 {
 
 // The ring on 8 ranks merges 8 parts; the parameter block stays well under 4 KB.
 inline constexpr int kMergeMaxParts = 8;
-inline constexpr int kMergeThreads = 256;
 
 // Rows are walked in the merged output's memory order: three outer dimensions (batch, then
 // tokens and heads in the order the output is laid out) and 16-byte vectors of 8 channels. Every
@@ -29,10 +28,7 @@ struct MergePartsParams {
   int64_t merged_stride[3];
   float* merged_lse;
   int64_t merged_lse_stride[3];
-  uint32_t rows[3];
-  uint32_t row_vectors;  // head_dim / 8
-  uint32_t vectors;      // rows[0] * rows[1] * rows[2] * row_vectors, < 2^31
-  FastDivisor by_row_vectors, by_rows2, by_rows1;
+  VectorWalk walk;  // rows of head_dim / 8 vectors
   int parts = 0;
 };
 

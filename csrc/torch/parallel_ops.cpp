@@ -88,17 +88,14 @@ void copy_many_cuda(at::TensorList dsts, at::TensorList srcs) {
     CopyPair& pair = p.pairs[p.num_pairs++];
     pair.src = src.data_ptr();
     pair.dst = dst.data_ptr();
+    uint32_t rows[3];
     for (int d = 0; d < 3; ++d) {  // outer dimensions right-aligned; the missing ones of size 1
       const int64_t source_dim = d - (3 - outer);
-      pair.rows[d] = source_dim < 0 ? 1u : static_cast<uint32_t>(dst.size(source_dim));
+      rows[d] = source_dim < 0 ? 1u : static_cast<uint32_t>(dst.size(source_dim));
       pair.src_stride[d] = source_dim < 0 ? 0 : src.stride(source_dim) * elem / kWordBytes;
       pair.dst_stride[d] = source_dim < 0 ? 0 : dst.stride(source_dim) * elem / kWordBytes;
     }
-    pair.row_words = static_cast<uint32_t>(dst.size(-1) * elem / kWordBytes);
-    pair.words = static_cast<uint32_t>(dst.numel() * elem / kWordBytes);
-    pair.by_row_words = FastDivisor::of(pair.row_words);
-    pair.by_rows2 = FastDivisor::of(pair.rows[2]);
-    pair.by_rows1 = FastDivisor::of(pair.rows[1]);
+    pair.walk = VectorWalk::of(rows[0], rows[1], rows[2], static_cast<uint32_t>(dst.size(-1) * elem / kWordBytes));
   }
   const c10::cuda::CUDAGuard guard(dsts[0].device());
   C10_CUDA_CHECK(launch_copy_many(p, dsts[0].get_device(), at::cuda::getCurrentCUDAStream()));
@@ -180,14 +177,10 @@ std::tuple<at::Tensor, at::Tensor> merge_parts_cuda(at::TensorList outs, at::Ten
   for (int d = 0; d < 3; ++d) {
     p.merged_stride[d] = merged.stride(order[d]);
     p.merged_lse_stride[d] = merged_lse.stride(order[d]);
-    p.rows[d] = static_cast<uint32_t>(first.size(order[d]));
   }
-  p.row_vectors = static_cast<uint32_t>(first.size(3) / 8);
-  p.vectors = static_cast<uint32_t>(first.numel() / 8);
-  if (p.vectors == 0) return {merged, merged_lse};
-  p.by_row_vectors = FastDivisor::of(p.row_vectors);
-  p.by_rows2 = FastDivisor::of(p.rows[2]);
-  p.by_rows1 = FastDivisor::of(p.rows[1]);
+  const auto rows = [&](int d) { return static_cast<uint32_t>(first.size(order[d])); };
+  p.walk = VectorWalk::of(rows(0), rows(1), rows(2), static_cast<uint32_t>(first.size(3) / 8));
+  if (p.walk.vectors == 0) return {merged, merged_lse};
   const InputDtype dtype = first.scalar_type() == at::kHalf ? InputDtype::kFloat16 : InputDtype::kBFloat16;
   C10_CUDA_CHECK(launch_merge_parts(p, dtype, first.get_device(), at::cuda::getCurrentCUDAStream()));
   return {merged, merged_lse};
