@@ -123,7 +123,8 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
     """Ulysses' exchanges through the peers' memory, with threads standing in for the ranks
     (their buffers in one process, a threading barrier for the GPU's): every rank receives all
     tokens of its heads of q, k and v (GQA, batch 2, NHD views of HND tensors) and gets back its
-    tokens of every head of the output, exactly; the buffer is the size the layout asks for."""
+    tokens of every head of the output, exactly, in two calls (the second through the first's
+    views); the buffer is the size the layout asks for."""
     import threading
 
     from sageattention2 import parallel
@@ -144,9 +145,14 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
     def rank(r: int) -> None:
         memory = parallel._PeerMemory(r, buffers, barrier.wait)
         parts = parallel._tokens_to_heads_layout(*shards[r], world)[0]
-        heads = [t.clone() for t in parallel._tokens_to_heads_in_peers(*shards[r], memory, parts)]
         hp = hq // world
-        got[r] = heads, parallel._heads_to_tokens_in_peers(out[:, :, r * hp:(r + 1) * hp], memory)
+        # The second call reuses the first call's views of the buffers (memory.layouts): it
+        # must move the second call's tensors (the first's negated), all of them.
+        for sign in (-1, 1):
+            mine = [sign * t for t in shards[r]]
+            heads = [sign * t.clone() for t in parallel._tokens_to_heads_in_peers(*mine, memory, parts)]
+            tokens = sign * parallel._heads_to_tokens_in_peers(sign * out[:, :, r * hp:(r + 1) * hp], memory)
+        got[r] = heads, tokens
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
