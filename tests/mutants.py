@@ -11,6 +11,7 @@ least one of them fails. GPU mutants (``gpu=True``) run where the GPU tests run.
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -787,7 +788,7 @@ def _ulysses_peers_rank_off_by_one(patch: pytest.MonkeyPatch) -> None:
     from sageattention2 import parallel
 
     _wrap(patch, parallel, "_tokens_to_heads_in_peers", lambda real, q, k, v, memory, parts: real(
-        q, k, v, memory._replace(rank=(memory.rank + 1) % len(memory.buffers)), parts))
+        q, k, v, dataclasses.replace(memory, rank=(memory.rank + 1) % len(memory.buffers), layouts={}), parts))
 
 
 @mutant("merge-parts-weights-by-first-lse",
