@@ -167,6 +167,25 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
         assert torch.equal(tokens, out[:, r * s:(r + 1) * s]), r
 
 
+def test_peer_memory_keeps_views_per_layout() -> None:
+    """An exchange's views are built at its layout's first call and reused after; past 64
+    layouts (a server seeing many shapes) the kept ones are dropped, not grown without end."""
+    from sageattention2 import parallel
+
+    memory = parallel._PeerMemory(0, [torch.zeros(16, dtype=torch.uint8)], lambda: None)
+    built: list[int] = []
+
+    def views(layout: int) -> object:
+        return memory.views(layout, lambda: built.append(layout) or ("views", layout))
+
+    assert views(0) == ("views", 0) and views(0) == ("views", 0) and built == [0]
+    for layout in range(1, 64):
+        views(layout)
+    assert len(memory.layouts) == 64 and built == list(range(64))
+    assert views(64) == ("views", 64) and len(memory.layouts) == 1
+    assert views(0) == ("views", 0) and built[-2:] == [64, 0]
+
+
 def _copy_pairs(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """copy_many_'s cases: (destinations, sources, the buffers the destinations are views of,
     filled with 0xFF around them). Ulysses' views (a token slice of a head group; its source
