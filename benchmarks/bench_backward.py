@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
                                             pv_quant="none", return_lse=True)
                     cudnn = lambda: _backward._pytorch_kernels(  # noqa: E731
                         "cudnn", dout, q, k, v, out, lse, causal, scale, None)
-                    k_mean = k.mean(2, keepdim=True, dtype=torch.float32).to(dtype)
+                    k_mean = k.mean(2, keepdim=True, dtype=torch.float32)
                     own = lambda: _backward._wgmma_kernel(  # noqa: E731
                         dout, q, k, v, out, lse, k_mean, causal, scale)
                     t_cudnn = timing.median_ms(cudnn, rep=args.rep)

@@ -205,7 +205,7 @@ def attention_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: T
     bias = None if attn_mask is None else _additive(attn_mask, q)
     if _own_kernel(q, k, bias, grad_lse, is_causal):
         # (the op centers its K tiles and shifts the LSE itself; GQA: dK and dV per KV head)
-        mean = k.mean(dim=2, keepdim=True, dtype=torch.float32).to(k.dtype)
+        mean = k.mean(dim=2, keepdim=True, dtype=torch.float32)
         return _wgmma_kernel(grad_out, q, k, v, out, lse, mean, is_causal, scale)
     k, lse, mean = _center_keys(q, k, lse, scale)
     k_all, v_all = _expand_kv_heads(k, q.shape[1]), _expand_kv_heads(v, q.shape[1])
@@ -248,7 +248,8 @@ def _wgmma_kernel(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor
                   k_mean: Tensor, is_causal: bool, scale: float) -> tuple[Tensor, Tensor, Tensor]:
     """dQ, dK, dV from csrc/hopper/backward's kernel (k and v may have fewer heads: dK and dV
     per KV head) at the forward's natural-log ``lse``; the op subtracts ``k_mean`` ``[B, Hkv, 1,
-    D]`` (k's dtype) from K and shifts the LSE to match, and computes D = rowsum(dO * O)."""
+    D]`` (float32) from K, each difference rounded once to k's dtype as in :func:`_center_keys`,
+    shifts the LSE to match, and computes D = rowsum(dO * O)."""
     return torch.ops.sageattention2.attention_backward_wgmma(
         q.contiguous(), k.contiguous(), v.contiguous(), out.contiguous(), grad_out.contiguous(),
         lse.float().contiguous(), k_mean.contiguous(), scale, is_causal)

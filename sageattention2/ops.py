@@ -463,6 +463,12 @@ def sageattn_wgmma_varlen(q: Tensor, k: Tensor, v: Tensor, items: Tensor, blocks
     return out, lse
 
 
+def round_up(n: int, multiple: int) -> int:
+    """The least multiple of ``multiple`` that is >= ``n`` (reference.py keeps its own: the
+    reference imports nothing of the implementation)."""
+    return -(-n // multiple) * multiple
+
+
 def packed_items(spans: Sequence[tuple[int, int, int, int]],
                  sample_stride: Callable[[int], int]) -> tuple[Tensor, Tensor, int]:
     """``sageattn_wgmma_varlen``'s ``items`` (int32 ``[2, S, 3]``), ``blocks`` (int32 ``[n, 2]``:
@@ -475,8 +481,8 @@ def packed_items(spans: Sequence[tuple[int, int, int, int]],
     for s, (q0, q1, k0, k1) in enumerate(spans):
         ranges.append((k0, k1, sample_stride(k1 - k0)))
         rows.append((q0, q1, code_row))
-        blocks.extend((s, b) for b in range(-(-(q1 - q0) // WGMMA_BLOCK_Q)))
-        code_row += -(-(k1 - k0) // WGMMA_BLOCK_K) * WGMMA_BLOCK_K
+        blocks.extend((s, b) for b in range(round_up(q1 - q0, WGMMA_BLOCK_Q) // WGMMA_BLOCK_Q))
+        code_row += round_up(k1 - k0, WGMMA_BLOCK_K)
     return (torch.tensor([ranges, rows], dtype=torch.int32),
             torch.tensor(blocks, dtype=torch.int32).reshape(-1, 2), code_row)
 
@@ -610,19 +616,25 @@ def readable_in_place(t: Tensor) -> bool:
             and t.data_ptr() % 16 == 0)
 
 
-def _moved_as_words(t: Tensor) -> bool:
+def moved_as_words(t: Tensor) -> bool:
     """Whether copy_many_ moves ``t`` as it is: CUDA, 1 to 4 dimensions, rows of whole 16-byte
-    words, :func:`readable_in_place`."""
+    words, :func:`readable_in_place`. (A slice of such a tensor along any dimension but the last
+    is too: what lets a caller check the parents of many slices once.)"""
     return (t.is_cuda and 1 <= t.dim() <= 4 and t.shape[-1] * t.element_size() % 16 == 0
             and readable_in_place(t))
 
 
-def copy_many_(dsts: Sequence[Tensor], srcs: Sequence[Tensor]) -> None:
+def copy_many_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *,
+               as_words: bool | None = None) -> None:
     """``dsts[i].copy_(srcs[i])`` for every i (same shapes and dtypes, no overlaps): in one launch
     of the extension's ``copy_many_`` where it moves every tensor as it is (every pair at once:
-    context parallelism's local and remote copies side by side), else one ``copy_`` each."""
-    if (0 < len(dsts) <= COPY_MANY_MAX_PAIRS and has_op("copy_many_")
-            and all(_moved_as_words(t) for t in (*dsts, *srcs))):
+    context parallelism's local and remote copies side by side), else one ``copy_`` each.
+    ``as_words``: what the caller knows of :func:`moved_as_words` for every tensor (None:
+    asked here, tensor by tensor: ~70 us of host time for an exchange's 24 tensors, session 48;
+    the op itself still checks them, in C++)."""
+    if as_words is None:
+        as_words = all(moved_as_words(t) for t in (*dsts, *srcs))
+    if as_words and 0 < len(dsts) <= COPY_MANY_MAX_PAIRS and has_op("copy_many_"):
         _op("copy_many_")(list(dsts), list(srcs))
         return
     for dst, src in zip(dsts, srcs):

@@ -50,12 +50,14 @@ def test_kernel_matches_the_formulas(wgmma_kernel: None, n: int, is_causal: bool
     k_all, v_all = (t.repeat_interleave(4 // kv_heads, dim=1) for t in (k, v))
     out, lse = exact_out_lse(q, k_all, v_all, is_causal)
     scale = 128 ** -0.5
-    # The op subtracts k_mean from K (rounded to the dtype: dQ's operand) and shifts the LSE to
-    # match: the formulas run on the same centered K and shifted LSE.
-    k_mean = k.mean(2, keepdim=True, dtype=torch.float32).to(dtype)
+    # The op subtracts the float32 k_mean from K (each difference rounded once to the dtype:
+    # dQ's operand) and shifts the LSE to match: the formulas run on the same centered K and
+    # shifted LSE.
+    k_mean = k.mean(2, keepdim=True, dtype=torch.float32)
     mean_all = k_mean.repeat_interleave(4 // kv_heads, dim=1)
-    lse_centered = lse - scale * (q.float() @ mean_all.float().transpose(-1, -2)).squeeze(-1)
-    want = list(_backward._chunked(dout, q, k_all - mean_all, v_all, out, lse_centered, is_causal, scale,
+    lse_centered = lse - scale * (q.float() @ mean_all.transpose(-1, -2)).squeeze(-1)
+    k_centered = (k_all.float() - mean_all).to(dtype)
+    want = list(_backward._chunked(dout, q, k_centered, v_all, out, lse_centered, is_causal, scale,
                                    None, None))
     want[1:] = [w.float().view(2, kv_heads, 4 // kv_heads, *w.shape[2:]).sum(2) for w in want[1:]]
     poison_cuda_allocator()  # an element the kernels leave unwritten comes out NaN
@@ -113,7 +115,7 @@ def test_the_op_refuses_what_it_does_not_serve(wgmma_kernel: None) -> None:
     own_kernel_built()
     q = torch.randn(1, 4, 64, 128, device="cuda", dtype=torch.bfloat16)
     lse = torch.zeros(1, 4, 64, device="cuda")
-    mean = q[:, :, :1].contiguous()
+    mean = q[:, :, :1].float()
     op = torch.ops.sageattention2.attention_backward_wgmma
     with pytest.raises(RuntimeError, match="k must be .* 128"):
         op(q, q[..., :64].contiguous(), q[..., :64].contiguous(), q, q, lse, mean, 0.1, False)
@@ -125,10 +127,10 @@ def test_the_op_refuses_what_it_does_not_serve(wgmma_kernel: None) -> None:
         op(q, q[:, :, :32].contiguous(), q[:, :, :32].contiguous(), q, q, lse, mean, 0.1, True)
     with pytest.raises(RuntimeError, match="lse must be a contiguous float32"):
         op(q, q, q, q, q, lse[..., :32], mean, 0.1, False)
-    with pytest.raises(RuntimeError, match=r"k_mean must be a contiguous \[1, 4, 1, 128\] tensor of k's dtype"):
-        op(q, q, q, q, q, lse, mean.half(), 0.1, False)
+    with pytest.raises(RuntimeError, match=r"k_mean must be a contiguous \[1, 4, 1, 128\] float32 tensor"):
+        op(q, q, q, q, q, lse, mean.to(q.dtype), 0.1, False)
     with pytest.raises(RuntimeError, match=r"k_mean must be a contiguous \[1, 4, 1, 128\]"):
-        op(q, q, q, q, q, lse, q[:, :, :2].contiguous(), 0.1, False)
+        op(q, q, q, q, q, lse, q[:, :, :2].float(), 0.1, False)
 
 
 def test_the_own_kernel_is_opt_in(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -5,6 +5,7 @@ and on 2 GPUs over NCCL (the quantized path against the one-GPU call). Each rank
 running tests/parallel_worker.py."""
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import socket
@@ -112,6 +113,51 @@ def test_one_rank_is_sageattn() -> None:
         context_parallel_attention(q, k, v, bogus=1)
     with pytest.raises(ValueError, match="exchange must be one of"):
         context_parallel_attention(q, k, v, exchange="fp8")
+
+
+def test_a_kind_of_call_is_checked_once() -> None:
+    """A call of a kind that passed before is built without checking it again, into the call
+    the check builds (NHD and HND, a 2-D key mask); what differs in an argument's type (``1``
+    for ``True``) or in a shape is another kind, checked (and refused) as before."""
+    from sageattention2 import parallel
+
+    parallel._checked_kinds.clear()
+    checks: list[int] = []
+    real_check = parallel._check
+
+    def counted(*args: object) -> parallel.ParallelCall:
+        checks.append(1)
+        return real_check(*args)
+
+    def checked(q: torch.Tensor, mask: torch.Tensor | None, layout: str, causal: object = False,
+                **options: object) -> tuple[parallel.ParallelCall, tuple[int, ...]]:
+        return parallel._checked(q, q, q, mask, 0.0, causal, None, False, None, None, layout,
+                                 False, "auto", options)
+
+    nhd, mask = torch.randn(2, 7, 4, 8), torch.ones(2, 7, dtype=torch.bool)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(parallel, "_check", counted)
+        for layout, q in (("NHD", nhd), ("HND", nhd.transpose(1, 2).contiguous())):
+            first, fields = checked(q, mask, layout, qk_quant="int8")
+            again, same = checked(q.clone(), mask.clone(), layout, qk_quant="int8")
+            assert fields == same and len(checks) == (1 if layout == "NHD" else 2)
+            for f in dataclasses.fields(first):
+                a, b = getattr(first, f.name), getattr(again, f.name)
+                if isinstance(a, torch.Tensor):
+                    assert a.shape == b.shape and a.stride() == b.stride() and torch.equal(a, b), f.name
+                else:
+                    assert a == b, f.name
+        with pytest.raises(TypeError, match="is_causal must be a bool"):
+            checked(nhd, None, "NHD", causal=1)
+        checked(nhd, None, "NHD", causal=True)
+        with pytest.raises(TypeError, match="is_causal must be a bool"):
+            checked(nhd, None, "NHD", causal=1)
+        with pytest.raises(ValueError, match="qk_quant"):
+            checked(nhd, None, "NHD", causal=True, qk_quant="int3")
+        with pytest.raises(ValueError, match="4-D"):
+            checked(nhd[0], None, "NHD")
+        assert len(checks) == 7  # (every call above after the two repeats)
+    parallel._checked_kinds.clear()
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -285,7 +331,7 @@ def test_copy_many_on_the_gpu() -> None:
     if not torch.cuda.is_available() or not ops.has_op("copy_many_"):
         pytest.skip("needs a CUDA GPU and the copy_many_ op")
     dsts, srcs, buffers = _copy_pairs("cuda")
-    assert all(ops._moved_as_words(t) for t in (*dsts, *srcs))
+    assert all(ops.moved_as_words(t) for t in (*dsts, *srcs))
     ops.copy_many_(dsts, srcs)
     _check_copied(dsts, srcs, buffers)
     whole, other = torch.zeros(2, 64, dtype=torch.uint8, device="cuda")

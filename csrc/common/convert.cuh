@@ -36,6 +36,14 @@ __device__ __forceinline__ void widen8<__nv_bfloat16>(const uint4& raw, float (&
   }
 }
 
+// Eight float32 values from 32-byte aligned global memory, by two 16-byte read-only loads (a K
+// mean's eight channels: center_keys, the backward kernel).
+__device__ __forceinline__ void load8(const float* src, float (&out)[8]) {
+  const float4 a = __ldg(reinterpret_cast<const float4*>(src)), b = __ldg(reinterpret_cast<const float4*>(src) + 1);
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+  out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+}
+
 template <typename T>
 __device__ __forceinline__ float widen1(T x);
 template <>

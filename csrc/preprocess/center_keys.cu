@@ -38,13 +38,7 @@ __global__ void __launch_bounds__(kCenterKeysThreads) center_keys_kernel(const _
     const int bh = is_key ? slab : slab - k_slabs, h = bh % view.heads, b = bh / view.heads;
     const int hk = is_key ? h : h / (p.q.heads / p.k.heads);
     float mean[kElemsPerVector] = {};
-    if (lane < vecs) {
-      const float4* m = reinterpret_cast<const float4*>(
-          p.k_mean + (static_cast<int64_t>(b) * p.k.heads + hk) * head_dim + lane * kElemsPerVector);
-      const float4 m0 = __ldg(m), m1 = __ldg(m + 1);
-      mean[0] = m0.x, mean[1] = m0.y, mean[2] = m0.z, mean[3] = m0.w;
-      mean[4] = m1.x, mean[5] = m1.y, mean[6] = m1.z, mean[7] = m1.w;
-    }
+    if (lane < vecs) load8(p.k_mean + (static_cast<int64_t>(b) * p.k.heads + hk) * head_dim + lane * kElemsPerVector, mean);
     const T* src = row_ptr<T>(view, b, h, 0) + lane * kElemsPerVector;
     const int64_t out_row0 = static_cast<int64_t>(bh) * view.tokens;  // K's out rows, Q's LSE rows
     for (int64_t first = static_cast<int64_t>(blockIdx.x) * rows_per_pass * kCenterKeysRowsInFlight +

@@ -4,7 +4,7 @@
 // q, out, dout: contiguous [B, H, Nq, 128] float16/bfloat16; k, v: contiguous [B, Hkv, Nk, 128]
 // with Hkv dividing H (GQA: dK and dV per KV head, summed over its group); lse: the forward's,
 // natural log, contiguous float32 [B, H, Nq] (-inf or +inf: a row that sees no key, P = 0);
-// k_mean: contiguous [B, Hkv, 1, 128] in k's dtype, subtracted from K for dQ (K smoothing, the
+// k_mean: contiguous float32 [B, Hkv, 1, 128], subtracted from K for dQ (K smoothing, the
 // kernel's center_keys; zeros: none); is_causal needs Nq == Nk.
 #include <ATen/cuda/CUDAContext.h>
 #include <ATen/ops/empty.h>
@@ -49,11 +49,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_wgmma_cuda(
                   lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2),
               "attention_backward_wgmma: lse must be a contiguous float32 [", q.size(0), ", ", q.size(1), ", ",
               q.size(2), "] on q's device, got ", lse.sizes(), " ", lse.scalar_type());
-  TORCH_CHECK(k_mean.is_cuda() && k_mean.device() == q.device() && k_mean.scalar_type() == k.scalar_type() &&
+  TORCH_CHECK(k_mean.is_cuda() && k_mean.device() == q.device() && k_mean.scalar_type() == at::kFloat &&
                   k_mean.is_contiguous() && k_mean.dim() == 4 && k_mean.size(0) == k.size(0) &&
                   k_mean.size(1) == k.size(1) && k_mean.size(2) == 1 && k_mean.size(3) == 128,
               "attention_backward_wgmma: k_mean must be a contiguous [", k.size(0), ", ", k.size(1),
-              ", 1, 128] tensor of k's dtype on q's device, got ", k_mean.sizes(), " ", k_mean.scalar_type());
+              ", 1, 128] float32 tensor on q's device, got ", k_mean.sizes(), " ", k_mean.scalar_type());
   TORCH_CHECK(q.size(2) < (int64_t{1} << 30) && k.size(2) < (int64_t{1} << 30),
               "attention_backward_wgmma: sequence lengths must be below 2^30");
   const c10::cuda::CUDAGuard guard(q.device());
@@ -70,7 +70,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward_wgmma_cuda(
   p.v = v.data_ptr();
   p.out = out.data_ptr();
   p.dout = dout.data_ptr();
-  p.k_mean = k_mean.data_ptr();
+  p.k_mean = k_mean.data_ptr<float>();
   p.lse = lse.data_ptr<float>();
   p.lse_log2 = lse_log2.data_ptr<float>();
   p.delta = delta.data_ptr<float>();

@@ -133,7 +133,8 @@ struct AttentionBackwardKernel {
   // (Sec. 3.2) in the backward. dQ = scale dS K loses scale rowsum(dS) k_mean, zero in exact
   // arithmetic but not with the forward's quantized O and LSE (session 40: dQ's CosSim 0.78 on K
   // with channel offsets); S^T on the centered K pairs with the prepare kernel's shifted LSE.
-  // Each difference is rounded once to K's dtype, as PyTorch's k - k_mean.
+  // Each difference (K in float32 minus the float32 mean) is rounded once to K's dtype, as the
+  // center_keys op does it for PyTorch's kernels (_backward._center_keys): one convention.
   __device__ static void center_keys(const AttentionBackwardParams& p, Smem& s, int64_t bkv) {
     const int thread = threadIdx.x - 128;
     // A thread's unit and row % 8 are the same for its 8 vectors: one mean vector per chunk.
@@ -141,9 +142,7 @@ struct AttentionBackwardKernel {
 #pragma unroll
     for (int c = 0; c < 2; ++c) {
       float mean[8];
-      widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.k_mean) + bkv * kHeadDim + c * kChunk +
-                                                channel),
-                mean);
+      load8(p.k_mean + bkv * kHeadDim + c * kChunk + channel, mean);
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         uint4* unit = reinterpret_cast<uint4*>(s.k[c]) + thread + 256 * i;
@@ -382,7 +381,7 @@ __global__ void attention_backward_prepare_kernel(const __grid_constant__ Attent
     widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.out) + offset), o);
     widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.dout) + offset), d);
     widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.q) + offset), q);
-    widen8<T>(*reinterpret_cast<const uint4*>(static_cast<const T*>(p.k_mean) + bkv * 128 + channel), mean);
+    load8(p.k_mean + bkv * 128 + channel, mean);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       delta = fmaf(o[i], d[i], delta);

@@ -16,7 +16,7 @@ struct AttentionBackwardParams {
   const void* v;
   const void* out;
   const void* dout;
-  const void* k_mean;     // [B, Hkv, 128]: K's mean over its tokens, rounded to K's dtype
+  const float* k_mean;    // [B, Hkv, 128]: K's mean over its tokens, float32
   const float* lse;       // [B, H, q_len]: the forward's LSE (natural log)
   float* lse_log2;        // [B, H, q_padded]: (LSE - scale q . k_mean) log2(e), the LSE of the scores
                           // on K - k_mean; +inf past q_len and where the LSE is -inf (prepare kernel)
