@@ -61,7 +61,19 @@ def int4_guard() -> float:
 
 # The builtin that F.scaled_dot_product_attention names. Bound here so that the fallback still
 # reaches the exact kernel while F.scaled_dot_product_attention is patched to sageattn.
-_exact_sdpa = torch._C._nn.scaled_dot_product_attention
+_sdpa_builtin = torch._C._nn.scaled_dot_product_attention
+
+
+def _exact_sdpa(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                dropout_p: float = 0.0, is_causal: bool = False, *, scale: float | None = None,
+                enable_gqa: bool = False) -> Tensor:
+    """The exact kernel, with a float32 mask beside float64 inputs widened first (exactly):
+    PyTorch 2.11's CPU kernel reads that pair wrongly on an AVX2 host (outputs 1.85 off on
+    N(0, 1) inputs, session 49), and sageattn takes float32 masks for every input dtype."""
+    if attn_mask is not None and q.dtype == torch.float64 and attn_mask.dtype == torch.float32:
+        attn_mask = attn_mask.double()
+    return _sdpa_builtin(q, k, v, attn_mask, dropout_p, is_causal, scale=scale,
+                         enable_gqa=enable_gqa)
 
 
 class SageAttentionFallbackWarning(UserWarning):

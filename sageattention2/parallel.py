@@ -1,11 +1,12 @@
 """Attention over a sequence split across GPUs (context parallelism): Ulysses, ring, and both.
 
-Every rank of a group holds one contiguous shard of the tokens of q, k and v, the same number
-of tokens on every rank, shards in rank order (what diffusers' context parallelism and
-yunchang's USP give the attention):
+Every rank of a group holds one contiguous shard of the tokens of q, k and v, shards in rank
+order (what diffusers' context parallelism and yunchang's USP give the attention), the same
+number of tokens on every rank for the ring, any number under Ulysses alone (diffusers'
+``ulysses_anything``):
 
 - **Ulysses** (``ulysses_group``): an all-to-all turns each rank's token shard of all heads into
-  all tokens of ``1/P`` of the heads; :func:`sageattn` runs there, exactly as on one GPU (so the
+  all tokens of its share of the heads (key heads as even as they go, query heads with them); :func:`sageattn` runs there, exactly as on one GPU (so the
   output is the one-GPU output bit for bit); an all-to-all brings the output back. Where the
   group's GPUs share one host (CUDA, NCCL), the all-to-all is each rank copying its shard
   straight into the other ranks' memory (PyTorch's symmetric memory: every rank maps the
@@ -216,25 +217,36 @@ def _exchange_records(record: CallRecord, group: Any) -> list[CallRecord]:
     return [CallRecord.decode(row) for row in rows]
 
 
-def _all_agree(record: CallRecord, group: Any) -> bool:
-    """Whether every rank of ``group`` found no error and has ``record``'s fields: one all-reduce
-    (max) of 29 integers, ``[error?, fields, -fields]``, on the host (:func:`_host_max`). Every
+def _all_agree(record: CallRecord, group: Any,
+               sizes: tuple[int, ...] = ()) -> tuple[bool, list[tuple[int, ...]]]:
+    """Whether every rank of ``group`` found no error and has ``record``'s fields, and every
+    rank's ``sizes`` (in rank order): one all-reduce (max) of ``[error?, fields, -fields, slots]``
+    on the host (:func:`_host_max`), each rank's sizes in its own slots (-1 in the others'). Every
     rank gets the same answer, so every rank takes the same path after it; the full records
     (error messages, which fields differ) travel only when the answer is no. Session 39
     measured the full exchange on every call at 1.5 ms per Wan forward on 4 GPUs."""
     fields = (*record.fields, *(0,) * (len(_FIELDS) - len(record.fields)))
-    seen = _host_max([int(record.error_rank >= 0), *fields, *(-f for f in fields)], group)
+    p, me, m = dist.get_world_size(group), dist.get_rank(group), len(sizes)
+    slots = [-1] * (p * m)
+    slots[me * m:(me + 1) * m] = sizes
+    seen = _host_max([int(record.error_rank >= 0), *fields, *(-f for f in fields), *slots], group)
     n = len(_FIELDS)
-    return seen[0] == 0 and all(seen[1 + i] == -seen[1 + n + i] for i in range(n))
+    agreed = seen[0] == 0 and all(seen[1 + i] == -seen[1 + n + i] for i in range(n))
+    return agreed, [tuple(seen[1 + 2 * n + r * m:1 + 2 * n + (r + 1) * m]) for r in range(p)]
 
 
-def _agree(record: CallRecord, groups: list[Any]) -> None:
+def _agree(record: CallRecord, groups: list[Any],
+           sizes: tuple[int, ...] = ()) -> list[tuple[int, ...]]:
     """Raise on every rank of ``groups`` if any rank's check failed or the ranks were asked
-    different things. The groups are visited in order, each rank passing on the first error it
-    has seen: an error in one group reaches the ranks of the next through the ranks they share
-    (every rank of a ring x Ulysses mesh within two steps)."""
-    for group in groups:
-        if _all_agree(record, group):
+    different things; return every rank's ``sizes`` in the first group. The groups are visited
+    in order, each rank passing on the first error it has seen: an error in one group reaches
+    the ranks of the next through the ranks they share (every rank of a ring x Ulysses mesh
+    within two steps)."""
+    gathered: list[tuple[int, ...]] = []
+    for i, group in enumerate(groups):
+        agreed, seen = _all_agree(record, group, sizes if i == 0 else ())
+        if agreed:
+            gathered = seen if i == 0 else gathered
             continue
         records = _exchange_records(record, group)
         if record.error_rank >= 0:
@@ -254,6 +266,7 @@ def _agree(record: CallRecord, groups: list[Any]) -> None:
                 break
     if record.error_rank >= 0:
         raise ValueError(f"context_parallel_attention: rank {record.error_rank}: {record.error}")
+    return gathered
 
 
 # ------------------------------------------------------------------------------------------------
@@ -281,11 +294,18 @@ class ParallelCall:
     ring: Any
     peer_memory: bool  # Ulysses may go through the peers' memory (SAGEATTN_PEER_MEMORY, read once)
 
+    @property
+    def shards_of_any_length(self) -> bool:
+        return _shards_of_any_length(self.ulysses, self.ring)
+
     def record_fields(self) -> tuple[int, ...]:
         b, n_q, h_q, d = self.q.shape
-        mask = 0 if self.attn_mask is None else 1 + int(self.attn_mask.shape[-1] == self.k.shape[1])
+        n_k = self.k.shape[1]
+        mask = 0 if self.attn_mask is None else 1 + int(self.attn_mask.shape[-1] == n_k)
         options = _digest(repr(sorted(self.options.items())))
-        return (b, n_q, self.k.shape[1], h_q, self.k.shape[2], d, self.v.shape[-1],
+        if self.shards_of_any_length:
+            n_q = n_k = 0
+        return (b, n_q, n_k, h_q, self.k.shape[2], d, self.v.shape[-1],
                 _DTYPES.index(self.q.dtype), int(self.is_causal), mask, options,
                 ("HND", "NHD").index(self.tensor_layout), EXCHANGES.index(self.exchange),
                 int(self.peer_memory))
@@ -299,6 +319,13 @@ def _digest(text: str) -> int:
 
 def _degree(group: Any) -> int:
     return 1 if group is None else dist.get_world_size(group)
+
+
+def _shards_of_any_length(ulysses: Any, ring: Any) -> bool:
+    """Ulysses alone: the ranks' token shards may differ in length (the all-to-all moves each
+    rank's own; :func:`_agree` gathers them: diffusers' ``ulysses_anything``), so they are not
+    fields every rank must share. The ring's shards are of one length."""
+    return _degree(ulysses) > 1 and _degree(ring) == 1
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -322,9 +349,6 @@ def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p:
         raise ValueError("context_parallel_attention does not support dropout_p > 0")
     qn, kn, vn = (t.transpose(1, 2) for t in (call.q, call.k, call.v))  # NHD views
     p_u, p_r = _degree(ulysses), _degree(ring)
-    if p_u > 1 and (qn.shape[2] % p_u or kn.shape[2] % p_u):
-        raise ValueError(f"Ulysses over {p_u} ranks needs query and key heads divisible by {p_u}; "
-                         f"got {qn.shape[2]} and {kn.shape[2]}")
     if is_causal and qn.shape[1] != kn.shape[1]:
         raise ValueError("is_causal under context parallelism needs as many query as key tokens "
                          f"per rank; got {qn.shape[1]} and {kn.shape[1]}")
@@ -402,77 +426,90 @@ def _checked(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_
 # ------------------------------------------------------------------------------------------------
 
 
-def _all_to_all(x: Tensor, group: Any, async_op: bool = False) -> tuple[Tensor, Any]:
-    out = torch.empty_like(x)
-    return out, dist.all_to_all_single(out, x, group=group, async_op=async_op)
+class _UlyssesSplit(NamedTuple):
+    """Who holds what in a Ulysses group, the same on every rank: each rank's query and key
+    tokens (its shard of the sequence; shards in rank order, of any lengths: diffusers'
+    ``ulysses_anything``) and the heads it attends after the exchange (key heads as even as they
+    go, the first ranks one more; query heads with their key heads under GQA)."""
+
+    q_tokens: tuple[int, ...]
+    k_tokens: tuple[int, ...]
+    q_heads: tuple[int, ...]
+    kv_heads: tuple[int, ...]
+
+    @staticmethod
+    def of(q_tokens: tuple[int, ...], k_tokens: tuple[int, ...], h_q: int, h_kv: int) -> _UlyssesSplit:
+        p = len(q_tokens)
+        kv_heads = tuple(h_kv // p + int(r < h_kv % p) for r in range(p))
+        return _UlyssesSplit(q_tokens, k_tokens, tuple(h * (h_q // h_kv) for h in kv_heads), kv_heads)
+
+    @property
+    def even(self) -> bool:
+        """Every rank the same tokens."""
+        return len(set(self.q_tokens)) == 1 and len(set(self.k_tokens)) == 1
 
 
-def _as_words(x: Tensor) -> Tensor:
-    """``x`` with its last dimension viewed as 16- or 8-byte words where its layout allows. A
-    strided copy costs PyTorch per element: moving a head's 256-byte row as 16 words instead of
-    128 bf16 values makes the permuting copies of an all-to-all (50 MB per tensor for Wan on 2
-    GPUs) run near memory bandwidth rather than at a quarter of it (session 39's profile)."""
-    size = x.element_size()
-    for dtype in (torch.complex128, torch.int64):
-        word = torch.empty(0, dtype=dtype).element_size()
-        if (x.stride(-1) == 1 and (x.shape[-1] * size) % word == 0
-                and all((stride * size) % word == 0 for stride in x.stride()[:-1])
-                and (x.storage_offset() * size) % word == 0):
-            return x.view(dtype)
-    return x
-
-
-def _send_tokens_to_heads(x: Tensor, group: Any) -> tuple[Tensor, Any]:
-    """Start moving ``[B, S, H, D]`` (this rank's tokens, all heads) to the ranks that own the
-    heads; returns the receive buffer ``[P, B, S, H / P, D]`` (sources in rank order) and the
-    collective's work (:func:`_tokens_of_heads` reads the buffer once it is done)."""
-    p = dist.get_world_size(group)
-    b, s, h, d = x.shape
-    words = _as_words(x)
-    send = words.reshape(b, s, p, h // p, words.shape[-1]).permute(2, 0, 1, 3, 4).contiguous()
-    return _all_to_all(send.view(x.dtype), group, async_op=True)
-
-
-def _tokens_of_heads(received: Tensor) -> Tensor:
-    """``[P, B, S, H / P, D]`` -> ``[B, P * S, H / P, D]`` (a view where B is 1)."""
-    p, b, s, hp, d = received.shape
-    return received.transpose(0, 1).reshape(b, p * s, hp, d)
+def _all_to_all(sends: list[Tensor], shapes: list[tuple[int, ...]],
+                group: Any) -> tuple[Tensor, list[Tensor], Any]:
+    """Start one all-to-all over ``group`` (NCCL or gloo) sending ``sends[r]`` to rank r and
+    receiving from each rank r a tensor of ``shapes[r]``: (the received elements, contiguous in
+    rank order; the views of them as ``shapes``; the work, to wait on before reading them). The
+    sends are gathered into one buffer by one ``copy_many_`` (on the GPU a launch of 16-byte
+    words: the permuting copy of a head slice ran at a quarter of memory bandwidth as PyTorch's
+    strided copy, session 39)."""
+    x = sends[0]
+    counts = [t.numel() for t in sends]
+    send = torch.empty(sum(counts), dtype=x.dtype, device=x.device)
+    ops.copy_many_([c.view(t.shape) for c, t in zip(send.split(counts), sends)], sends)
+    sizes = [math.prod(shape) for shape in shapes]
+    received = torch.empty(sum(sizes), dtype=x.dtype, device=x.device)
+    work = dist.all_to_all_single(received, send, sizes, counts, group=group, async_op=True)
+    return received, [c.view(shape) for c, shape in zip(received.split(sizes), shapes)], work
 
 
 def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any, memory: _PeerMemory | None,
-                     parts: list[tuple[int, tuple[int, ...]]]) -> tuple[Tensor, Tensor, Tensor]:
-    """q, k and v ``[B, S, H, D]`` (this rank's tokens, all heads) -> ``[B, P * S, H / P, D]``
-    (all tokens, this rank's heads), through the peers' memory where there is one. Otherwise
-    all three all-to-alls are started before any is waited on: the permuting copy of k and v
-    runs while q's bytes travel."""
+                     layouts: tuple[Any, ...], split: _UlyssesSplit) -> tuple[Tensor, Tensor, Tensor]:
+    """q, k and v ``[B, S, H, D]`` (this rank's tokens, all heads) -> ``[B, N, H_r, D]`` (all
+    tokens, this rank's heads), through the peers' memory where there is one (``layouts``:
+    :func:`_peer_layouts`'). Otherwise all three all-to-alls are started before any is waited
+    on: the copy gathering k's and v's sends runs while q's bytes travel."""
     if memory is not None:
-        return _tokens_to_heads_in_peers(q, k, v, memory, parts)
-    sent = [_send_tokens_to_heads(t, group) for t in (q, k, v)]
-    for _, work in sent:
+        return _tokens_to_heads_in_peers(q, k, v, memory, layouts, split)
+    me = dist.get_rank(group)
+    started = []
+    for x, tokens, heads in ((q, split.q_tokens, split.q_heads), (k, split.k_tokens, split.kv_heads),
+                             (v, split.k_tokens, split.kv_heads)):
+        b, d = x.shape[0], x.shape[3]
+        started.append(((b, sum(tokens), heads[me], d), *_all_to_all(
+            list(x.split(heads, dim=2)), [(b, s, heads[me], d) for s in tokens], group)))
+    for *_, work in started:
         work.wait()
-    q, k, v = (_tokens_of_heads(received) for received, _ in sent)
-    return q, k, v
+    # (batch 1: the sources' token rows follow each other in the received buffer)
+    return tuple(received.view(shape) if shape[0] == 1 else torch.cat(views, dim=1)
+                 for shape, received, views, _ in started)  # type: ignore[return-value]
 
 
-def _heads_to_tokens(x: Tensor, group: Any, memory: _PeerMemory | None) -> Tensor:
-    """``[B, P * S, H / P, D]`` (all tokens, this rank's heads) -> ``[B, S, H, D]`` (this rank's
+def _heads_to_tokens(x: Tensor, group: Any, memory: _PeerMemory | None,
+                     split: _UlyssesSplit) -> Tensor:
+    """``[B, N, H_r, D]`` (all tokens, this rank's heads) -> ``[B, S, H, D]`` (this rank's
     tokens, all heads): the inverse of :func:`_tokens_to_heads`."""
     if memory is not None:
-        return _heads_to_tokens_in_peers(x, memory)
-    p = dist.get_world_size(group)
-    b, ps, hp, d = x.shape
-    send = x.reshape(b, p, ps // p, hp, d).transpose(0, 1).contiguous()
-    received = _as_words(_all_to_all(send, group)[0])
-    return (received.permute(1, 2, 0, 3, 4).reshape(b, ps // p, p * hp, received.shape[-1])
-            .view(x.dtype))
+        return _heads_to_tokens_in_peers(x, memory, split)
+    me = dist.get_rank(group)
+    b, d = x.shape[0], x.shape[3]
+    _, views, work = _all_to_all(list(x.split(split.q_tokens, dim=1)),
+                                 [(b, split.q_tokens[me], h, d) for h in split.q_heads], group)
+    work.wait()
+    return torch.cat(views, dim=2)
 
 
-def _lse_heads_to_tokens(lse: Tensor, group: Any) -> Tensor:
-    """LSE ``[B, H / P, P * S]`` -> ``[B, H, S]``."""
-    p = dist.get_world_size(group)
-    b, hp, ps = lse.shape
-    send = lse.reshape(b, hp, p, ps // p).permute(2, 0, 1, 3).contiguous()
-    return _all_to_all(send, group)[0].transpose(0, 1).reshape(b, p * hp, ps // p)
+def _lse_heads_to_tokens(lse: Tensor, group: Any, split: _UlyssesSplit) -> Tensor:
+    """LSE ``[B, H_r, N]`` -> ``[B, H, S]``."""
+    me = dist.get_rank(group)
+    _, views, work = _all_to_all(list(lse.split(split.q_tokens, dim=2)),
+                                 [(lse.shape[0], h, split.q_tokens[me]) for h in split.q_heads], group)
+    work.wait()
+    return torch.cat(views, dim=1)
 
 
 def _all_keys_mask(mask: Tensor | None, local_keys: int, group: Any) -> Tensor | None:
@@ -562,65 +599,75 @@ def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> _PeerMemo
                        (local, handle))
 
 
-def _tokens_to_heads_layout(q: Tensor, k: Tensor, v: Tensor,
-                            p: int) -> tuple[list[tuple[int, tuple[int, ...]]], int]:
-    """Where q, k and v land in every rank's buffer, ``[B, P * S, H / P, D]`` each (offset,
-    shape), and the bytes the buffer needs: those, or the output ``[B, S, H, Dv]`` (which lands
-    at offset 0 once the kernel has read q), whichever is more."""
-    parts, total = [], 0
-    for t in (q, k, v):
-        b, s, h, d = t.shape
-        parts.append((total, (b, p * s, h // p, d)))
-        total += ops.round_up(t.numel() * t.element_size(), _ALIGN)
-    out = q.shape[0] * q.shape[1] * q.shape[2] * v.shape[3] * q.element_size()
-    return parts, max(total, out)
+def _peer_layouts(q: Tensor, k: Tensor, v: Tensor,
+                  split: _UlyssesSplit) -> tuple[tuple[tuple[tuple[int, tuple[int, ...]], ...], ...], int]:
+    """Where q, k and v land in each rank's buffer, ``[B, N, H_r, D]`` each (offset, shape) per
+    rank, and the bytes every buffer needs: the most any rank's parts take, or its output ``[B,
+    S_r, H, Dv]`` (which lands at offset 0 once the kernel has read q), whichever is more."""
+    b, d, dv, nq, nk = q.shape[0], q.shape[3], v.shape[3], sum(split.q_tokens), sum(split.k_tokens)
+    layouts, nbytes = [], 0
+    for r in range(len(split.q_tokens)):
+        parts, total = [], 0
+        for t, shape in ((q, (b, nq, split.q_heads[r], d)), (k, (b, nk, split.kv_heads[r], d)),
+                         (v, (b, nk, split.kv_heads[r], dv))):
+            parts.append((total, shape))
+            total += ops.round_up(math.prod(shape) * t.element_size(), _ALIGN)
+        out = b * split.q_tokens[r] * q.shape[2] * dv * q.element_size()
+        layouts.append(tuple(parts))
+        nbytes = max(nbytes, total, out)
+    return tuple(layouts), nbytes
 
 
 def _tokens_to_heads_in_peers(q: Tensor, k: Tensor, v: Tensor, memory: _PeerMemory,
-                              parts: list[tuple[int, tuple[int, ...]]]) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_tokens_to_heads` through the peers' memory: this rank copies heads
-    ``[r H / P, (r + 1) H / P)`` of its tokens into rank r's buffer, at its own token rows. The
-    first barrier: every rank's kernel has finished reading what the last call left there; the
-    second: every rank's rows have arrived. ``parts``: :func:`_tokens_to_heads_layout`'s."""
+                              layouts: tuple[Any, ...], split: _UlyssesSplit) -> tuple[Tensor, Tensor, Tensor]:
+    """:func:`_tokens_to_heads` through the peers' memory: this rank copies rank r's heads of
+    its tokens into rank r's buffer, at its own token rows. The first barrier: every rank's
+    kernel has finished reading what the last call left there; the second: every rank's rows
+    have arrived. ``layouts``: :func:`_peer_layouts`'."""
     p, me = len(memory.buffers), memory.rank
     owners = [(me + step) % p for step in range(p)]  # (each rank starts with a different peer)
+    tokens = (split.q_tokens, split.k_tokens, split.k_tokens)
+    heads = (split.q_heads, split.kv_heads, split.kv_heads)
 
     def build() -> tuple[list[Tensor], tuple[Tensor, ...], bool]:
         dsts, received = [], []
-        for x, (offset, shape) in zip((q, k, v), parts):
-            s = shape[1] // p
-            dsts += [memory.view(owner, offset, shape, x.dtype)[:, me * s:(me + 1) * s] for owner in owners]
-            received.append(memory.view(me, offset, shape, x.dtype))
+        for i, x in enumerate((q, k, v)):
+            row, mine = sum(tokens[i][:me]), tokens[i][me]
+            dsts += [memory.view(owner, *layouts[owner][i], x.dtype)[:, row:row + mine] for owner in owners]
+            received.append(memory.view(me, *layouts[me][i], x.dtype))
         return dsts, tuple(received), all(ops.moved_as_words(t) for t in dsts)
 
     dsts, received, dsts_as_words = memory.views(
-        ("to heads", tuple(parts), q.dtype, k.dtype, v.dtype), build)
+        ("to heads", layouts, split, q.dtype, k.dtype, v.dtype), build)
     srcs = []
-    for x in (q, k, v):
-        heads = x.unflatten(2, (p, x.shape[2] // p)).unbind(2)  # P views [B, S, H / P, D]
-        srcs += [heads[owner] for owner in owners]
+    for x, counts in zip((q, k, v), heads):
+        parts = x.split(counts, dim=2)  # P views [B, S, H_r, D]
+        srcs += [parts[owner] for owner in owners]
     memory.barrier()
     # (one launch: the local and the remote copies side by side; a head slice moves as words
     # where its whole tensor does)
     ops.copy_many_(dsts, srcs, as_words=dsts_as_words and all(map(ops.moved_as_words, (q, k, v))))
     memory.barrier()
-    return received
+    return received  # type: ignore[return-value]
 
 
-def _heads_to_tokens_in_peers(x: Tensor, memory: _PeerMemory) -> Tensor:
+def _heads_to_tokens_in_peers(x: Tensor, memory: _PeerMemory, split: _UlyssesSplit) -> Tensor:
     """:func:`_heads_to_tokens` through the peers' memory, into offset 0 of every buffer (q's
     part, which every rank's kernel has read once the first barrier is passed)."""
     p, me = len(memory.buffers), memory.rank
-    b, ps, hp, d = x.shape
-    s = ps // p
+    b, dv = x.shape[0], x.shape[3]
     owners = [(me + step) % p for step in range(p)]
-    shape = (b, s, p * hp, d)
-    def build() -> tuple[list[Tensor], Tensor, bool]:
-        dsts = [memory.view(owner, 0, shape, x.dtype)[:, :, me * hp:(me + 1) * hp] for owner in owners]
-        return dsts, memory.view(me, 0, shape, x.dtype), all(ops.moved_as_words(t) for t in dsts)
+    h, h0 = sum(split.q_heads), sum(split.q_heads[:me])
+    h1 = h0 + split.q_heads[me]
 
-    dsts, received, dsts_as_words = memory.views(("to tokens", shape, x.dtype), build)
-    tokens = x.split(s, dim=1)  # P views [B, S, H / P, D]
+    def build() -> tuple[list[Tensor], Tensor, bool]:
+        dsts = [memory.view(owner, 0, (b, split.q_tokens[owner], h, dv), x.dtype)[:, :, h0:h1]
+                for owner in owners]
+        return (dsts, memory.view(me, 0, (b, split.q_tokens[me], h, dv), x.dtype),
+                all(ops.moved_as_words(t) for t in dsts))
+
+    dsts, received, dsts_as_words = memory.views(("to tokens", split, b, dv, x.dtype), build)
+    tokens = x.split(split.q_tokens, dim=1)  # P views [B, S_r, H_me, D]
     memory.barrier()
     ops.copy_many_(dsts, [tokens[owner] for owner in owners],
                    as_words=dsts_as_words and ops.moved_as_words(x))
@@ -832,9 +879,11 @@ def context_parallel_attention(
     Args:
         query, key, value: this rank's token shard, ``[B, N, H, D]`` (``tensor_layout="NHD"``,
             the default) or ``[B, H, N, D]``; every rank the same shapes, shards in rank order
-            (ulysses rank fastest where both groups are given).
+            (ulysses rank fastest where both groups are given), except that under Ulysses alone
+            the shards may differ in length (any number of heads: each rank attends its share).
         attn_mask: None or a key mask (bool, True = attend, or additive), ``[B, keys]`` or
-            ``[B, 1, 1, keys]``, over this rank's keys or over all of them.
+            ``[B, 1, 1, keys]``, over this rank's keys or over all of them (shards of one
+            length).
         is_causal: queries see the keys up to their own global position (as many query as key
             tokens per rank).
         scale, enable_gqa: as :func:`sageattn`.
@@ -859,29 +908,37 @@ def context_parallel_attention(
         if not groups:
             raise
         record = CallRecord((), dist.get_rank(), f"{type(error).__name__}: {error}")
-        _agree(record, groups)
+        _agree(record, groups, (0, 0) if _shards_of_any_length(ulysses_group, ring_group) else ())
         raise  # (not reached: _agree raised the same error)
-    _agree(record, groups)
+    q, k, v, mask = call.q, call.k, call.v, call.attn_mask
+    shards = _agree(record, groups, (q.shape[1], k.shape[1]) if call.shards_of_any_length else ())
     if not groups:
         return sageattn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                         tensor_layout=tensor_layout, return_lse=return_lse, **options)
-    q, k, v, mask = call.q, call.k, call.v, call.attn_mask
-    memory = None
+    memory = split = None
     if call.ulysses is not None:
+        p = _degree(call.ulysses)
+        sizes = (list(zip(*shards)) if call.shards_of_any_length
+                 else [(q.shape[1],) * p, (k.shape[1],) * p])
+        split = _UlyssesSplit.of(tuple(sizes[0]), tuple(sizes[1]), q.shape[2], k.shape[2])
+        if mask is not None and not split.even:  # (every rank: the mask field is agreed on)
+            raise ValueError("context_parallel_attention: attn_mask under Ulysses needs shards of "
+                             "equal length; got query tokens "
+                             f"{list(split.q_tokens)} and key tokens {list(split.k_tokens)} over the ranks")
         mask = _all_keys_mask(mask, k.shape[1], call.ulysses)
-        parts, nbytes = _tokens_to_heads_layout(q, k, v, _degree(call.ulysses))
+        layouts, nbytes = _peer_layouts(q, k, v, split)
         memory = _peer_memory(call, nbytes, q.device)
-        q, k, v = _tokens_to_heads(q, k, v, call.ulysses, memory, parts)
+        q, k, v = _tokens_to_heads(q, k, v, call.ulysses, memory, layouts, split)
     if call.ring is not None:
         out, lse = _ring(call, q, k, v, mask, call.ring)
     else:  # Ulysses alone: the one-GPU call on this rank's heads
         result = sageattn(q, k, v, mask, 0.0, call.is_causal, call.scale, call.enable_gqa,
                           tensor_layout="NHD", return_lse=return_lse, **call.options)
         out, lse = result if return_lse else (result, None)
-    if call.ulysses is not None:
-        out = _heads_to_tokens(out, call.ulysses, memory)
+    if split is not None:
+        out = _heads_to_tokens(out, call.ulysses, memory, split)
         if lse is not None:
-            lse = _lse_heads_to_tokens(lse.contiguous(), call.ulysses)
+            lse = _lse_heads_to_tokens(lse.contiguous(), call.ulysses, split)
     if tensor_layout == "HND":
         out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

@@ -769,7 +769,7 @@ def _ulysses_lse_heads_misplaced(patch: pytest.MonkeyPatch) -> None:
     from sageattention2 import parallel
 
     _wrap(patch, parallel, "_lse_heads_to_tokens",
-          lambda real, lse, group: real(lse, group).roll(lse.shape[1], dims=1))
+          lambda real, lse, group, split: real(lse, group, split).roll(lse.shape[1], dims=1))
 @mutant("agreement-ignores-peers",
         "the ranks' agreement through their sockets returns this rank's own record, as if every "
         "rank agreed: a bad input on one rank leaves the others in the collective",
@@ -787,8 +787,9 @@ def _agreement_ignores_peers(patch: pytest.MonkeyPatch) -> None:
 def _ulysses_peers_rank_off_by_one(patch: pytest.MonkeyPatch) -> None:
     from sageattention2 import parallel
 
-    _wrap(patch, parallel, "_tokens_to_heads_in_peers", lambda real, q, k, v, memory, parts: real(
-        q, k, v, dataclasses.replace(memory, rank=(memory.rank + 1) % len(memory.buffers), layouts={}), parts))
+    _wrap(patch, parallel, "_tokens_to_heads_in_peers", lambda real, q, k, v, memory, *layout: real(
+        q, k, v, dataclasses.replace(memory, rank=(memory.rank + 1) % len(memory.buffers), layouts={}),
+        *layout))
 
 
 @mutant("merge-parts-weights-by-first-lse",

@@ -41,6 +41,9 @@ def shard(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float) -> None:
+    if want.numel() == 0:  # (a rank's empty shard)
+        assert got.shape == want.shape, (what, got.shape, want.shape)
+        return
     err = float((got.double() - want.double()).abs().max())
     scale = float(want.double().abs().max()) or 1.0
     assert got.shape == want.shape, (what, got.shape, want.shape)
@@ -146,6 +149,30 @@ def ulysses_key_mask_local() -> None:
 
 
 @scenario
+def ulysses_shards_of_any_length() -> None:
+    """Ulysses over token shards of different lengths (diffusers' ``ulysses_anything``; on 4
+    ranks one shard empty) and heads that do not divide among the ranks (5 heads; GQA 6 over 3;
+    4 over 1: a rank without heads, in batch 1 and 2):
+    each rank's output and LSE are its rows of the one-process call's; a key mask there raises
+    on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    tokens = [7, 4] if world == 2 else [3, 0, 5, 2]
+    rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    for b, hq, hkv, causal in ((2, 5, 5, False), (2, 6, 3, True), (1, 4, 1, False), (2, 4, 1, True)):
+        q, k, v = (draw(b, sum(tokens), h, 16, seed, offset=2.0 * (seed == 22))
+                   for h, seed in ((hq, 21), (hkv, 22), (hkv, 23)))
+        options = dict(is_causal=causal, enable_gqa=hkv != hq, return_lse=True)
+        want_out, want_lse = whole(q, k, v, **options)
+        local = tuple(t[:, rows] for t in (q, k, v))
+        got_out, got_lse = run(args=local, ulysses_group=GROUPS["world"], **options)
+        close(got_out, want_out[:, rows], f"out hq={hq} hkv={hkv}", 1e-5)
+        close(got_lse, want_lse[:, :, rows], f"lse hq={hq} hkv={hkv}", 1e-5)
+    keys = torch.ones(2, tokens[rank], dtype=torch.bool, device=DEVICE)  # (the last case's batch)
+    expect_error("attn_mask under Ulysses needs shards of equal length", args=local,
+                 ulysses_group=GROUPS["world"], attn_mask=keys, enable_gqa=True)
+
+
+@scenario
 def ulysses_and_ring() -> None:
     """USP on a 2 x 2 mesh: tokens sharded over all 4 ranks, ulysses rank fastest."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -233,7 +260,8 @@ def gpu_quantized_ring() -> None:
 @scenario
 def gpu_ulysses_bit_exact() -> None:
     """Ulysses on the GPUs: this rank's output and LSE are the one-GPU call's rows, bit for bit
-    (each head's attention is computed alone either way)."""
+    (each head's attention is computed alone either way), also over shards of different lengths
+    and heads that do not divide among the ranks."""
     rank, world = dist.get_rank(), dist.get_world_size()
     n = 2500 * world
     (q, k, v), local = whole_and_shard(1, n, 8, 4, 128, 31, rank, world, dtype=torch.bfloat16)
@@ -244,6 +272,19 @@ def gpu_ulysses_bit_exact() -> None:
         want, want_lse = whole(q, k, v, **options)
         assert torch.equal(out, want[:, rows]), f"causal={causal}"
         assert torch.equal(lse, want_lse[:, :, rows]), f"causal={causal}"
+    # Shards of different lengths (diffusers' ulysses_anything), 10 query heads over 5 key heads
+    # (3 and 2 key heads a rank on 2 GPUs): the same, through the peers' memory.
+    tokens = [2500 + 173 * (-1) ** r for r in range(world)]
+    rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    q, k, v = (draw(1, sum(tokens), h, 128, seed, torch.bfloat16, offset=3.0 * (seed == 52))
+               for h, seed in ((10, 51), (5, 52), (5, 53)))
+    for causal in (False, True):
+        options = dict(is_causal=causal, return_lse=True, qk_quant="int8", enable_gqa=True)
+        out, lse = run(args=tuple(t[:, rows] for t in (q, k, v)), ulysses_group=GROUPS["world"],
+                       **options)
+        want, want_lse = whole(q, k, v, **options)
+        assert torch.equal(out, want[:, rows]), f"uneven, causal={causal}"
+        assert torch.equal(lse, want_lse[:, :, rows]), f"uneven, causal={causal}"
 
 
 @scenario
@@ -292,6 +333,7 @@ def diffusers_models_as_shipped() -> None:
     chosen before and after enable_parallelism and by attention_backend(...), Ulysses and the
     ring: the output equals the one-process output (the CPU's exact path)."""
     diffusers_models([(1, 2), (2, 1)], ("before", "after", "context"))
+    diffusers_models([(1, 2, "anything")], ("before",))  # diffusers' ulysses_anything
 
 
 @scenario
@@ -300,7 +342,7 @@ def diffusers_models_ring_and_ulysses() -> None:
     diffusers_models([(2, 2)], ("before",))
 
 
-def diffusers_models(modes: list[tuple[int, int]], orders: tuple[str, ...]) -> None:
+def diffusers_models(modes: list[tuple[Any, ...]], orders: tuple[str, ...]) -> None:
     from diffusers import ContextParallelConfig
     from diffusers.models.attention_dispatch import attention_backend
 
@@ -309,21 +351,30 @@ def diffusers_models(modes: list[tuple[int, int]], orders: tuple[str, ...]) -> N
 
     if DEVICE.type == "cpu":  # diffusers places each rank on an accelerator (rank % count)
         torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
+        # (and ulysses_anything gathers the shards' sizes there, unless the group is "cpu:gloo")
+        torch.accelerator.current_accelerator = lambda *args: torch.device("cpu")  # type: ignore[assignment]
     sage_diffusers.register()
+    # (gloo's all_gather takes no shards of different lengths, and diffusers gathers the model's
+    # output with it: on the CPU ulysses_anything runs on shards of one length)
+    odd_tokens = any(len(mode) > 2 for mode in modes) and dist.get_backend() == "nccl"
     for build in (_model_suite.wan21_1_3b, _model_suite.flux_dev):
         def fresh() -> tuple[torch.nn.Module, dict[str, Any]]:
             torch.manual_seed(0)
             model, inputs = build(DEVICE, torch.float32, True)
+            if odd_tokens and build is _model_suite.wan21_1_3b:  # 3 x 3 x 5 = 45 tokens: 23 and 22
+                inputs["hidden_states"] = torch.randn(1, 16, 3, 6, 10, generator=torch.Generator()
+                                                      .manual_seed(1)).to(DEVICE)
             return model, dict(inputs, return_dict=False)  # what the plans' output hooks take
 
         model, inputs = fresh()
         model.set_attention_backend("sageattention2")
         with torch.no_grad():
             want = model(**inputs)[0]
-        for ring, ulysses in modes:
+        for ring, ulysses, *anything in modes:
             for order in orders:
                 model, inputs = fresh()
-                config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses)
+                config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses,
+                                               ulysses_anything=bool(anything))
                 if order == "before":
                     model.set_attention_backend("sageattention2")
                     model.enable_parallelism(config=config)
@@ -337,7 +388,8 @@ def diffusers_models(modes: list[tuple[int, int]], orders: tuple[str, ...]) -> N
                             got = model(**inputs)[0]
                     else:
                         got = model(**inputs)[0]
-                close(got, want, f"{build.__name__} ring {ring} ulysses {ulysses} ({order})", 1e-5)
+                close(got, want, f"{build.__name__} ring {ring} ulysses {ulysses}{' anything' * bool(anything)} "
+                      f"({order})", 1e-5)
 
 
 @scenario
@@ -425,8 +477,10 @@ def bad_input_on_one_rank_raises_everywhere() -> None:
     for mode in ("ring_group", "ulysses_group"):
         bad_q = q.long() if rank == 1 else q
         expect_error("rank 1: TypeError", args=(bad_q, k, v), **{mode: group})
-        short = q[:, :2] if rank == 1 else q
-        expect_error("differ in query tokens", args=(short, k, v), **{mode: group})
+        # (Ulysses takes shards of any length: there ranks differ in head_dim instead)
+        other = ((q[:, :2], k, v) if mode == "ring_group" else (q[..., :4], k[..., :4], v[..., :4]))
+        expect_error("differ in query tokens" if mode == "ring_group" else "differ in head_dim",
+                     args=other if rank == 1 else (q, k, v), **{mode: group})
         options = {"qk_quant": "int9"} if rank == 1 else {}
         expect_error("rank 1: ValueError: qk_quant", args=(q, k, v), **{mode: group}, **options)
         keys = torch.ones(1, k.shape[1], dtype=torch.bool, device=DEVICE)
@@ -472,7 +526,7 @@ def bad_input_raises_everywhere_through_gloo() -> None:
         for mode in ("ring_group", "ulysses_group"):
             bad_q = q.long() if rank == 1 else q
             expect_error("rank 1: TypeError", args=(bad_q, k, v), **{mode: GROUPS["world"]})
-            expect_error("differ in query tokens", args=(q[:, :2] if rank == 1 else q, k, v),
+            expect_error("differ in value head_dim", args=(q, k, v[..., :4] if rank == 1 else v),
                          **{mode: GROUPS["world"]})
         assert agreed, "gloo did not carry the agreement"
     finally:

@@ -65,6 +65,17 @@ def test_fallback_features_equal_sdpa(layout: str, case: dict[str, Any]) -> None
     assert torch.equal(out, sdpa_in_layout(q, k, v, layout, **kwargs))
 
 
+def test_float32_mask_beside_float64_inputs() -> None:
+    """sageattn takes a float32 mask for float64 inputs; the fallback's result is float64
+    attention with that mask (PyTorch's CPU kernel alone gets the pair wrong on AVX2 hosts)."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 13, 8, generator=gen, dtype=torch.float64) for _ in range(3))
+    mask = torch.randn(2, 3, 13, 13, generator=gen)
+    want = torch.softmax(q @ k.transpose(-1, -2) / math.sqrt(8) + mask.double(), -1) @ v
+    for _ in range(2):  # (validated, then through the call cache)
+        torch.testing.assert_close(quiet_sageattn(q, k, v, attn_mask=mask), want, rtol=0, atol=1e-12)
+
+
 def test_positional_arguments_follow_sdpa() -> None:
     q, k, v = qkv(hkv=2, nq=5, nk=7)
     mask = torch.rand(5, 7, generator=torch.Generator().manual_seed(2)) > 0.5

@@ -69,11 +69,11 @@ def test_two_ranks_on_the_cpu() -> None:
               "ulysses_matches_one_process", "ulysses_causal_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
               "bad_input_on_one_rank_raises_everywhere", "bad_input_raises_everywhere_through_gloo",
-              "quantized_exchange_plumbing")
+              "quantized_exchange_plumbing", "ulysses_shards_of_any_length")
 
 
 def test_ulysses_and_ring_on_four_cpu_ranks() -> None:
-    run_ranks(4, "gloo", "ulysses_and_ring")
+    run_ranks(4, "gloo", "ulysses_and_ring", "ulysses_shards_of_any_length")
 
 
 def test_diffusers_context_parallelism_on_the_cpu() -> None:
@@ -164,41 +164,52 @@ def test_a_kind_of_call_is_checked_once() -> None:
 @pytest.mark.parametrize("dtype, head_dim, value_dim", [(torch.bfloat16, 128, 128),
                                                         (torch.float16, 64, 128),
                                                         (torch.float32, 5, 3)])  # (no 8-byte words)
+@pytest.mark.parametrize("even", [True, False])
 def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: int,
-                                     value_dim: int) -> None:
+                                     value_dim: int, even: bool) -> None:
     """Ulysses' exchanges through the peers' memory, with threads standing in for the ranks
     (their buffers in one process, a threading barrier for the GPU's): every rank receives all
     tokens of its heads of q, k and v (GQA, batch 2, NHD views of HND tensors) and gets back its
     tokens of every head of the output, exactly, in two calls (the second through the first's
-    views); the buffer is the size the layout asks for."""
+    views); the buffer is the size the layout asks for. Uneven: shards of different lengths (on
+    4 ranks one empty) and key heads that do not divide among the ranks."""
     import threading
 
     from sageattention2 import parallel
 
-    b, n, hq, hkv = 2, 6 * world, 2 * world, world
-    s = n // world
+    b = 2
+    tokens = [6] * world if even else ([7, 4] if world == 2 else [3, 0, 5, 2])
+    hq, hkv = (2 * world, world) if even else (2 * (world + 1), world + 1)
+    starts = [sum(tokens[:r]) for r in range(world + 1)]
+    n = starts[-1]
     g = torch.Generator().manual_seed(world + head_dim)
     q = torch.randn(b, hq, n, head_dim, generator=g).to(dtype).transpose(1, 2)  # NHD views
     k = torch.randn(b, hkv, n, head_dim, generator=g).to(dtype).transpose(1, 2)
     v = torch.randn(b, hkv, n, value_dim, generator=g).to(dtype).transpose(1, 2)
     out = torch.randn(b, n, hq, value_dim, generator=g).to(dtype)
-    shards = [[t[:, r * s:(r + 1) * s] for t in (q, k, v)] for r in range(world)]
-    nbytes = parallel._tokens_to_heads_layout(*shards[0], world)[1]
+    shards = [[t[:, starts[r]:starts[r + 1]] for t in (q, k, v)] for r in range(world)]
+    split = parallel._UlyssesSplit.of(tuple(tokens), tuple(tokens), hq, hkv)
+    assert split.even == even and sum(split.q_heads) == hq and sum(split.kv_heads) == hkv
+    layouts, nbytes = parallel._peer_layouts(*shards[0], split)
     buffers = [torch.full((nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
     barrier = threading.Barrier(world, timeout=60)
     got: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
+    def heads_of(r: int, counts: tuple[int, ...]) -> slice:
+        return slice(sum(counts[:r]), sum(counts[:r + 1]))
+
     def rank(r: int) -> None:
         memory = parallel._PeerMemory(r, buffers, barrier.wait)
-        parts = parallel._tokens_to_heads_layout(*shards[r], world)[0]
-        hp = hq // world
+        assert parallel._peer_layouts(*shards[r], split) == (layouts, nbytes)
         # The second call reuses the first call's views of the buffers (memory.layouts): it
         # must move the second call's tensors (the first's negated), all of them.
         for sign in (-1, 1):
             mine = [sign * t for t in shards[r]]
-            heads = [sign * t.clone() for t in parallel._tokens_to_heads_in_peers(*mine, memory, parts)]
-            tokens = sign * parallel._heads_to_tokens_in_peers(sign * out[:, :, r * hp:(r + 1) * hp], memory)
-        got[r] = heads, tokens
+            heads = [sign * t.clone() for t in
+                     parallel._tokens_to_heads_in_peers(*mine, memory, layouts, split)]
+            back = sign * parallel._heads_to_tokens_in_peers(
+                sign * out[:, :, heads_of(r, split.q_heads)], memory, split)
+        got[r] = heads, back
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
@@ -206,11 +217,11 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
     for t in threads:
         t.join()
     assert sorted(got) == list(range(world))
-    for r, (heads, tokens) in got.items():
-        for name, whole, part in zip("qkv", (q, k, v), heads):
-            hp = whole.shape[2] // world
-            assert torch.equal(part, whole[:, :, r * hp:(r + 1) * hp]), (r, name)
-        assert torch.equal(tokens, out[:, r * s:(r + 1) * s]), r
+    for r, (heads, back) in got.items():
+        for name, whole, part, counts in zip("qkv", (q, k, v), heads,
+                                             (split.q_heads, split.kv_heads, split.kv_heads)):
+            assert torch.equal(part, whole[:, :, heads_of(r, counts)]), (r, name)
+        assert torch.equal(back, out[:, starts[r]:starts[r + 1]]), r
 
 
 def test_peer_memory_keeps_views_per_layout() -> None:
@@ -339,6 +350,12 @@ def test_copy_many_on_the_gpu() -> None:
         torch.ops.sageattention2.copy_many_([whole[16:48]], [whole[:32]])
     with pytest.raises(RuntimeError, match=r"dsts\[1\] overlaps dsts\[0\]"):
         torch.ops.sageattention2.copy_many_([whole[:32], whole[16:48]], [other[:32], other[32:]])
+    # An empty slice (a rank's empty shard or share of heads) overlaps nothing, wherever its
+    # strides would reach.
+    rows = torch.zeros(4, 3, 16, dtype=torch.bfloat16, device="cuda")
+    ones = torch.ones(4, 2, 16, dtype=torch.bfloat16, device="cuda")
+    torch.ops.sageattention2.copy_many_([rows[:, :0], rows[:, 1:]], [rows[:, 2:2], ones])
+    assert bool((rows[:, 1:] == 1).all()) and bool((rows[:, 0] == 0).all())
     dsts, srcs, _ = _copy_pairs("cuda")
     torch.library.opcheck(torch.ops.sageattention2.copy_many_.default, (dsts[:5], srcs[:5]))
 
@@ -485,7 +502,17 @@ def test_two_gpus(attention_kernel: None) -> None:
     run_ranks(2, "nccl", "ring_matches_one_process", "ulysses_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
               "bad_input_on_one_rank_raises_everywhere", "gpu_quantized_ring", "gpu_ulysses_bit_exact",
-              "gpu_ulysses_through_peer_memory")
+              "gpu_ulysses_through_peer_memory", "ulysses_shards_of_any_length")
+
+
+@pytest.mark.gpu
+def test_diffusers_context_parallelism_on_two_gpus(attention_kernel: None) -> None:
+    """diffusers' context parallelism with our backend on 2 GPUs (NCCL), ulysses_anything over
+    shards of different lengths among the modes (gloo cannot gather those: not on the CPU)."""
+    pytest.importorskip("diffusers")
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    run_ranks(2, "nccl", "diffusers_models_as_shipped")
 
 
 def test_bench_report_and_chart(tmp_path: Path) -> None:

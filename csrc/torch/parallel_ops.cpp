@@ -26,7 +26,9 @@ std::pair<uintptr_t, uintptr_t> byte_extent(const at::Tensor& t) {
   return {first, first + static_cast<uintptr_t>((last + 1) * t.element_size())};
 }
 
+// (An empty tensor touches no byte: Ulysses' empty shards and a rank's empty share of heads.)
 bool overlap(const at::Tensor& a, const at::Tensor& b) {
+  if (a.numel() == 0 || b.numel() == 0) return false;
   const auto [a0, a1] = byte_extent(a);
   const auto [b0, b1] = byte_extent(b);
   return a0 < b1 && b0 < a1;
