@@ -1,13 +1,14 @@
 """Attention over a sequence split across GPUs (context parallelism): Ulysses, ring, and both.
 
 Every rank of a group holds one contiguous shard of the tokens of q, k and v, shards in rank
-order (what diffusers' context parallelism and yunchang's USP give the attention), the same
-number of tokens on every rank for the ring, any number under Ulysses alone (diffusers'
-``ulysses_anything``):
+order (what diffusers' context parallelism and yunchang's USP give the attention): of any
+lengths under Ulysses alone or the ring alone (diffusers' ``ulysses_anything`` and
+``ring_anything``), of one length under both:
 
 - **Ulysses** (``ulysses_group``): an all-to-all turns each rank's token shard of all heads into
-  all tokens of its share of the heads (key heads as even as they go, query heads with them); :func:`sageattn` runs there, exactly as on one GPU (so the
-  output is the one-GPU output bit for bit); an all-to-all brings the output back. Where the
+  all tokens of its share of the heads (key heads as even as they go, query heads with them);
+  :func:`sageattn` runs there, exactly as on one GPU (so the output is the one-GPU output bit
+  for bit); an all-to-all brings the output back. Where the
   group's GPUs share one host (CUDA, NCCL), the all-to-all is each rank copying its shard
   straight into the other ranks' memory (PyTorch's symmetric memory: every rank maps the
   others' buffers), between two barriers: the permuting copy and the transfer are one copy, and
@@ -322,10 +323,11 @@ def _degree(group: Any) -> int:
 
 
 def _shards_of_any_length(ulysses: Any, ring: Any) -> bool:
-    """Ulysses alone: the ranks' token shards may differ in length (the all-to-all moves each
-    rank's own; :func:`_agree` gathers them: diffusers' ``ulysses_anything``), so they are not
-    fields every rank must share. The ring's shards are of one length."""
-    return _degree(ulysses) > 1 and _degree(ring) == 1
+    """Ulysses alone or the ring alone: the ranks' token shards may differ in length (each rank
+    moves its own; :func:`_agree` gathers the lengths: diffusers' ``ulysses_anything`` and
+    ``ring_anything``), so they are not fields every rank must share. Both together: shards of
+    one length."""
+    return (_degree(ulysses) > 1) != (_degree(ring) > 1)
 
 
 def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
@@ -442,11 +444,6 @@ class _UlyssesSplit(NamedTuple):
         p = len(q_tokens)
         kv_heads = tuple(h_kv // p + int(r < h_kv % p) for r in range(p))
         return _UlyssesSplit(q_tokens, k_tokens, tuple(h * (h_q // h_kv) for h in kv_heads), kv_heads)
-
-    @property
-    def even(self) -> bool:
-        """Every rank the same tokens."""
-        return len(set(self.q_tokens)) == 1 and len(set(self.k_tokens)) == 1
 
 
 def _all_to_all(sends: list[Tensor], shapes: list[tuple[int, ...]],
@@ -619,7 +616,8 @@ def _peer_layouts(q: Tensor, k: Tensor, v: Tensor,
 
 
 def _tokens_to_heads_in_peers(q: Tensor, k: Tensor, v: Tensor, memory: _PeerMemory,
-                              layouts: tuple[Any, ...], split: _UlyssesSplit) -> tuple[Tensor, Tensor, Tensor]:
+                              layouts: tuple[Any, ...],
+                              split: _UlyssesSplit) -> tuple[Tensor, Tensor, Tensor]:
     """:func:`_tokens_to_heads` through the peers' memory: this rank copies rank r's heads of
     its tokens into rank r's buffer, at its own token rows. The first barrier: every rank's
     kernel has finished reading what the last call left there; the second: every rank's rows
@@ -767,11 +765,15 @@ def _seen_rows_only(out: Tensor, lse: Tensor) -> tuple[Tensor, Tensor]:
     return out.masked_fill(unseen[..., None], 0), lse.masked_fill(unseen, -math.inf)
 
 
-def _ring_plan(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor) -> _execute.KernelCall | None:
+def _ring_plan(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor,
+               even: bool) -> _execute.KernelCall | None:
     """The Hopper kernel call that serves every shard of this ring, or None where the shards
-    travel in 16 bits and each runs as sageattn (a mask, another kernel, an exact path, or
-    ``exchange="input"``)."""
-    if call.exchange == "input" or call.attn_mask is not None:
+    travel in 16 bits and each runs as sageattn (a mask, another kernel, an exact path, shards
+    of different lengths, or ``exchange="input"``)."""
+    if not even and call.exchange == "quantized":
+        raise NotImplementedError("exchange='quantized' needs the ring's shards of one length (the "
+                                  "codes of every shard are gathered in one layout); use 'auto'")
+    if call.exchange == "input" or call.attn_mask is not None or not even:
         return None
     shard_call: AttentionCall = validate(
         q, k, v, None, 0.0, call.is_causal, call.scale, call.enable_gqa, "NHD",
@@ -798,17 +800,21 @@ def _shard_causality(is_causal: bool, owner: int, rank: int) -> bool | None:
 
 
 def _ring(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None,
-          group: Any) -> tuple[Tensor, Tensor]:
-    """Ring attention of NHD ``q`` over every rank's ``k`` and ``v``: (out ``[B, N, H, D]`` in q's
-    dtype, lse ``[B, H, N]`` float32)."""
+          group: Any, k_tokens: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+    """Ring attention of NHD ``q`` over every rank's ``k`` and ``v`` (``k_tokens``: every rank's
+    key count): (out ``[B, N, H, D]`` in q's dtype, lse ``[B, H, N]`` float32). Shards of
+    different lengths travel in the input dtype, each padded to the longest (one all-gather
+    takes one size), and attend only their own keys."""
     p, rank = dist.get_world_size(group), dist.get_rank(group)
-    kernel = _ring_plan(call, q, k, v)
+    kernel = _ring_plan(call, q, k, v, len(set(k_tokens)) == 1)
     local_keys = k.shape[1]
     if kernel is not None:
         kb, vb = k.transpose(1, 2), v.transpose(1, 2)
         local: list[Tensor | None] = list(_quantize_shard(kernel, kb, vb))
     else:
-        local = [k.contiguous(), v.contiguous()]
+        pad = max(k_tokens) - local_keys
+        local = [torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t.contiguous()
+                 for t in (k, v)]
     packed = _Packed.of(local)
     global _last_ring_bytes
     _last_ring_bytes = packed.buffer.numel()
@@ -826,9 +832,10 @@ def _ring(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
         if kernel is not None:
             return _attend_quantized(kernel, q.transpose(1, 2), _QuantizedShard(*shard), local_keys,
                                      causal)
-        keys = slice(owner * local_keys, (owner + 1) * local_keys)
+        keys = slice(owner * local_keys, (owner + 1) * local_keys)  # (a mask: shards of one length)
         shard_mask = None if mask is None else mask[..., keys]
-        out, lse = sageattn(q, shard[0], shard[1], shard_mask, 0.0, causal, call.scale,
+        k_owner, v_owner = (t[:, :k_tokens[owner]] for t in shard)  # type: ignore[index]
+        out, lse = sageattn(q, k_owner, v_owner, shard_mask, 0.0, causal, call.scale,
                             call.enable_gqa, tensor_layout="NHD", return_lse=True, **call.options)
         out = out.transpose(1, 2)
         return _seen_rows_only(out, lse) if mask is not None else (out, lse)
@@ -880,7 +887,8 @@ def context_parallel_attention(
         query, key, value: this rank's token shard, ``[B, N, H, D]`` (``tensor_layout="NHD"``,
             the default) or ``[B, H, N, D]``; every rank the same shapes, shards in rank order
             (ulysses rank fastest where both groups are given), except that under Ulysses alone
-            the shards may differ in length (any number of heads: each rank attends its share).
+            or the ring alone the shards may differ in length (Ulysses: and any number of heads,
+            each rank attending its share).
         attn_mask: None or a key mask (bool, True = attend, or additive), ``[B, keys]`` or
             ``[B, 1, 1, keys]``, over this rank's keys or over all of them (shards of one
             length).
@@ -890,7 +898,8 @@ def context_parallel_attention(
         ring_group, ulysses_group: ``torch.distributed`` process groups.
         return_lse: also return the natural-log LSE, float32 ``[B, H, N]`` (this rank's queries).
         exchange: how K and V travel in the ring: ``"quantized"`` (the Hopper kernel's codes,
-            about half of bf16's bytes; an error where that kernel does not serve the call),
+            about half of bf16's bytes; an error where that kernel does not serve the call or
+            the shards differ in length),
             ``"input"`` (in the input dtype), or ``"auto"`` (quantized where it can be).
         options: sageattn's ``qk_quant``, ``pv_quant``, ``smooth_k``, ``smooth_q``, ``smooth_v``,
             ``strict``.
@@ -915,22 +924,26 @@ def context_parallel_attention(
     if not groups:
         return sageattn(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa,
                         tensor_layout=tensor_layout, return_lse=return_lse, **options)
+    # Every rank's query and key tokens in the first group (where they may differ: the same on
+    # every rank of a group anyway).
+    p = _degree(groups[0])
+    q_tokens, k_tokens = (tuple(zip(*shards)) if call.shards_of_any_length
+                          else ((q.shape[1],) * p, (k.shape[1],) * p))
+    if mask is not None and (len(set(q_tokens)) > 1 or len(set(k_tokens)) > 1):
+        # (on every rank: whether there is a mask is an agreed field)
+        raise ValueError("context_parallel_attention: attn_mask needs shards of equal length; "
+                         f"got query tokens {list(q_tokens)} and key tokens {list(k_tokens)} over "
+                         "the ranks")
     memory = split = None
     if call.ulysses is not None:
-        p = _degree(call.ulysses)
-        sizes = (list(zip(*shards)) if call.shards_of_any_length
-                 else [(q.shape[1],) * p, (k.shape[1],) * p])
-        split = _UlyssesSplit.of(tuple(sizes[0]), tuple(sizes[1]), q.shape[2], k.shape[2])
-        if mask is not None and not split.even:  # (every rank: the mask field is agreed on)
-            raise ValueError("context_parallel_attention: attn_mask under Ulysses needs shards of "
-                             "equal length; got query tokens "
-                             f"{list(split.q_tokens)} and key tokens {list(split.k_tokens)} over the ranks")
+        split = _UlyssesSplit.of(q_tokens, k_tokens, q.shape[2], k.shape[2])
         mask = _all_keys_mask(mask, k.shape[1], call.ulysses)
         layouts, nbytes = _peer_layouts(q, k, v, split)
         memory = _peer_memory(call, nbytes, q.device)
         q, k, v = _tokens_to_heads(q, k, v, call.ulysses, memory, layouts, split)
     if call.ring is not None:
-        out, lse = _ring(call, q, k, v, mask, call.ring)
+        out, lse = _ring(call, q, k, v, mask, call.ring,
+                         k_tokens if call.ulysses is None else (k.shape[1],) * _degree(call.ring))
     else:  # Ulysses alone: the one-GPU call on this rank's heads
         result = sageattn(q, k, v, mask, 0.0, call.is_causal, call.scale, call.enable_gqa,
                           tensor_layout="NHD", return_lse=return_lse, **call.options)

@@ -149,27 +149,36 @@ def ulysses_key_mask_local() -> None:
 
 
 @scenario
-def ulysses_shards_of_any_length() -> None:
-    """Ulysses over token shards of different lengths (diffusers' ``ulysses_anything``; on 4
-    ranks one shard empty) and heads that do not divide among the ranks (5 heads; GQA 6 over 3;
-    4 over 1: a rank without heads, in batch 1 and 2):
-    each rank's output and LSE are its rows of the one-process call's; a key mask there raises
-    on every rank."""
+def shards_of_any_length() -> None:
+    """Ulysses and the ring over token shards of different lengths (diffusers'
+    ``ulysses_anything`` and ``ring_anything``; on 4 ranks one shard empty), Ulysses also over
+    heads that do not divide among the ranks (5 heads; GQA 6 over 3; 4 over 1: a rank without
+    heads, in batch 1 and 2): each rank's output and LSE are its rows of the one-process call's;
+    a key mask there raises on every rank, as does the ring's quantized exchange."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = [7, 4] if world == 2 else [3, 0, 5, 2]
     rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
-    for b, hq, hkv, causal in ((2, 5, 5, False), (2, 6, 3, True), (1, 4, 1, False), (2, 4, 1, True)):
-        q, k, v = (draw(b, sum(tokens), h, 16, seed, offset=2.0 * (seed == 22))
-                   for h, seed in ((hq, 21), (hkv, 22), (hkv, 23)))
-        options = dict(is_causal=causal, enable_gqa=hkv != hq, return_lse=True)
-        want_out, want_lse = whole(q, k, v, **options)
-        local = tuple(t[:, rows] for t in (q, k, v))
-        got_out, got_lse = run(args=local, ulysses_group=GROUPS["world"], **options)
-        close(got_out, want_out[:, rows], f"out hq={hq} hkv={hkv}", 1e-5)
-        close(got_lse, want_lse[:, :, rows], f"lse hq={hq} hkv={hkv}", 1e-5)
-    keys = torch.ones(2, tokens[rank], dtype=torch.bool, device=DEVICE)  # (the last case's batch)
-    expect_error("attn_mask under Ulysses needs shards of equal length", args=local,
-                 ulysses_group=GROUPS["world"], attn_mask=keys, enable_gqa=True)
+    for mode in ("ulysses_group", "ring_group"):
+        for b, hq, hkv, causal in ((2, 5, 5, False), (2, 6, 3, True), (1, 4, 1, False),
+                                   (2, 4, 1, True)):
+            q, k, v = (draw(b, sum(tokens), h, 16, seed, offset=2.0 * (seed == 22))
+                       for h, seed in ((hq, 21), (hkv, 22), (hkv, 23)))
+            options = dict(is_causal=causal, enable_gqa=hkv != hq, return_lse=True)
+            want_out, want_lse = whole(q, k, v, **options)
+            local = tuple(t[:, rows] for t in (q, k, v))
+            got_out, got_lse = run(args=local, **{mode: GROUPS["world"]}, **options)
+            what = f"{mode} hq={hq} hkv={hkv} causal={causal}"
+            close(got_out, want_out[:, rows], f"out {what}", 1e-5)
+            close(got_lse, want_lse[:, :, rows], f"lse {what}", 1e-5)
+        keys = torch.ones(2, tokens[rank], dtype=torch.bool, device=DEVICE)  # (the last case's batch)
+        expect_error("attn_mask needs shards of equal length", args=local, **{mode: GROUPS["world"]},
+                     attn_mask=keys, enable_gqa=True)
+    try:
+        run(args=local, ring_group=GROUPS["world"], enable_gqa=True, exchange="quantized")
+    except NotImplementedError as error:
+        assert "shards of one length" in str(error), str(error)
+    else:
+        raise AssertionError(f"no error on rank {rank} for the quantized exchange")
 
 
 @scenario
@@ -205,19 +214,23 @@ def quantized_exchange_plumbing() -> None:
                                              return_lse=True)
         return out.to(q.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.float()
 
+    real = parallel._ring_plan, parallel._quantize_shard, parallel._attend_quantized
     parallel._ring_plan = lambda *a: "stand-in"  # type: ignore[assignment]
     parallel._quantize_shard = quantize  # type: ignore[assignment]
     parallel._attend_quantized = attend  # type: ignore[assignment]
-    rank, world = dist.get_rank(), dist.get_world_size()
-    (q, k, v), local = whole_and_shard(2, 8, 4, 4, 16, 3, rank, world, dtype=torch.float16)
-    for causal in (False, True):
-        want_out, want_lse = whole(q.float(), k.half().float(), v.double().float(),
-                                   is_causal=causal, return_lse=True)
-        got_out, got_lse = run(args=local, ring_group=GROUPS["world"], is_causal=causal,
-                               return_lse=True)
-        rows = slice(rank * 4, rank * 4 + 4)
-        close(got_out, want_out[:, rows], f"quantized plumbing out (causal={causal})", 2e-3)
-        close(got_lse, want_lse[:, :, rows], f"quantized plumbing lse (causal={causal})", 1e-5)
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        (q, k, v), local = whole_and_shard(2, 8, 4, 4, 16, 3, rank, world, dtype=torch.float16)
+        for causal in (False, True):
+            want_out, want_lse = whole(q.float(), k.half().float(), v.double().float(),
+                                       is_causal=causal, return_lse=True)
+            got_out, got_lse = run(args=local, ring_group=GROUPS["world"], is_causal=causal,
+                                   return_lse=True)
+            rows = slice(rank * 4, rank * 4 + 4)
+            close(got_out, want_out[:, rows], f"quantized plumbing out (causal={causal})", 2e-3)
+            close(got_lse, want_lse[:, :, rows], f"quantized plumbing lse (causal={causal})", 1e-5)
+    finally:
+        parallel._ring_plan, parallel._quantize_shard, parallel._attend_quantized = real
 
 
 @scenario
@@ -225,7 +238,8 @@ def gpu_quantized_ring() -> None:
     """On the GPUs (bf16, K with channel offsets, an odd shard length): the quantized exchange's
     output and LSE are bit for bit the 16-bit exchange's (each shard's part is sageattn's on that
     shard either way), within the 8-bit bound of float64 attention, close to the one-GPU call;
-    its bytes at most 0.55x the 16-bit ones."""
+    its bytes at most 0.55x the 16-bit ones. Shards of different lengths: within the same
+    bounds."""
     from sageattention2 import parallel, reference
     from sageattention2.testing import relative_l1 as rel_l1
 
@@ -248,6 +262,21 @@ def gpu_quantized_ring() -> None:
               f"{float((lse_q.double() - want_lse[:, :, rows]).abs().max()):.2e}", flush=True)
         assert err < 0.05 and rel_l1(out_q, one_gpu) < 0.05
         close(lse_q, want_lse[:, :, rows], "ring lse", 1e-2)
+    # Shards of different lengths (diffusers' ring_anything): each padded to the longest on the
+    # way, each attending its own keys only (a padded key would add its weight to every row).
+    tokens = [3001 + 211 * (-1) ** r for r in range(world)]
+    rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    for causal in (False, True):
+        options = dict(is_causal=causal, return_lse=True, qk_quant="int8")
+        out, lse = run(args=tuple(t[:, rows] for t in (q, k, v)), ring_group=group, **options)
+        want, want_lse = reference.exact_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
+                                                   is_causal=causal, return_lse=True)
+        one_gpu = whole(q, k, v, **options)[0][:, rows]
+        err = rel_l1(out, want.transpose(1, 2)[:, rows])
+        print(f"rank {rank} uneven causal={causal}: ring vs float64 rel. L1 {err:.4f}, vs one GPU "
+              f"{rel_l1(out, one_gpu):.4f}", flush=True)
+        assert err < 0.05 and rel_l1(out, one_gpu) < 0.05
+        close(lse, want_lse[:, :, rows], "uneven ring lse", 1e-2)
     run(args=local, ring_group=group, exchange="quantized", qk_quant="int8")
     sent = parallel.last_ring_bytes()
     run(args=local, ring_group=group, exchange="input", qk_quant="int8")
@@ -333,7 +362,7 @@ def diffusers_models_as_shipped() -> None:
     chosen before and after enable_parallelism and by attention_backend(...), Ulysses and the
     ring: the output equals the one-process output (the CPU's exact path)."""
     diffusers_models([(1, 2), (2, 1)], ("before", "after", "context"))
-    diffusers_models([(1, 2, "anything")], ("before",))  # diffusers' ulysses_anything
+    diffusers_models([(1, 2, "ulysses_anything"), (2, 1, "ring_anything")], ("before",))
 
 
 @scenario
@@ -351,11 +380,11 @@ def diffusers_models(modes: list[tuple[Any, ...]], orders: tuple[str, ...]) -> N
 
     if DEVICE.type == "cpu":  # diffusers places each rank on an accelerator (rank % count)
         torch.accelerator.device_count = lambda: 1  # type: ignore[assignment]
-        # (and ulysses_anything gathers the shards' sizes there, unless the group is "cpu:gloo")
+        # (and the "anything" modes gather the shards' sizes there, unless the group is "cpu:gloo")
         torch.accelerator.current_accelerator = lambda *args: torch.device("cpu")  # type: ignore[assignment]
     sage_diffusers.register()
     # (gloo's all_gather takes no shards of different lengths, and diffusers gathers the model's
-    # output with it: on the CPU ulysses_anything runs on shards of one length)
+    # output with it: on the CPU the "anything" modes run on shards of one length)
     odd_tokens = any(len(mode) > 2 for mode in modes) and dist.get_backend() == "nccl"
     for build in (_model_suite.wan21_1_3b, _model_suite.flux_dev):
         def fresh() -> tuple[torch.nn.Module, dict[str, Any]]:
@@ -374,7 +403,7 @@ def diffusers_models(modes: list[tuple[Any, ...]], orders: tuple[str, ...]) -> N
             for order in orders:
                 model, inputs = fresh()
                 config = ContextParallelConfig(ring_degree=ring, ulysses_degree=ulysses,
-                                               ulysses_anything=bool(anything))
+                                               **{name: True for name in anything})
                 if order == "before":
                     model.set_attention_backend("sageattention2")
                     model.enable_parallelism(config=config)
@@ -388,8 +417,8 @@ def diffusers_models(modes: list[tuple[Any, ...]], orders: tuple[str, ...]) -> N
                             got = model(**inputs)[0]
                     else:
                         got = model(**inputs)[0]
-                close(got, want, f"{build.__name__} ring {ring} ulysses {ulysses}{' anything' * bool(anything)} "
-                      f"({order})", 1e-5)
+                close(got, want, f"{build.__name__} ring {ring} ulysses {ulysses} {anything} ({order})",
+                      1e-5)
 
 
 @scenario
@@ -477,10 +506,9 @@ def bad_input_on_one_rank_raises_everywhere() -> None:
     for mode in ("ring_group", "ulysses_group"):
         bad_q = q.long() if rank == 1 else q
         expect_error("rank 1: TypeError", args=(bad_q, k, v), **{mode: group})
-        # (Ulysses takes shards of any length: there ranks differ in head_dim instead)
-        other = ((q[:, :2], k, v) if mode == "ring_group" else (q[..., :4], k[..., :4], v[..., :4]))
-        expect_error("differ in query tokens" if mode == "ring_group" else "differ in head_dim",
-                     args=other if rank == 1 else (q, k, v), **{mode: group})
+        # (either alone takes shards of any length: the ranks differ in head_dim instead)
+        narrow = (q[..., :4], k[..., :4], v[..., :4])
+        expect_error("differ in head_dim", args=narrow if rank == 1 else (q, k, v), **{mode: group})
         options = {"qk_quant": "int9"} if rank == 1 else {}
         expect_error("rank 1: ValueError: qk_quant", args=(q, k, v), **{mode: group}, **options)
         keys = torch.ones(1, k.shape[1], dtype=torch.bool, device=DEVICE)
@@ -502,7 +530,7 @@ def bad_input_on_one_rank_raises_everywhere() -> None:
             out = run(args=(q, k, v), **{mode: group})
             assert out.shape == q.shape
         assert not exchanges, "the ranks exchanged full records although they agreed"
-        expect_error("differ in query tokens", args=(q[:, :2] if rank == 1 else q, k, v),
+        expect_error("differ in value head_dim", args=(q, k, v[..., :4] if rank == 1 else v),
                      ring_group=group)
         assert exchanges
     finally:

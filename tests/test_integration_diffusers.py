@@ -11,7 +11,6 @@ import json
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -168,14 +167,10 @@ def test_backend_arguments() -> None:
     scores = torch.einsum("bnhd,bmhd->bhnm", q.double(), k.repeat_interleave(2, 2).double()) / 4
     scores = scores.masked_fill(torch.ones(7, 9, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1).transpose(1, 2).float())
-    # Context parallelism: supported (tests/test_parallel.py runs it, ulysses_anything too), but
-    # not the ring over shards of different lengths.
+    # Context parallelism: supported (tests/test_parallel.py runs it, ulysses_anything and
+    # ring_anything too).
     assert attention_dispatch._AttentionBackendRegistry._is_context_parallel_available(
         attention_dispatch.AttentionBackendName("sageattention2"))
-    uneven = SimpleNamespace(context_parallel_config=SimpleNamespace(
-        ring_anything=True, ulysses_anything=False, ring_degree=2, ulysses_degree=1))
-    with pytest.raises(ValueError, match="ring_anything is not supported"):
-        backend(query=q, key=k, value=v, _parallel_config=uneven)
     with pytest.raises(ValueError, match="exchange must be one of"):
         sage_diffusers.register(exchange="fp8")
 

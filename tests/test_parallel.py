@@ -69,11 +69,11 @@ def test_two_ranks_on_the_cpu() -> None:
               "ulysses_matches_one_process", "ulysses_causal_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
               "bad_input_on_one_rank_raises_everywhere", "bad_input_raises_everywhere_through_gloo",
-              "quantized_exchange_plumbing", "ulysses_shards_of_any_length")
+              "quantized_exchange_plumbing", "shards_of_any_length")
 
 
 def test_ulysses_and_ring_on_four_cpu_ranks() -> None:
-    run_ranks(4, "gloo", "ulysses_and_ring", "ulysses_shards_of_any_length")
+    run_ranks(4, "gloo", "ulysses_and_ring", "shards_of_any_length")
 
 
 def test_diffusers_context_parallelism_on_the_cpu() -> None:
@@ -189,7 +189,7 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
     out = torch.randn(b, n, hq, value_dim, generator=g).to(dtype)
     shards = [[t[:, starts[r]:starts[r + 1]] for t in (q, k, v)] for r in range(world)]
     split = parallel._UlyssesSplit.of(tuple(tokens), tuple(tokens), hq, hkv)
-    assert split.even == even and sum(split.q_heads) == hq and sum(split.kv_heads) == hkv
+    assert sum(split.q_heads) == hq and sum(split.kv_heads) == hkv
     layouts, nbytes = parallel._peer_layouts(*shards[0], split)
     buffers = [torch.full((nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
     barrier = threading.Barrier(world, timeout=60)
@@ -502,7 +502,7 @@ def test_two_gpus(attention_kernel: None) -> None:
     run_ranks(2, "nccl", "ring_matches_one_process", "ulysses_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
               "bad_input_on_one_rank_raises_everywhere", "gpu_quantized_ring", "gpu_ulysses_bit_exact",
-              "gpu_ulysses_through_peer_memory", "ulysses_shards_of_any_length")
+              "gpu_ulysses_through_peer_memory", "shards_of_any_length")
 
 
 @pytest.mark.gpu

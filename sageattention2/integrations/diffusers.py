@@ -30,9 +30,10 @@ a context-parallel plan (Wan, Flux, HunyuanVideo, QwenImage, ...)::
 Each attention call then runs :func:`sageattention2.parallel.context_parallel_attention` on the
 config's ring and Ulysses groups: Ulysses is the one-GPU call on each rank's heads, and the ring
 sends each rank's K and V once, quantized as the Hopper kernel reads them where it serves the
-call (``register(exchange=...)`` chooses). diffusers' ``ulysses_anything`` (shards of
-different lengths, heads that do not divide among the ranks: what ``diffusers-cli run
---context-parallel`` sets) runs the same way; ``ring_anything`` is refused with a clear error.
+call (``register(exchange=...)`` chooses). diffusers' ``ulysses_anything`` and ``ring_anything``
+(shards of different lengths, and for Ulysses heads that do not divide among the ranks:
+``diffusers-cli run --context-parallel`` sets ``ulysses_anything``) run the same way, the ring's
+uneven shards in the input dtype.
 
 Tested with diffusers 0.42.1.
 """
@@ -105,10 +106,6 @@ def _context_parallel(query: Tensor, key: Tensor, value: Tensor, attn_mask: Tens
     """The backend under diffusers' context parallelism: the config's ring and Ulysses groups
     (the LSE in sageattn's ``[B, H, N]``, as the caller turns it)."""
     config = parallel_config.context_parallel_config
-    if getattr(config, "ring_anything", False):
-        raise ValueError("the sageattention2 attention backend needs the ring's shards of equal "
-                         "length: ring_anything is not supported (ulysses_anything is); use "
-                         "diffusers' native backend for it")
     ring = config._ring_mesh.get_group() if config.ring_degree > 1 else None
     ulysses = config._ulysses_mesh.get_group() if config.ulysses_degree > 1 else None
     return context_parallel_attention(
