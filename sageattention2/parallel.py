@@ -615,6 +615,25 @@ def _peer_layouts(q: Tensor, k: Tensor, v: Tensor,
     return tuple(layouts), nbytes
 
 
+_MAX_LAYOUTS = 64
+_ulysses_layouts: dict[tuple[Any, ...], tuple[_UlyssesSplit, tuple[Any, ...], int]] = {}
+
+
+def _ulysses_layout(q: Tensor, k: Tensor, v: Tensor, q_tokens: tuple[int, ...],
+                    k_tokens: tuple[int, ...]) -> tuple[_UlyssesSplit, tuple[Any, ...], int]:
+    """The call's :class:`_UlyssesSplit` and :func:`_peer_layouts`, made at the first call of its
+    kind (its shapes, dtype and the ranks' token counts; ~15 us of host time a call otherwise);
+    at most 64 kinds are kept."""
+    key = (q.shape, k.shape, v.shape, q.dtype, q_tokens, k_tokens)
+    found = _ulysses_layouts.get(key)
+    if found is None:
+        if len(_ulysses_layouts) >= _MAX_LAYOUTS:
+            _ulysses_layouts.clear()
+        split = _UlyssesSplit.of(q_tokens, k_tokens, q.shape[2], k.shape[2])
+        found = _ulysses_layouts[key] = (split, *_peer_layouts(q, k, v, split))
+    return found
+
+
 def _tokens_to_heads_in_peers(q: Tensor, k: Tensor, v: Tensor, memory: _PeerMemory,
                               layouts: tuple[Any, ...],
                               split: _UlyssesSplit) -> tuple[Tensor, Tensor, Tensor]:
@@ -936,9 +955,8 @@ def context_parallel_attention(
                          "the ranks")
     memory = split = None
     if call.ulysses is not None:
-        split = _UlyssesSplit.of(q_tokens, k_tokens, q.shape[2], k.shape[2])
+        split, layouts, nbytes = _ulysses_layout(q, k, v, q_tokens, k_tokens)
         mask = _all_keys_mask(mask, k.shape[1], call.ulysses)
-        layouts, nbytes = _peer_layouts(q, k, v, split)
         memory = _peer_memory(call, nbytes, q.device)
         q, k, v = _tokens_to_heads(q, k, v, call.ulysses, memory, layouts, split)
     if call.ring is not None:

@@ -40,6 +40,11 @@ def shard(x: torch.Tensor, rank: int, world: int) -> torch.Tensor:
     return x[:, rank * n:(rank + 1) * n]
 
 
+def rows_of(tokens: list[int], rank: int) -> slice:
+    """Rank ``rank``'s rows of the whole sequence when the ranks hold ``tokens`` tokens each."""
+    return slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+
+
 def close(got: torch.Tensor, want: torch.Tensor, what: str, tol: float) -> None:
     if want.numel() == 0:  # (a rank's empty shard)
         assert got.shape == want.shape, (what, got.shape, want.shape)
@@ -157,7 +162,7 @@ def shards_of_any_length() -> None:
     a key mask there raises on every rank, as does the ring's quantized exchange."""
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = [7, 4] if world == 2 else [3, 0, 5, 2]
-    rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    rows = rows_of(tokens, rank)
     for mode in ("ulysses_group", "ring_group"):
         for b, hq, hkv, causal in ((2, 5, 5, False), (2, 6, 3, True), (1, 4, 1, False),
                                    (2, 4, 1, True)):
@@ -265,7 +270,7 @@ def gpu_quantized_ring() -> None:
     # Shards of different lengths (diffusers' ring_anything): each padded to the longest on the
     # way, each attending its own keys only (a padded key would add its weight to every row).
     tokens = [3001 + 211 * (-1) ** r for r in range(world)]
-    rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    rows = rows_of(tokens, rank)
     for causal in (False, True):
         options = dict(is_causal=causal, return_lse=True, qk_quant="int8")
         out, lse = run(args=tuple(t[:, rows] for t in (q, k, v)), ring_group=group, **options)
@@ -304,7 +309,7 @@ def gpu_ulysses_bit_exact() -> None:
     # Shards of different lengths (diffusers' ulysses_anything), 10 query heads over 5 key heads
     # (3 and 2 key heads a rank on 2 GPUs): the same, through the peers' memory.
     tokens = [2500 + 173 * (-1) ** r for r in range(world)]
-    rows = slice(sum(tokens[:rank]), sum(tokens[:rank + 1]))
+    rows = rows_of(tokens, rank)
     q, k, v = (draw(1, sum(tokens), h, 128, seed, torch.bfloat16, offset=3.0 * (seed == 52))
                for h, seed in ((10, 51), (5, 52), (5, 53)))
     for causal in (False, True):

@@ -224,6 +224,31 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
         assert torch.equal(back, out[:, starts[r]:starts[r + 1]]), r
 
 
+def test_a_kind_of_ulysses_call_is_laid_out_once() -> None:
+    """The split and the peers' layouts of a Ulysses call are made at the first call of its kind
+    (shapes, dtype, the ranks' token counts) and reused; another kind gets its own; past 64 kinds
+    the kept ones are dropped, not grown without end."""
+    from sageattention2 import parallel
+
+    parallel._ulysses_layouts.clear()
+    q, k, v = (torch.zeros(1, 5, h, 8, dtype=torch.float16) for h in (4, 2, 2))
+    first = parallel._ulysses_layout(q, k, v, (5, 3), (5, 3))
+    split, layouts, nbytes = first
+    assert split == parallel._UlyssesSplit.of((5, 3), (5, 3), 4, 2)
+    assert (layouts, nbytes) == parallel._peer_layouts(q, k, v, split)
+    assert parallel._ulysses_layout(q.clone(), k, v, (5, 3), (5, 3)) is first
+    other = parallel._ulysses_layout(q, k, v, (5, 4), (5, 4))
+    assert other is not first and other[0].q_tokens == (5, 4)
+    assert parallel._ulysses_layout(q.float(), k.float(), v.float(), (5, 3), (5, 3)) is not first
+    for n in range(3, 65):  # (62 kinds, and the float32 one)
+        parallel._ulysses_layout(q, k, v, (5, n), (5, n))
+    assert len(parallel._ulysses_layouts) == 63
+    parallel._ulysses_layout(q, k, v, (5, 98), (5, 98))
+    assert len(parallel._ulysses_layouts) == 64
+    last = parallel._ulysses_layout(q, k, v, (5, 99), (5, 99))
+    assert len(parallel._ulysses_layouts) == 1 and parallel._ulysses_layout(q, k, v, (5, 99), (5, 99)) is last
+
+
 def test_peer_memory_keeps_views_per_layout() -> None:
     """An exchange's views are built at its layout's first call and reused after; past 64
     layouts (a server seeing many shapes) the kept ones are dropped, not grown without end."""
