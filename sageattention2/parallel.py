@@ -622,8 +622,8 @@ _ulysses_layouts: dict[tuple[Any, ...], tuple[_UlyssesSplit, tuple[Any, ...], in
 def _ulysses_layout(q: Tensor, k: Tensor, v: Tensor, q_tokens: tuple[int, ...],
                     k_tokens: tuple[int, ...]) -> tuple[_UlyssesSplit, tuple[Any, ...], int]:
     """The call's :class:`_UlyssesSplit` and :func:`_peer_layouts`, made at the first call of its
-    kind (its shapes, dtype and the ranks' token counts; ~15 us of host time a call otherwise);
-    at most 64 kinds are kept."""
+    kind (its shapes, dtype and the ranks' token counts) instead of at every call; at most 64
+    kinds are kept."""
     key = (q.shape, k.shape, v.shape, q.dtype, q_tokens, k_tokens)
     found = _ulysses_layouts.get(key)
     if found is None:

@@ -240,13 +240,14 @@ def test_a_kind_of_ulysses_call_is_laid_out_once() -> None:
     other = parallel._ulysses_layout(q, k, v, (5, 4), (5, 4))
     assert other is not first and other[0].q_tokens == (5, 4)
     assert parallel._ulysses_layout(q.float(), k.float(), v.float(), (5, 3), (5, 3)) is not first
-    for n in range(3, 65):  # (62 kinds, and the float32 one)
+    for n in range(3, 65):  # (with (5, 3), (5, 4) and the float32 kind: 63 kinds)
         parallel._ulysses_layout(q, k, v, (5, n), (5, n))
     assert len(parallel._ulysses_layouts) == 63
     parallel._ulysses_layout(q, k, v, (5, 98), (5, 98))
     assert len(parallel._ulysses_layouts) == 64
     last = parallel._ulysses_layout(q, k, v, (5, 99), (5, 99))
-    assert len(parallel._ulysses_layouts) == 1 and parallel._ulysses_layout(q, k, v, (5, 99), (5, 99)) is last
+    assert len(parallel._ulysses_layouts) == 1
+    assert parallel._ulysses_layout(q, k, v, (5, 99), (5, 99)) is last
 
 
 def test_peer_memory_keeps_views_per_layout() -> None:
