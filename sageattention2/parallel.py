@@ -36,9 +36,9 @@ import math
 import os
 import secrets
 import socket
+import dataclasses
 import struct
 import sys
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple
 
@@ -382,7 +382,20 @@ def _as_4d_key_mask(mask: Tensor | None) -> Tensor | None:
     return mask[:, None, None, :] if mask is not None and mask.dim() == 2 else mask
 
 
-_MAX_CHECKED_KINDS = 64
+_KEPT = 64  # entries a per-kind cache keeps
+
+
+def _kept(cache: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
+    """``cache[key]``, built at the key's first call. Past ``_KEPT`` keys (a server seeing many
+    shapes) the kept ones are dropped, not grown without end: the per-kind caches of this module
+    (checked calls, Ulysses layouts, the peers' views) all keep their entries so."""
+    if key not in cache:
+        if len(cache) >= _KEPT:
+            cache.clear()
+        cache[key] = build()
+    return cache[key]
+
+
 _checked_kinds: dict[tuple[Any, ...], tuple[dict[str, Any], tuple[int, ...]]] = {}
 
 
@@ -416,10 +429,9 @@ def _checked(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_
                   tensor_layout, return_lse, exchange, options, peer_memory)
     record_fields = call.record_fields()
     if kind is not None:
-        if len(_checked_kinds) >= _MAX_CHECKED_KINDS:
-            _checked_kinds.clear()
-        _checked_kinds[kind] = ({f.name: getattr(call, f.name) for f in dataclasses.fields(call)
-                                 if f.name not in ("q", "k", "v", "attn_mask")}, record_fields)
+        fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)
+                  if f.name not in ("q", "k", "v", "attn_mask")}
+        _kept(_checked_kinds, kind, lambda: (fields, record_fields))
     return call, record_fields
 
 
@@ -549,11 +561,7 @@ class _PeerMemory:
         """An exchange's views of the buffers, built at the first call of its ``layout`` (the
         same every call of a model: building them, dozens of slices and views, cost the host
         ~0.3 ms a Wan call on 2 ranks, session 48); at most 64 layouts are kept."""
-        if layout not in self.layouts:
-            if len(self.layouts) >= 64:
-                self.layouts.clear()
-            self.layouts[layout] = build()
-        return self.layouts[layout]
+        return _kept(self.layouts, layout, build)
 
 
 _peer_memories: dict[tuple[str, int], _PeerMemory | None] = {}
@@ -615,7 +623,6 @@ def _peer_layouts(q: Tensor, k: Tensor, v: Tensor,
     return tuple(layouts), nbytes
 
 
-_MAX_LAYOUTS = 64
 _ulysses_layouts: dict[tuple[Any, ...], tuple[_UlyssesSplit, tuple[Any, ...], int]] = {}
 
 
@@ -624,14 +631,11 @@ def _ulysses_layout(q: Tensor, k: Tensor, v: Tensor, q_tokens: tuple[int, ...],
     """The call's :class:`_UlyssesSplit` and :func:`_peer_layouts`, made at the first call of its
     kind (its shapes, dtype and the ranks' token counts) instead of at every call; at most 64
     kinds are kept."""
-    key = (q.shape, k.shape, v.shape, q.dtype, q_tokens, k_tokens)
-    found = _ulysses_layouts.get(key)
-    if found is None:
-        if len(_ulysses_layouts) >= _MAX_LAYOUTS:
-            _ulysses_layouts.clear()
+    def build() -> tuple[_UlyssesSplit, tuple[Any, ...], int]:
         split = _UlyssesSplit.of(q_tokens, k_tokens, q.shape[2], k.shape[2])
-        found = _ulysses_layouts[key] = (split, *_peer_layouts(q, k, v, split))
-    return found
+        return (split, *_peer_layouts(q, k, v, split))
+
+    return _kept(_ulysses_layouts, (q.shape, k.shape, v.shape, q.dtype, q_tokens, k_tokens), build)
 
 
 def _tokens_to_heads_in_peers(q: Tensor, k: Tensor, v: Tensor, memory: _PeerMemory,
