@@ -625,17 +625,19 @@ def moved_as_words(t: Tensor) -> bool:
 
 
 def copy_many_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *,
-               as_words: bool | None = None) -> None:
+               as_words: bool | None = None, by_copy_engine: bool = False) -> None:
     """``dsts[i].copy_(srcs[i])`` for every i (same shapes and dtypes, no overlaps): in one launch
     of the extension's ``copy_many_`` where it moves every tensor as it is (every pair at once:
     context parallelism's local and remote copies side by side), else one ``copy_`` each.
     ``as_words``: what the caller knows of :func:`moved_as_words` for every tensor (None:
     asked here, tensor by tensor: ~70 us of host time for an exchange's 24 tensors, session 48;
-    the op itself still checks them, in C++)."""
+    the op itself still checks them, in C++). ``by_copy_engine``: the op's pairs by the copy
+    engines instead (2-D copies; no SM, so they run beside a kernel that holds every SM), each
+    pair that would take more than 64 of them still by the launch."""
     if as_words is None:
         as_words = all(moved_as_words(t) for t in (*dsts, *srcs))
     if as_words and 0 < len(dsts) <= COPY_MANY_MAX_PAIRS and has_op("copy_many_"):
-        _op("copy_many_")(list(dsts), list(srcs))
+        _op("copy_many_")(list(dsts), list(srcs), by_copy_engine)
         return
     for dst, src in zip(dsts, srcs):
         dst.copy_(src)

@@ -13,6 +13,9 @@ lengths under Ulysses alone or the ring alone (diffusers' ``ulysses_anything`` a
   straight into the other ranks' memory (PyTorch's symmetric memory: every rank maps the
   others' buffers), between two barriers: the permuting copy and the transfer are one copy, and
   the received tokens need no second one (``SAGEATTN_PEER_MEMORY=0`` keeps NCCL's all-to-all).
+  A call on the Hopper kernel goes in two halves of each rank's heads: one half's q, k and v
+  cross by the copy engines while the other half's kernel runs, and each half's output goes
+  back beside the next (``SAGEATTN_PEER_MEMORY=copy``: every head at once).
 - **Ring** (``ring_group``): every rank's K and V shard goes to every rank of the group in one
   all-gather, started before the kernel runs on the local shard, so that the bytes travel while
   the kernel runs; each rank attends its queries to every shard, and the partial outputs are
@@ -30,6 +33,7 @@ waiting in a collective.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import math
@@ -54,6 +58,9 @@ __all__ = ["EXCHANGES", "context_parallel_attention", "last_ring_bytes"]
 
 EXCHANGES = ("auto", "quantized", "input")
 PEER_MEMORY_ENVIRONMENT = "SAGEATTN_PEER_MEMORY"  # "0": Ulysses through NCCL's all-to-all only
+# How Ulysses moves the heads (SAGEATTN_PEER_MEMORY): NCCL's all-to-all ("0"), the peers' memory
+# with every head at once ("copy"), or in two halves where the Hopper kernel runs (the default).
+_PEER_NONE, _PEER_COPIES, _PEER_HALVES = range(3)
 _OPTION_NAMES = ("qk_quant", "pv_quant", "smooth_k", "smooth_q", "smooth_v", "strict")
 _ALIGN = 256  # every part of an exchanged buffer starts 256-byte aligned (the kernels read 16 B)
 _last_ring_bytes = 0
@@ -293,7 +300,7 @@ class ParallelCall:
     options: dict[str, Any]
     ulysses: Any
     ring: Any
-    peer_memory: bool  # Ulysses may go through the peers' memory (SAGEATTN_PEER_MEMORY, read once)
+    peer_memory: int  # how Ulysses moves the heads: _PEER_NONE, _PEER_COPIES or _PEER_HALVES
 
     @property
     def shards_of_any_length(self) -> bool:
@@ -333,7 +340,7 @@ def _shards_of_any_length(ulysses: Any, ring: Any) -> bool:
 def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
            is_causal: bool, scale: float | None, enable_gqa: bool, ring: Any, ulysses: Any,
            tensor_layout: str, return_lse: bool, exchange: str, options: dict[str, Any],
-           peer_memory: bool) -> ParallelCall:
+           peer_memory: int) -> ParallelCall:
     unknown = sorted(set(options) - set(_OPTION_NAMES))
     if unknown:
         raise TypeError(f"context_parallel_attention got unexpected keyword(s) {', '.join(unknown)}; "
@@ -375,7 +382,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p:
     return ParallelCall(qn, kn, vn, mask, is_causal, scale, enable_gqa, tensor_layout, return_lse,
                         exchange, dict(options), ulysses if p_u > 1 else None,
                         ring if p_r > 1 else None,
-                        p_u > 1 and peer_memory)
+                        peer_memory if p_u > 1 else _PEER_NONE)
 
 
 def _as_4d_key_mask(mask: Tensor | None) -> Tensor | None:
@@ -399,6 +406,12 @@ def _kept(cache: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
 _checked_kinds: dict[tuple[Any, ...], tuple[dict[str, Any], tuple[int, ...]]] = {}
 
 
+def _peer_memory_mode() -> int:
+    """SAGEATTN_PEER_MEMORY as a mode: "0" NCCL, "copy" every head at once, else the halves."""
+    value = os.environ.get(PEER_MEMORY_ENVIRONMENT, "1")
+    return {"0": _PEER_NONE, "copy": _PEER_COPIES}.get(value, _PEER_HALVES)
+
+
 def _checked(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p: float,
              is_causal: bool, scale: float | None, enable_gqa: bool, ring: Any, ulysses: Any,
              tensor_layout: str, return_lse: bool, exchange: str,
@@ -409,7 +422,7 @@ def _checked(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_
     ``1`` is not ``True`` to the validation; the groups; the environment), and checking took
     ~0.11 ms of a Ulysses call's ~0.86 ms of host time (Wan on 2 H200s, session 48). Only
     calls that passed are remembered: a bad one raises each time."""
-    peer_memory = os.environ.get(PEER_MEMORY_ENVIRONMENT, "1") != "0"  # (read at every call)
+    peer_memory = _peer_memory_mode()  # (read at every call)
     kind: tuple[Any, ...] | None = None
     if all(type(t) is Tensor for t in (q, k, v)) and (attn_mask is None or type(attn_mask) is Tensor):
         kind = (*((t.shape, t.dtype, t.device) for t in (q, k, v)),
@@ -546,13 +559,15 @@ def _bytes_as(buffer: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.
 class _PeerMemory:
     """A buffer of the same size on every rank of a group, each rank's mapped into every other
     rank's address space (``torch.distributed._symmetric_memory``: CUDA IPC over NVLink), and a
-    barrier on the current stream across the group's ranks."""
+    barrier on the current stream across the group's ranks, on one of a few channels (barriers
+    on different streams take different channels; every rank passes a channel's in one order)."""
 
     rank: int                       # this rank's index in the group
     buffers: list[Tensor]           # uint8, one per rank of the group ([rank]: this rank's own)
-    barrier: Callable[[], None]
+    barrier: Callable[..., None]    # (channel=0)
     keep: Any = None                # what keeps the mappings alive (the allocation and its handle)
     layouts: dict[Any, Any] = field(default_factory=dict)  # :meth:`views`' keys and views
+    side_streams: list[Any] | None = None  # the halves' streams (:meth:`streams`)
 
     def view(self, owner: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return _bytes_as(self.buffers[owner], offset, shape, dtype)
@@ -562,6 +577,16 @@ class _PeerMemory:
         same every call of a model: building them, dozens of slices and views, cost the host
         ~0.3 ms a Wan call on 2 ranks, session 48); at most 64 layouts are kept."""
         return _kept(self.layouts, layout, build)
+
+    def streams(self) -> list[Any]:
+        """The halves' side streams on the buffers' device (copies in, the local copy, the
+        second half's kernel, copies out), made once; on the CPU (the threads test) None each:
+        every step then runs in program order."""
+        if self.side_streams is None:
+            device = self.buffers[self.rank].device
+            self.side_streams = [torch.cuda.Stream(device) if device.type == "cuda" else None
+                                 for _ in range(4)]
+        return self.side_streams
 
 
 _peer_memories: dict[tuple[str, int], _PeerMemory | None] = {}
@@ -600,8 +625,8 @@ def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> _PeerMemo
         return None
     handle = symmetric.rendezvous(local, group)
     buffers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(dist.get_world_size(group))]
-    return _PeerMemory(dist.get_rank(group), buffers, lambda: handle.barrier(channel=0),
-                       (local, handle))
+    return _PeerMemory(dist.get_rank(group), buffers,
+                       lambda channel=0: handle.barrier(channel=channel), (local, handle))
 
 
 def _peer_layouts(q: Tensor, k: Tensor, v: Tensor,
@@ -694,6 +719,184 @@ def _heads_to_tokens_in_peers(x: Tensor, memory: _PeerMemory, split: _UlyssesSpl
                    as_words=dsts_as_words and ops.moved_as_words(x))
     memory.barrier()
     return received.clone()  # (the buffer is the next call's)
+
+
+# ------------------------------------------------------------------------------------------------
+# Ulysses in two halves of the heads: one half's exchange beside the other half's kernel
+# ------------------------------------------------------------------------------------------------
+
+# A Ulysses call takes the halves from this much work (4 B Nq Nk H D of the first rank's share):
+# ~1 ms of the Hopper kernel, against the ~0.5 ms more host time of the halves' launches (session
+# 51); the GPU runs ahead of the host only where its work is the longer.
+_HALVES_MIN_WORK = 1e12
+
+
+class _Halves(NamedTuple):
+    """Ulysses in two halves of every rank's heads, the same on every rank: rank r's first
+    ceil(H_r / 2) key heads and the rest, query heads with their key heads; where each half's q,
+    k and v land in rank r's buffer and, after them, rank r's output ``[B, S_r, H, Dv]``; the
+    bytes every buffer needs; the kernel call of every half (decided on the first rank's share,
+    the largest, so that every rank takes the same path)."""
+
+    q_cuts: tuple[tuple[int, int, int], ...]    # per rank: its query heads' start, middle, end
+    kv_cuts: tuple[tuple[int, int, int], ...]   # the same of its key heads
+    parts: tuple[Any, ...]                      # [rank][half][q, k, v]: (offset, shape)
+    out: tuple[tuple[int, tuple[int, ...]], ...]  # [rank]: (offset, shape)
+    nbytes: int
+    kernel: Any                                 # _execute.KernelCall (a stand-in in tests)
+
+    @staticmethod
+    def of(q: Tensor, k: Tensor, v: Tensor, split: _UlyssesSplit, kernel: Any) -> _Halves:
+        """The halves of a call of ``q``, ``k`` and ``v`` (NHD shards) split as ``split``."""
+        b, d, dv, size = q.shape[0], q.shape[3], v.shape[3], q.element_size()
+        nq, nk, group = sum(split.q_tokens), sum(split.k_tokens), q.shape[2] // k.shape[2]
+        q_cuts, kv_cuts, parts, outs, nbytes = [], [], [], [], 0
+        for r, heads in enumerate(split.kv_heads):
+            start = sum(split.kv_heads[:r])
+            cut = (start, start + (heads + 1) // 2, start + heads)
+            kv_cuts.append(cut)
+            q_cuts.append((cut[0] * group, cut[1] * group, cut[2] * group))
+            halves, total = [], 0
+            for a, z in ((cut[0], cut[1]), (cut[1], cut[2])):
+                half = []
+                for shape in ((b, nq, (z - a) * group, d), (b, nk, z - a, d), (b, nk, z - a, dv)):
+                    half.append((total, shape))
+                    total += ops.round_up(math.prod(shape) * size, _ALIGN)
+                halves.append(tuple(half))
+            out_shape = (b, split.q_tokens[r], q.shape[2], dv)
+            outs.append((total, out_shape))
+            parts.append(tuple(halves))
+            nbytes = max(nbytes, total + math.prod(out_shape) * size)
+        return _Halves(tuple(q_cuts), tuple(kv_cuts), tuple(parts), tuple(outs), nbytes, kernel)
+
+    def sizes(self, cuts: tuple[tuple[int, int, int], ...]) -> list[int]:
+        """The heads of every (rank, half) in order: a tensor's ``split`` into its 2P sources."""
+        return [n for a, m, z in cuts for n in (m - a, z - m)]
+
+
+_halves_kinds: dict[tuple[Any, ...], _Halves | None] = {}
+_halves_calls = 0  # calls that went in halves (the tests' evidence of the path)
+
+
+def _halves(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor,
+            split: _UlyssesSplit) -> _Halves | None:
+    """The call's :class:`_Halves`, made once per kind, or None where Ulysses moves every head
+    at once: ``SAGEATTN_PEER_MEMORY=copy``, a mask, a rank with one key head, a call that the
+    Hopper kernel does not serve or that is too short to gain (``_HALVES_MIN_WORK``), the CPU."""
+    if (call.peer_memory != _PEER_HALVES or q.device.type != "cuda" or call.attn_mask is not None
+            or min(split.kv_heads) < 2):
+        return None
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, split, call.is_causal, call.scale,
+           call.enable_gqa, call.return_lse, tuple(sorted(call.options.items())))
+    try:
+        hash(key)
+    except TypeError:  # (an unhashable option)
+        return None
+    return _kept(_halves_kinds, key, lambda: _plan_halves(call, q, k, v, split))
+
+
+def _plan_halves(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor,
+                 split: _UlyssesSplit) -> _Halves | None:
+    b, d, dv = q.shape[0], q.shape[3], v.shape[3]
+    nq, nk = sum(split.q_tokens), sum(split.k_tokens)
+    # The plan reads shapes, dtypes and the device only: views of the first rank's received
+    # shapes over this rank's tensors (stride 0) stand in for them.
+    first = [t.as_strided(shape, (0, 0, 0, 1)) for t, shape in (
+        (q, (b, nq, split.q_heads[0], d)), (k, (b, nk, split.kv_heads[0], d)),
+        (v, (b, nk, split.kv_heads[0], dv)))]
+    options = call.options
+    shard_call = validate(*first, None, 0.0, call.is_causal, call.scale, call.enable_gqa, "NHD",
+                          options.get("qk_quant", "auto"), options.get("pv_quant", "auto"),
+                          options.get("smooth_k", True), options.get("smooth_q", "auto"),
+                          options.get("smooth_v", "auto"), call.return_lse,
+                          options.get("strict", False))
+    decision = _execute.decide(shard_call)
+    if (not decision.quantized or decision.choice.kernel != "wgmma" or shard_call.bottom_right
+            or 4 * b * nq * nk * split.q_heads[0] * d < _HALVES_MIN_WORK):
+        return None
+    return _Halves.of(q, k, v, split, _execute.KernelCall.of(shard_call, decision.choice))
+
+
+def _on(stream: Any) -> Any:
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def _wait(stream: Any, other: Any) -> None:
+    """``stream`` waits for the work enqueued on ``other`` so far (CUDA streams; None: the CPU)."""
+    if stream is not None:
+        stream.wait_stream(other)
+
+
+def _ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: _PeerMemory, halves: _Halves,
+                       split: _UlyssesSplit, return_lse: bool,
+                       attend: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
+                       ) -> tuple[Tensor, Tensor | None]:
+    """Ulysses through the peers' memory in two halves of the heads: (this rank's tokens of
+    every head's output ``[B, S, H, Dv]``; with ``return_lse`` the LSE of its heads ``[B, H_r,
+    N]``, else None). The copy engines move each half's q, k and v into their owners'
+    buffers (a barrier on their stream each: every rank's half has arrived), so that the second
+    half crosses while the first half's kernel runs, which holds every SM; the second half's
+    kernel runs on its own stream and fills the first one's tail; each half's output rows go
+    back to their owners by the copy engines too, the first half's beside the second's kernel
+    (D54: on 2 H200s a call 3.0 % (Wan), 4.0 % (Flux) faster than every head at once). A
+    half's kernel reads only its own heads, so the output is the one-GPU output bit for bit.
+    ``attend``: the halves' attention, ``[B, H, N, D]`` views in, NHD-memory output and LSE out
+    (the kernel call; the threads test's exact stand-in)."""
+    global _halves_calls
+    _halves_calls += 1
+    p, me = len(memory.buffers), memory.rank
+    owners = [(me + step) % p for step in range(p)]
+    tensors = ((q, split.q_tokens), (k, split.k_tokens), (v, split.k_tokens))
+
+    def build() -> tuple[list[tuple[list[Tensor], list[Tensor]]], list[list[Tensor]], list[list[Tensor]], Tensor]:
+        ins = []
+        for j in (0, 1):
+            remote, local = [], []
+            for i, (x, tokens) in enumerate(tensors):
+                row, mine = sum(tokens[:me]), tokens[me]
+                for owner in owners:
+                    view = memory.view(owner, *halves.parts[owner][j][i], x.dtype)[:, row:row + mine]
+                    (local if owner == me else remote).append(view)
+            ins.append((remote, local))
+        received = [[memory.view(me, *where, x.dtype) for where, (x, _) in zip(halves.parts[me][j], tensors)]
+                    for j in (0, 1)]
+        cut = halves.q_cuts[me]
+        back = [[memory.view(owner, *halves.out[owner], q.dtype)[:, :, cut[j]:cut[j + 1]]
+                 for owner in owners] for j in (0, 1)]
+        return ins, received, back, memory.view(me, *halves.out[me], q.dtype)
+
+    ins, received, back, mine = memory.views(("halves", halves, q.dtype), build)
+    sources = [x.split(halves.sizes(cuts), dim=2) for x, cuts in
+               ((q, halves.q_cuts), (k, halves.kv_cuts), (v, halves.kv_cuts))]
+    copies, local, second, returns = memory.streams()
+    main = torch.cuda.current_stream(q.device) if copies is not None else None
+    memory.barrier(0)  # every rank's kernels have read the last call's inputs and its output is out
+    _wait(copies, main)
+    _wait(local, main)
+    for j, compute in ((0, main), (1, second)):
+        remote_dsts, local_dsts = ins[j]
+        remote_srcs = [parts[2 * owner + j] for parts in sources for owner in owners[1:]]
+        with _on(local):
+            ops.copy_many_(local_dsts, [parts[2 * me + j] for parts in sources], by_copy_engine=True)
+        with _on(copies):
+            ops.copy_many_(remote_dsts, remote_srcs, by_copy_engine=True)
+            _wait(copies, local)
+            memory.barrier(1 + j)  # every rank's half j has arrived
+        _wait(compute, copies)
+    lses = []
+    for j, compute in ((0, main), (1, second)):
+        with _on(compute):
+            out, lse = (attend or halves.kernel)(*(t.transpose(1, 2) for t in received[j]))
+        lses.append(lse)
+        _wait(returns, compute)
+        with _on(returns):
+            rows = out.transpose(1, 2).split(split.q_tokens, dim=1)
+            ops.copy_many_(back[j], [rows[owner] for owner in owners], by_copy_engine=True)
+    with _on(returns):
+        memory.barrier(3)  # every rank's output rows have arrived
+    _wait(main, returns)
+    _wait(main, second)
+    return mine.clone(), torch.cat(lses, dim=1) if return_lse else None  # (the buffer is the next call's)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -961,7 +1164,13 @@ def context_parallel_attention(
     if call.ulysses is not None:
         split, layouts, nbytes = _ulysses_layout(q, k, v, q_tokens, k_tokens)
         mask = _all_keys_mask(mask, k.shape[1], call.ulysses)
-        memory = _peer_memory(call, nbytes, q.device)
+        halves = _halves(call, q, k, v, split) if call.ring is None else None
+        memory = _peer_memory(call, max(nbytes, 0 if halves is None else halves.nbytes), q.device)
+        if halves is not None and memory is not None:
+            out, lse = _ulysses_in_halves(q, k, v, memory, halves, split, return_lse)
+            if lse is not None:
+                lse = _lse_heads_to_tokens(lse.contiguous(), call.ulysses, split)
+            return _in_layout(out, lse, tensor_layout, return_lse)
         q, k, v = _tokens_to_heads(q, k, v, call.ulysses, memory, layouts, split)
     if call.ring is not None:
         out, lse = _ring(call, q, k, v, mask, call.ring,
@@ -974,6 +1183,12 @@ def context_parallel_attention(
         out = _heads_to_tokens(out, call.ulysses, memory, split)
         if lse is not None:
             lse = _lse_heads_to_tokens(lse.contiguous(), call.ulysses, split)
+    return _in_layout(out, lse, tensor_layout, return_lse)
+
+
+def _in_layout(out: Tensor, lse: Tensor | None, tensor_layout: str,
+               return_lse: bool) -> Tensor | tuple[Tensor, Tensor]:
+    """An NHD output (and the LSE) as :func:`context_parallel_attention` returns them."""
     if tensor_layout == "HND":
         out = out.transpose(1, 2)
-    return (out, lse) if return_lse else out
+    return (out, lse) if return_lse else out  # type: ignore[return-value]

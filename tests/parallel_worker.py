@@ -9,10 +9,11 @@ process.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -295,7 +296,34 @@ def gpu_quantized_ring() -> None:
 def gpu_ulysses_bit_exact() -> None:
     """Ulysses on the GPUs: this rank's output and LSE are the one-GPU call's rows, bit for bit
     (each head's attention is computed alone either way), also over shards of different lengths
-    and heads that do not divide among the ranks."""
+    and heads that do not divide among the ranks; through the peers' memory in halves of the
+    heads (every call here, however short) where the ranks have it."""
+    from sageattention2 import parallel
+
+    with halves_for_every_call():
+        calls = parallel._halves_calls
+        ulysses_bit_exact()
+        if parallel._peer_memories:
+            assert parallel._halves_calls > calls, "no call went in halves"
+
+
+@contextlib.contextmanager
+def halves_for_every_call() -> Iterator[None]:
+    """Ulysses through the peers' memory in halves for calls of any length (the product takes
+    them from ~1 ms of kernel: these calls are shorter)."""
+    from sageattention2 import parallel
+
+    least = parallel._HALVES_MIN_WORK
+    parallel._HALVES_MIN_WORK = 0
+    parallel._halves_kinds.clear()
+    try:
+        yield
+    finally:
+        parallel._HALVES_MIN_WORK = least
+        parallel._halves_kinds.clear()
+
+
+def ulysses_bit_exact() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     n = 2500 * world
     (q, k, v), local = whole_and_shard(1, n, 8, 4, 128, 31, rank, world, dtype=torch.bfloat16)
@@ -324,9 +352,11 @@ def gpu_ulysses_bit_exact() -> None:
 @scenario
 def gpu_ulysses_through_peer_memory() -> None:
     """On the GPUs Ulysses travels through the peers' memory (the group's buffers are mapped
-    after a call) and gives NCCL's all-to-all's output and LSE bit for bit (HND inputs, GQA,
-    batch 2, an odd shard length, value head_dim 64 under head_dim 128, poisoned memory); a rank
-    whose environment disables it while another's does not raises on every rank."""
+    after a call), in halves of the heads and with every head at once (``copy``), and gives
+    NCCL's all-to-all's output and LSE bit for bit (HND inputs, whose rows the copy engines
+    leave to the copy kernel; GQA, batch 2, an odd shard length, poisoned memory; and value
+    head_dim 64 under head_dim 128, which no kernel serves: every head at once); a rank whose
+    environment disables it while another's does not raises on every rank."""
     from sageattention2 import parallel
     from sageattention2.testing import poison_cuda_allocator
 
@@ -334,26 +364,32 @@ def gpu_ulysses_through_peer_memory() -> None:
     group = GROUPS["world"]
     n = 1001 * world
     (q, k, v), local = whole_and_shard(2, n, 8, 4, 128, 41, rank, world, dtype=torch.bfloat16)
-    v, local = v[..., :64], (*local[:2], local[2][..., :64])
     local = tuple(t.transpose(1, 2).contiguous().transpose(1, 2) for t in local)  # HND memory
     options = dict(return_lse=True, qk_quant="int8", enable_gqa=True)
-    results = {}
-    for allowed in ("1", "0", "1 poisoned"):
-        os.environ[parallel.PEER_MEMORY_ENVIRONMENT] = allowed[0]
-        poison_cuda_allocator(DEVICE)
-        memory = parallel._peer_memories.get((parallel._group_name(group), DEVICE.index))
-        if allowed == "1 poisoned":
-            assert memory, "the peers' memory was not mapped on 2 GPUs of one host"
-            memory.buffers[memory.rank].fill_(255)  # (NaN in bf16: every byte read must be written)
-        results[allowed] = run(args=local, ulysses_group=group, **options)
-    os.environ.pop(parallel.PEER_MEMORY_ENVIRONMENT)
     rows = slice(rank * 1001, (rank + 1) * 1001)
-    want = whole(q, k, v, **options)
-    for allowed in ("1", "1 poisoned"):
-        for got, other in zip(results[allowed], results["0"]):
-            assert torch.equal(got, other), allowed
-        assert torch.equal(results[allowed][0], want[0][:, rows]), allowed
-        assert torch.equal(results[allowed][1], want[1][:, :, rows]), allowed
+    # (value head_dim 64: the kernels do not serve it, so no call goes in halves)
+    for value_dim in (128, 64):
+        args = (*local[:2], local[2][..., :value_dim])
+        results = {}
+        with halves_for_every_call():
+            for allowed in ("1", "copy", "0", "1 poisoned", "copy poisoned"):
+                os.environ[parallel.PEER_MEMORY_ENVIRONMENT] = allowed.split()[0]
+                poison_cuda_allocator(DEVICE)
+                memory = parallel._peer_memories.get((parallel._group_name(group), DEVICE.index))
+                if allowed.endswith("poisoned"):
+                    assert memory, "the peers' memory was not mapped on 2 GPUs of one host"
+                    memory.buffers[memory.rank].fill_(255)  # (NaN in bf16: every byte read must be written)
+                calls = parallel._halves_calls
+                results[allowed] = run(args=args, ulysses_group=group, **options)
+                in_halves = parallel._halves_calls > calls
+                assert in_halves == (allowed.startswith("1") and value_dim == 128), (allowed, value_dim)
+        os.environ.pop(parallel.PEER_MEMORY_ENVIRONMENT)
+        want = whole(q, k, v[..., :value_dim], **options)
+        for allowed in ("1", "copy", "1 poisoned", "copy poisoned"):
+            for got, other in zip(results[allowed], results["0"]):
+                assert torch.equal(got, other), (allowed, value_dim)
+            assert torch.equal(results[allowed][0], want[0][:, rows]), (allowed, value_dim)
+            assert torch.equal(results[allowed][1], want[1][:, :, rows]), (allowed, value_dim)
     os.environ[parallel.PEER_MEMORY_ENVIRONMENT] = "0" if rank == 0 else "1"
     try:
         expect_error("differ in SAGEATTN_PEER_MEMORY", args=local, ulysses_group=group, **options)

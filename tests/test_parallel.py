@@ -199,7 +199,7 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
         return slice(sum(counts[:r]), sum(counts[:r + 1]))
 
     def rank(r: int) -> None:
-        memory = parallel._PeerMemory(r, buffers, barrier.wait)
+        memory = parallel._PeerMemory(r, buffers, lambda channel=0: barrier.wait())
         assert parallel._peer_layouts(*shards[r], split) == (layouts, nbytes)
         # The second call reuses the first call's views of the buffers (memory.layouts): it
         # must move the second call's tensors (the first's negated), all of them.
@@ -222,6 +222,90 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
                                              (split.q_heads, split.kv_heads, split.kv_heads)):
             assert torch.equal(part, whole[:, :, heads_of(r, counts)]), (r, name)
         assert torch.equal(back, out[:, starts[r]:starts[r + 1]]), r
+
+
+def _exact_halves_attention(q: torch.Tensor, k: torch.Tensor,
+                            v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The halves' attention in the threads test: ``[B, H, N, D]`` views in (GQA), float64
+    attention, the output in the inputs' dtype and NHD memory (as the kernel writes it) and the
+    float32 LSE out."""
+    group = q.shape[1] // k.shape[1]
+    k, v = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = q.double() @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    out = (torch.softmax(scores, -1) @ v).to(q.dtype)
+    return out.transpose(1, 2).contiguous().transpose(1, 2), torch.logsumexp(scores, -1).float()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("dtype, head_dim, value_dim", [(torch.bfloat16, 128, 128),
+                                                        (torch.float32, 5, 3)])
+@pytest.mark.parametrize("even", [True, False])
+def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, head_dim: int,
+                                               value_dim: int, even: bool) -> None:
+    """Ulysses in two halves of the heads, threads standing in for the ranks (their buffers in
+    one process, poisoned; a threading barrier for every channel's; the exact attention for the
+    kernel): every rank gets its tokens of every head's output, each head attended over all
+    tokens, and its heads' LSE, exactly as the halves' attention gives them on the whole
+    tensors; in two calls (the second through the first's views). Uneven: shards of different
+    lengths (on 4 ranks one empty) and key heads that do not divide among the ranks (the first
+    rank's halves 2 + 1 heads)."""
+    import threading
+
+    from sageattention2 import parallel
+
+    b = 2
+    tokens = [6] * world if even else ([7, 4] if world == 2 else [3, 0, 5, 2])
+    hkv = 2 * world + (0 if even else 1)
+    hq = 2 * hkv
+    starts = [sum(tokens[:r]) for r in range(world + 1)]
+    n = starts[-1]
+    g = torch.Generator().manual_seed(world + head_dim)
+    q = torch.randn(b, hq, n, head_dim, generator=g).to(dtype).transpose(1, 2)  # NHD views
+    k = torch.randn(b, hkv, n, head_dim, generator=g).to(dtype).transpose(1, 2)
+    v = torch.randn(b, hkv, n, value_dim, generator=g).to(dtype).transpose(1, 2)
+    shards = [[t[:, starts[r]:starts[r + 1]] for t in (q, k, v)] for r in range(world)]
+    split = parallel._UlyssesSplit.of(tuple(tokens), tuple(tokens), hq, hkv)
+    halves = parallel._Halves.of(*shards[0], split, None)
+    assert [c[2] - c[0] for c in halves.kv_cuts] == list(split.kv_heads)
+    buffers = [torch.full((halves.nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
+    barrier = threading.Barrier(world, timeout=60)
+    got: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+
+    def rank(r: int) -> None:
+        memory = parallel._PeerMemory(r, buffers, lambda channel=0: barrier.wait())
+        assert parallel._Halves.of(*shards[r], split, None) == halves
+        got[r] = []
+        for sign in (-1, 1):  # (the second call through the first's views: it must move all)
+            out, lse = parallel._ulysses_in_halves(*(sign * t for t in shards[r]), memory, halves,
+                                                   split, sign > 0, _exact_halves_attention)
+            got[r].append((sign * out, lse))
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(world))
+    for call, sign in enumerate((-1, 1)):
+        # Every half of every rank's heads over all tokens, as the kernel call would give it.
+        wants = {}
+        for owner in range(world):
+            for half in range(2):
+                a, z = halves.q_cuts[owner][half:half + 2]
+                kv = slice(*halves.kv_cuts[owner][half:half + 2])
+                wants[owner, half] = (a, z, *_exact_halves_attention(
+                    sign * q.transpose(1, 2)[:, a:z], sign * k.transpose(1, 2)[:, kv],
+                    sign * v.transpose(1, 2)[:, kv]))
+        for r in range(world):
+            out, lse = got[r][call]
+            assert out.shape == (b, tokens[r], hq, value_dim)
+            for (owner, half), (a, z, want, _) in wants.items():
+                assert torch.equal(out[:, :, a:z], sign * want.transpose(1, 2)[:, starts[r]:starts[r + 1]]), \
+                    (r, owner, half)
+            if sign < 0:  # (this call without return_lse)
+                assert lse is None
+            else:
+                assert torch.equal(lse, torch.cat([wants[r, half][3] for half in range(2)], dim=1)), r
 
 
 def test_a_kind_of_ulysses_call_is_laid_out_once() -> None:
@@ -273,7 +357,8 @@ def _copy_pairs(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor], li
     """copy_many_'s cases: (destinations, sources, the buffers the destinations are views of,
     filled with 0xFF around them). Ulysses' views (a token slice of a head group; its source
     from NHD and from HND memory, GQA's fewer heads), the output's (a head slice), 3-, 2- and
-    1-D pairs, fp16, float32 and bytes, an empty pair."""
+    1-D pairs, a 4-D one whose rows are its third dimension, fp16, float32 and bytes, an empty
+    pair."""
     g = torch.Generator().manual_seed(5)
 
     def data(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -306,6 +391,8 @@ def _copy_pairs(device: str) -> tuple[list[torch.Tensor], list[torch.Tensor], li
     pair(rows, rows[:, 1:4, 16:32], data((3, 3, 16), torch.uint8))
     line = poisoned((64,), torch.uint8)
     pair(line, line[16:48], data((32,), torch.uint8))
+    heads = poisoned((2, 3, 4, 32), torch.float16)  # (by the copy engines: a 2-D copy per (i, j))
+    pair(heads, heads[:, :, 1:3, :16], data((2, 3, 2, 16), torch.float16))
     empty = torch.zeros(0, 8, dtype=torch.float16, device=device)
     pair(empty, empty, data((0, 8), torch.float16))
     return dsts, srcs, buffers
@@ -360,16 +447,26 @@ def test_copy_many_refusals() -> None:
 
 @pytest.mark.gpu
 def test_copy_many_on_the_gpu() -> None:
-    """The op on the GPU: every case of :func:`_copy_pairs` in one launch, nothing written
-    outside the destinations (their buffers poisoned); ops.copy_many_ takes the op for them;
-    overlapping pairs refused; opcheck."""
+    """The op on the GPU: every case of :func:`_copy_pairs` in one launch, and by the copy
+    engines (a view of HND memory by token rows, more than 64 2-D copies, still by the launch),
+    nothing written outside the destinations (their buffers poisoned); ops.copy_many_ takes the
+    op for them; overlapping pairs refused; opcheck."""
     from sageattention2 import ops
 
     if not torch.cuda.is_available() or not ops.has_op("copy_many_"):
         pytest.skip("needs a CUDA GPU and the copy_many_ op")
+    for by_copy_engine in (False, True):
+        dsts, srcs, buffers = _copy_pairs("cuda")
+        assert all(ops.moved_as_words(t) for t in (*dsts, *srcs))
+        ops.copy_many_(dsts, srcs, by_copy_engine=by_copy_engine)
+        _check_copied(dsts, srcs, buffers)
+    # The copy engines on a side stream, beside work on the current one.
     dsts, srcs, buffers = _copy_pairs("cuda")
-    assert all(ops.moved_as_words(t) for t in (*dsts, *srcs))
-    ops.copy_many_(dsts, srcs)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ops.copy_many_(dsts, srcs, by_copy_engine=True)
+    torch.cuda.current_stream().wait_stream(side)
     _check_copied(dsts, srcs, buffers)
     whole, other = torch.zeros(2, 64, dtype=torch.uint8, device="cuda")
     with pytest.raises(RuntimeError, match=r"srcs\[0\] overlaps dsts\[0\]"):
@@ -384,6 +481,7 @@ def test_copy_many_on_the_gpu() -> None:
     assert bool((rows[:, 1:] == 1).all()) and bool((rows[:, 0] == 0).all())
     dsts, srcs, _ = _copy_pairs("cuda")
     torch.library.opcheck(torch.ops.sageattention2.copy_many_.default, (dsts[:5], srcs[:5]))
+    torch.library.opcheck(torch.ops.sageattention2.copy_many_.default, (dsts[:5], srcs[:5], True))
 
 
 def _merge_parts_case(device: str, parts: int, dtype: torch.dtype, head_dim: int, nhd: bool,

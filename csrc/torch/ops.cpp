@@ -111,7 +111,7 @@ TORCH_LIBRARY(sageattention2, m) {
       "-> (Tensor k_codes, Tensor k_scale, Tensor v_fp8, Tensor delta_s, Tensor v_tile_scale)");
   m.def("center_keys(Tensor q, Tensor k, Tensor lse, Tensor k_mean, float scale) -> (Tensor k_centered, "
         "Tensor lse_centered)");
-  m.def("copy_many_(Tensor(a!)[] dsts, Tensor[] srcs) -> ()");
+  m.def("copy_many_(Tensor(a!)[] dsts, Tensor[] srcs, bool by_copy_engine=False) -> ()");
   m.def("merge_attention_parts(Tensor[] outs, Tensor[] lses, bool out_nhd) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_mma(Tensor q, Tensor? q_mean, Tensor k_codes, Tensor k_scale, Tensor? delta_s, Tensor v, "

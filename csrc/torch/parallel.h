@@ -7,11 +7,13 @@
 
 namespace sageattention2 {
 
-// copy_many_(dsts, srcs): srcs[i] into dsts[i] for every i in one launch (parallel/copy_many.cu).
+// copy_many_(dsts, srcs, by_copy_engine): srcs[i] into dsts[i] for every i in one launch
+// (parallel/copy_many.cu), or with by_copy_engine by the copy engines (cudaMemcpy2DAsync: no SM,
+// so beside a kernel that holds them all; a pair of too many 2-D copies still by the launch).
 // Validation shared by the CUDA and the Meta implementation.
 void check_copy_many(at::TensorList dsts, at::TensorList srcs);
-void copy_many_cuda(at::TensorList dsts, at::TensorList srcs);
-void copy_many_meta(at::TensorList dsts, at::TensorList srcs);
+void copy_many_cuda(at::TensorList dsts, at::TensorList srcs, bool by_copy_engine);
+void copy_many_meta(at::TensorList dsts, at::TensorList srcs, bool by_copy_engine);
 
 // merge_attention_parts(outs, lses, out_nhd): the parts' outputs [B, H, N, D] and LSEs [B, H, N],
 // each over its own keys, merged by their LSE into (out, lse) over all of them

@@ -68,9 +68,62 @@ void check_copy_many(at::TensorList dsts, at::TensorList srcs) {
   }
 }
 
-void copy_many_meta(at::TensorList dsts, at::TensorList srcs) { check_copy_many(dsts, srcs); }
+void copy_many_meta(at::TensorList dsts, at::TensorList srcs, bool /*by_copy_engine*/) {
+  check_copy_many(dsts, srcs);
+}
 
-void copy_many_cuda(at::TensorList dsts, at::TensorList srcs) {
+namespace {
+
+// A pair by the copy engines: the trailing dimensions contiguous on both sides form one run of
+// bytes, the dimension before them the rows of one cudaMemcpy2DAsync (each side its own pitch),
+// and the dimensions before that are walked here, a 2-D copy each. Past this many 2-D copies a
+// pair goes to the kernel instead (a view of HND memory by token rows would be one per token).
+constexpr int64_t kEngineCopiesPerPair = 64;
+
+struct EngineCopy {
+  int64_t run_dim;  // the run is dimensions [run_dim, dim); the rows, dimension run_dim - 1 if any
+  int64_t copies;   // 2-D copies: the product of the sizes before the rows
+};
+
+EngineCopy engine_copy_of(const at::Tensor& dst, const at::Tensor& src) {
+  int64_t d = dst.dim() - 1, run = dst.size(d);
+  while (d > 0 && (dst.size(d - 1) == 1 || (dst.stride(d - 1) == run && src.stride(d - 1) == run))) {
+    run *= dst.size(d - 1);
+    --d;
+  }
+  int64_t copies = 1;
+  for (int64_t i = 0; i + 1 < d; ++i) copies *= dst.size(i);
+  if (d > 0 && (dst.stride(d - 1) < run || src.stride(d - 1) < run)) {
+    copies = kEngineCopiesPerPair + 1;  // rows closer than a run (overlapping reads): the kernel's
+  }
+  return {d, copies};
+}
+
+void copy_by_engine(const at::Tensor& dst, const at::Tensor& src, const EngineCopy& how, cudaStream_t stream) {
+  const int64_t elem = dst.element_size(), rows_dim = how.run_dim - 1;
+  int64_t width = elem;
+  for (int64_t d = how.run_dim; d < dst.dim(); ++d) width *= dst.size(d);
+  const int64_t rows = rows_dim >= 0 ? dst.size(rows_dim) : 1;
+  const int64_t dst_pitch = rows_dim >= 0 ? dst.stride(rows_dim) * elem : width;
+  const int64_t src_pitch = rows_dim >= 0 ? src.stride(rows_dim) * elem : width;
+  auto* const dst_base = static_cast<char*>(dst.data_ptr());
+  const auto* const src_base = static_cast<const char*>(src.data_ptr());
+  for (int64_t copy = 0; copy < how.copies; ++copy) {
+    int64_t dst_offset = 0, src_offset = 0, rest = copy;
+    for (int64_t d = rows_dim - 1; d >= 0; --d) {
+      const int64_t index = rest % dst.size(d);
+      rest /= dst.size(d);
+      dst_offset += index * dst.stride(d) * elem;
+      src_offset += index * src.stride(d) * elem;
+    }
+    C10_CUDA_CHECK(cudaMemcpy2DAsync(dst_base + dst_offset, dst_pitch, src_base + src_offset, src_pitch, width, rows,
+                                     cudaMemcpyDeviceToDevice, stream));
+  }
+}
+
+}  // namespace
+
+void copy_many_cuda(at::TensorList dsts, at::TensorList srcs, bool by_copy_engine) {
   check_copy_many(dsts, srcs);
   if (dsts.empty()) return;
   TORCH_CHECK(dsts[0].is_cuda(), "copy_many_: the tensors must be CUDA tensors, got ", dsts[0].device());
@@ -86,6 +139,13 @@ void copy_many_cuda(at::TensorList dsts, at::TensorList srcs) {
       TORCH_CHECK(j >= i || !overlap(dst, dsts[j]), "copy_many_: dsts[", i, "] overlaps dsts[", j, "]");
     }
     if (dst.numel() == 0) continue;
+    if (by_copy_engine) {
+      if (const EngineCopy how = engine_copy_of(dst, src); how.copies <= kEngineCopiesPerPair) {
+        const c10::cuda::CUDAGuard guard(dst.device());
+        copy_by_engine(dst, src, how, at::cuda::getCurrentCUDAStream());
+        continue;
+      }
+    }
     const int64_t elem = dst.element_size(), outer = dst.dim() - 1;
     CopyPair& pair = p.pairs[p.num_pairs++];
     pair.src = src.data_ptr();
@@ -99,6 +159,7 @@ void copy_many_cuda(at::TensorList dsts, at::TensorList srcs) {
     }
     pair.walk = VectorWalk::of(rows[0], rows[1], rows[2], static_cast<uint32_t>(dst.size(-1) * elem / kWordBytes));
   }
+  if (p.num_pairs == 0) return;
   const c10::cuda::CUDAGuard guard(dsts[0].device());
   C10_CUDA_CHECK(launch_copy_many(p, dsts[0].get_device(), at::cuda::getCurrentCUDAStream()));
 }
