@@ -33,25 +33,26 @@ waiting in a collective.
 """
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import hashlib
 import math
 import os
 import secrets
 import socket
-import dataclasses
 import struct
 import sys
-from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _execute, ops
+from . import _execute, _peer_exchange, ops
 from ._call import AttentionCall, validate
+from ._peer_exchange import (ALIGN, Halves, PeerMemory, UlyssesSplit, bytes_as, kept, peer_layouts,
+                             ulysses_in_halves)
 from .api import sageattn
 
 __all__ = ["EXCHANGES", "context_parallel_attention", "last_ring_bytes"]
@@ -62,7 +63,6 @@ PEER_MEMORY_ENVIRONMENT = "SAGEATTN_PEER_MEMORY"  # "0": Ulysses through NCCL's 
 # with every head at once ("copy"), or in two halves where the Hopper kernel runs (the default).
 _PEER_NONE, _PEER_COPIES, _PEER_HALVES = range(3)
 _OPTION_NAMES = ("qk_quant", "pv_quant", "smooth_k", "smooth_q", "smooth_v", "strict")
-_ALIGN = 256  # every part of an exchanged buffer starts 256-byte aligned (the kernels read 16 B)
 _last_ring_bytes = 0
 
 
@@ -389,20 +389,6 @@ def _as_4d_key_mask(mask: Tensor | None) -> Tensor | None:
     return mask[:, None, None, :] if mask is not None and mask.dim() == 2 else mask
 
 
-_KEPT = 64  # entries a per-kind cache keeps
-
-
-def _kept(cache: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
-    """``cache[key]``, built at the key's first call. Past ``_KEPT`` keys (a server seeing many
-    shapes) the kept ones are dropped, not grown without end: the per-kind caches of this module
-    (checked calls, Ulysses layouts, the peers' views) all keep their entries so."""
-    if key not in cache:
-        if len(cache) >= _KEPT:
-            cache.clear()
-        cache[key] = build()
-    return cache[key]
-
-
 _checked_kinds: dict[tuple[Any, ...], tuple[dict[str, Any], tuple[int, ...]]] = {}
 
 
@@ -444,31 +430,13 @@ def _checked(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_
     if kind is not None:
         fields = {f.name: getattr(call, f.name) for f in dataclasses.fields(call)
                   if f.name not in ("q", "k", "v", "attn_mask")}
-        _kept(_checked_kinds, kind, lambda: (fields, record_fields))
+        kept(_checked_kinds, kind, lambda: (fields, record_fields))
     return call, record_fields
 
 
 # ------------------------------------------------------------------------------------------------
 # Ulysses: all-to-all over heads
 # ------------------------------------------------------------------------------------------------
-
-
-class _UlyssesSplit(NamedTuple):
-    """Who holds what in a Ulysses group, the same on every rank: each rank's query and key
-    tokens (its shard of the sequence; shards in rank order, of any lengths: diffusers'
-    ``ulysses_anything``) and the heads it attends after the exchange (key heads as even as they
-    go, the first ranks one more; query heads with their key heads under GQA)."""
-
-    q_tokens: tuple[int, ...]
-    k_tokens: tuple[int, ...]
-    q_heads: tuple[int, ...]
-    kv_heads: tuple[int, ...]
-
-    @staticmethod
-    def of(q_tokens: tuple[int, ...], k_tokens: tuple[int, ...], h_q: int, h_kv: int) -> _UlyssesSplit:
-        p = len(q_tokens)
-        kv_heads = tuple(h_kv // p + int(r < h_kv % p) for r in range(p))
-        return _UlyssesSplit(q_tokens, k_tokens, tuple(h * (h_q // h_kv) for h in kv_heads), kv_heads)
 
 
 def _all_to_all(sends: list[Tensor], shapes: list[tuple[int, ...]],
@@ -489,14 +457,14 @@ def _all_to_all(sends: list[Tensor], shapes: list[tuple[int, ...]],
     return received, [c.view(shape) for c, shape in zip(received.split(sizes), shapes)], work
 
 
-def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any, memory: _PeerMemory | None,
-                     layouts: tuple[Any, ...], split: _UlyssesSplit) -> tuple[Tensor, Tensor, Tensor]:
+def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any, memory: PeerMemory | None,
+                     layouts: tuple[Any, ...], split: UlyssesSplit) -> tuple[Tensor, Tensor, Tensor]:
     """q, k and v ``[B, S, H, D]`` (this rank's tokens, all heads) -> ``[B, N, H_r, D]`` (all
     tokens, this rank's heads), through the peers' memory where there is one (``layouts``:
-    :func:`_peer_layouts`'). Otherwise all three all-to-alls are started before any is waited
+    :func:`peer_layouts`'). Otherwise all three all-to-alls are started before any is waited
     on: the copy gathering k's and v's sends runs while q's bytes travel."""
     if memory is not None:
-        return _tokens_to_heads_in_peers(q, k, v, memory, layouts, split)
+        return _peer_exchange.tokens_to_heads(q, k, v, memory, layouts, split)
     me = dist.get_rank(group)
     started = []
     for x, tokens, heads in ((q, split.q_tokens, split.q_heads), (k, split.k_tokens, split.kv_heads),
@@ -511,12 +479,12 @@ def _tokens_to_heads(q: Tensor, k: Tensor, v: Tensor, group: Any, memory: _PeerM
                  for shape, received, views, _ in started)  # type: ignore[return-value]
 
 
-def _heads_to_tokens(x: Tensor, group: Any, memory: _PeerMemory | None,
-                     split: _UlyssesSplit) -> Tensor:
+def _heads_to_tokens(x: Tensor, group: Any, memory: PeerMemory | None,
+                     split: UlyssesSplit) -> Tensor:
     """``[B, N, H_r, D]`` (all tokens, this rank's heads) -> ``[B, S, H, D]`` (this rank's
     tokens, all heads): the inverse of :func:`_tokens_to_heads`."""
     if memory is not None:
-        return _heads_to_tokens_in_peers(x, memory, split)
+        return _peer_exchange.heads_to_tokens(x, memory, split)
     me = dist.get_rank(group)
     b, d = x.shape[0], x.shape[3]
     _, views, work = _all_to_all(list(x.split(split.q_tokens, dim=1)),
@@ -525,7 +493,7 @@ def _heads_to_tokens(x: Tensor, group: Any, memory: _PeerMemory | None,
     return torch.cat(views, dim=2)
 
 
-def _lse_heads_to_tokens(lse: Tensor, group: Any, split: _UlyssesSplit) -> Tensor:
+def _lse_heads_to_tokens(lse: Tensor, group: Any, split: UlyssesSplit) -> Tensor:
     """LSE ``[B, H_r, N]`` -> ``[B, H, S]``."""
     me = dist.get_rank(group)
     _, views, work = _all_to_all(list(lse.split(split.q_tokens, dim=2)),
@@ -544,55 +512,15 @@ def _all_keys_mask(mask: Tensor | None, local_keys: int, group: Any) -> Tensor |
 
 
 # ------------------------------------------------------------------------------------------------
-# Ulysses through the peers' memory (one host): each rank writes its shard into the others'
+# Ulysses through the peers' memory (one host): the buffers mapped and agreed on here; the
+# exchanges through them in _peer_exchange
 # ------------------------------------------------------------------------------------------------
 
 _GRANULE = 2 << 20  # peer buffers grow in 2 MiB steps (the driver maps whole pages anyway)
+_peer_memories: dict[tuple[str, int], PeerMemory | None] = {}
 
 
-def _bytes_as(buffer: Tensor, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-    """``buffer`` (uint8) from ``offset`` viewed as a contiguous ``dtype`` tensor of ``shape``."""
-    return buffer[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-
-
-@dataclass
-class _PeerMemory:
-    """A buffer of the same size on every rank of a group, each rank's mapped into every other
-    rank's address space (``torch.distributed._symmetric_memory``: CUDA IPC over NVLink), and a
-    barrier on the current stream across the group's ranks, on one of a few channels (barriers
-    on different streams take different channels; every rank passes a channel's in one order)."""
-
-    rank: int                       # this rank's index in the group
-    buffers: list[Tensor]           # uint8, one per rank of the group ([rank]: this rank's own)
-    barrier: Callable[..., None]    # (channel=0)
-    keep: Any = None                # what keeps the mappings alive (the allocation and its handle)
-    layouts: dict[Any, Any] = field(default_factory=dict)  # :meth:`views`' keys and views
-    side_streams: list[Any] | None = None  # the halves' streams (:meth:`streams`)
-
-    def view(self, owner: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
-        return _bytes_as(self.buffers[owner], offset, shape, dtype)
-
-    def views(self, layout: Any, build: Callable[[], Any]) -> Any:
-        """An exchange's views of the buffers, built at the first call of its ``layout`` (the
-        same every call of a model: building them, dozens of slices and views, cost the host
-        ~0.3 ms a Wan call on 2 ranks, session 48); at most 64 layouts are kept."""
-        return _kept(self.layouts, layout, build)
-
-    def streams(self) -> list[Any]:
-        """The halves' side streams on the buffers' device (copies in, the local copy, the
-        second half's kernel, copies out), made once; on the CPU (the threads test) None each:
-        every step then runs in program order."""
-        if self.side_streams is None:
-            device = self.buffers[self.rank].device
-            self.side_streams = [torch.cuda.Stream(device) if device.type == "cuda" else None
-                                 for _ in range(4)]
-        return self.side_streams
-
-
-_peer_memories: dict[tuple[str, int], _PeerMemory | None] = {}
-
-
-def _peer_memory(call: ParallelCall, nbytes: int, device: torch.device) -> _PeerMemory | None:
+def _peer_memory(call: ParallelCall, nbytes: int, device: torch.device) -> PeerMemory | None:
     """The Ulysses group's peer buffers, at least ``nbytes`` each, or None where NCCL's
     all-to-all carries Ulysses (not CUDA, not NCCL, ``SAGEATTN_PEER_MEMORY=0``, ranks on several
     hosts, or no symmetric memory here). Every rank reaches the same answer: the record agreed on
@@ -612,7 +540,7 @@ def _peer_memory(call: ParallelCall, nbytes: int, device: torch.device) -> _Peer
     return _peer_memories[key]
 
 
-def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> _PeerMemory | None:
+def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> PeerMemory | None:
     try:
         from torch.distributed import _symmetric_memory as symmetric
 
@@ -625,162 +553,39 @@ def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> _PeerMemo
         return None
     handle = symmetric.rendezvous(local, group)
     buffers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(dist.get_world_size(group))]
-    return _PeerMemory(dist.get_rank(group), buffers,
+    return PeerMemory(dist.get_rank(group), buffers,
                        lambda channel=0: handle.barrier(channel=channel), (local, handle))
 
 
-def _peer_layouts(q: Tensor, k: Tensor, v: Tensor,
-                  split: _UlyssesSplit) -> tuple[tuple[tuple[tuple[int, tuple[int, ...]], ...], ...], int]:
-    """Where q, k and v land in each rank's buffer, ``[B, N, H_r, D]`` each (offset, shape) per
-    rank, and the bytes every buffer needs: the most any rank's parts take, or its output ``[B,
-    S_r, H, Dv]`` (which lands at offset 0 once the kernel has read q), whichever is more."""
-    b, d, dv, nq, nk = q.shape[0], q.shape[3], v.shape[3], sum(split.q_tokens), sum(split.k_tokens)
-    layouts, nbytes = [], 0
-    for r in range(len(split.q_tokens)):
-        parts, total = [], 0
-        for t, shape in ((q, (b, nq, split.q_heads[r], d)), (k, (b, nk, split.kv_heads[r], d)),
-                         (v, (b, nk, split.kv_heads[r], dv))):
-            parts.append((total, shape))
-            total += ops.round_up(math.prod(shape) * t.element_size(), _ALIGN)
-        out = b * split.q_tokens[r] * q.shape[2] * dv * q.element_size()
-        layouts.append(tuple(parts))
-        nbytes = max(nbytes, total, out)
-    return tuple(layouts), nbytes
-
-
-_ulysses_layouts: dict[tuple[Any, ...], tuple[_UlyssesSplit, tuple[Any, ...], int]] = {}
+_ulysses_layouts: dict[tuple[Any, ...], tuple[UlyssesSplit, tuple[Any, ...], int]] = {}
 
 
 def _ulysses_layout(q: Tensor, k: Tensor, v: Tensor, q_tokens: tuple[int, ...],
-                    k_tokens: tuple[int, ...]) -> tuple[_UlyssesSplit, tuple[Any, ...], int]:
-    """The call's :class:`_UlyssesSplit` and :func:`_peer_layouts`, made at the first call of its
+                    k_tokens: tuple[int, ...]) -> tuple[UlyssesSplit, tuple[Any, ...], int]:
+    """The call's :class:`UlyssesSplit` and :func:`peer_layouts`, made at the first call of its
     kind (its shapes, dtype and the ranks' token counts) instead of at every call; at most 64
     kinds are kept."""
-    def build() -> tuple[_UlyssesSplit, tuple[Any, ...], int]:
-        split = _UlyssesSplit.of(q_tokens, k_tokens, q.shape[2], k.shape[2])
-        return (split, *_peer_layouts(q, k, v, split))
+    def build() -> tuple[UlyssesSplit, tuple[Any, ...], int]:
+        split = UlyssesSplit.of(q_tokens, k_tokens, q.shape[2], k.shape[2])
+        return (split, *peer_layouts(q, k, v, split))
 
-    return _kept(_ulysses_layouts, (q.shape, k.shape, v.shape, q.dtype, q_tokens, k_tokens), build)
-
-
-def _tokens_to_heads_in_peers(q: Tensor, k: Tensor, v: Tensor, memory: _PeerMemory,
-                              layouts: tuple[Any, ...],
-                              split: _UlyssesSplit) -> tuple[Tensor, Tensor, Tensor]:
-    """:func:`_tokens_to_heads` through the peers' memory: this rank copies rank r's heads of
-    its tokens into rank r's buffer, at its own token rows. The first barrier: every rank's
-    kernel has finished reading what the last call left there; the second: every rank's rows
-    have arrived. ``layouts``: :func:`_peer_layouts`'."""
-    p, me = len(memory.buffers), memory.rank
-    owners = [(me + step) % p for step in range(p)]  # (each rank starts with a different peer)
-    tokens = (split.q_tokens, split.k_tokens, split.k_tokens)
-    heads = (split.q_heads, split.kv_heads, split.kv_heads)
-
-    def build() -> tuple[list[Tensor], tuple[Tensor, ...], bool]:
-        dsts, received = [], []
-        for i, x in enumerate((q, k, v)):
-            row, mine = sum(tokens[i][:me]), tokens[i][me]
-            dsts += [memory.view(owner, *layouts[owner][i], x.dtype)[:, row:row + mine] for owner in owners]
-            received.append(memory.view(me, *layouts[me][i], x.dtype))
-        return dsts, tuple(received), all(ops.moved_as_words(t) for t in dsts)
-
-    dsts, received, dsts_as_words = memory.views(
-        ("to heads", layouts, split, q.dtype, k.dtype, v.dtype), build)
-    srcs = []
-    for x, counts in zip((q, k, v), heads):
-        parts = x.split(counts, dim=2)  # P views [B, S, H_r, D]
-        srcs += [parts[owner] for owner in owners]
-    memory.barrier()
-    # (one launch: the local and the remote copies side by side; a head slice moves as words
-    # where its whole tensor does)
-    ops.copy_many_(dsts, srcs, as_words=dsts_as_words and all(map(ops.moved_as_words, (q, k, v))))
-    memory.barrier()
-    return received  # type: ignore[return-value]
-
-
-def _heads_to_tokens_in_peers(x: Tensor, memory: _PeerMemory, split: _UlyssesSplit) -> Tensor:
-    """:func:`_heads_to_tokens` through the peers' memory, into offset 0 of every buffer (q's
-    part, which every rank's kernel has read once the first barrier is passed)."""
-    p, me = len(memory.buffers), memory.rank
-    b, dv = x.shape[0], x.shape[3]
-    owners = [(me + step) % p for step in range(p)]
-    h, h0 = sum(split.q_heads), sum(split.q_heads[:me])
-    h1 = h0 + split.q_heads[me]
-
-    def build() -> tuple[list[Tensor], Tensor, bool]:
-        dsts = [memory.view(owner, 0, (b, split.q_tokens[owner], h, dv), x.dtype)[:, :, h0:h1]
-                for owner in owners]
-        return (dsts, memory.view(me, 0, (b, split.q_tokens[me], h, dv), x.dtype),
-                all(ops.moved_as_words(t) for t in dsts))
-
-    dsts, received, dsts_as_words = memory.views(("to tokens", split, b, dv, x.dtype), build)
-    tokens = x.split(split.q_tokens, dim=1)  # P views [B, S_r, H_me, D]
-    memory.barrier()
-    ops.copy_many_(dsts, [tokens[owner] for owner in owners],
-                   as_words=dsts_as_words and ops.moved_as_words(x))
-    memory.barrier()
-    return received.clone()  # (the buffer is the next call's)
+    return kept(_ulysses_layouts, (q.shape, k.shape, v.shape, q.dtype, q_tokens, k_tokens), build)
 
 
 # ------------------------------------------------------------------------------------------------
-# Ulysses in two halves of the heads: one half's exchange beside the other half's kernel
+# Which Ulysses calls go in two halves of the heads (_peer_exchange.ulysses_in_halves)
 # ------------------------------------------------------------------------------------------------
 
 # A Ulysses call takes the halves from this much work (4 B Nq Nk H D of the first rank's share):
 # ~1 ms of the Hopper kernel, against the ~0.5 ms more host time of the halves' launches (session
 # 51); the GPU runs ahead of the host only where its work is the longer.
 _HALVES_MIN_WORK = 1e12
-
-
-class _Halves(NamedTuple):
-    """Ulysses in two halves of every rank's heads, the same on every rank: rank r's first
-    ceil(H_r / 2) key heads and the rest, query heads with their key heads; where each half's q,
-    k and v land in rank r's buffer and, after them, rank r's output ``[B, S_r, H, Dv]``; the
-    bytes every buffer needs; the kernel call of every half (decided on the first rank's share,
-    the largest, so that every rank takes the same path)."""
-
-    q_cuts: tuple[tuple[int, int, int], ...]    # per rank: its query heads' start, middle, end
-    kv_cuts: tuple[tuple[int, int, int], ...]   # the same of its key heads
-    parts: tuple[Any, ...]                      # [rank][half][q, k, v]: (offset, shape)
-    out: tuple[tuple[int, tuple[int, ...]], ...]  # [rank]: (offset, shape)
-    nbytes: int
-    kernel: Any                                 # _execute.KernelCall (a stand-in in tests)
-
-    @staticmethod
-    def of(q: Tensor, k: Tensor, v: Tensor, split: _UlyssesSplit, kernel: Any) -> _Halves:
-        """The halves of a call of ``q``, ``k`` and ``v`` (NHD shards) split as ``split``."""
-        b, d, dv, size = q.shape[0], q.shape[3], v.shape[3], q.element_size()
-        nq, nk, group = sum(split.q_tokens), sum(split.k_tokens), q.shape[2] // k.shape[2]
-        q_cuts, kv_cuts, parts, outs, nbytes = [], [], [], [], 0
-        for r, heads in enumerate(split.kv_heads):
-            start = sum(split.kv_heads[:r])
-            cut = (start, start + (heads + 1) // 2, start + heads)
-            kv_cuts.append(cut)
-            q_cuts.append((cut[0] * group, cut[1] * group, cut[2] * group))
-            halves, total = [], 0
-            for a, z in ((cut[0], cut[1]), (cut[1], cut[2])):
-                half = []
-                for shape in ((b, nq, (z - a) * group, d), (b, nk, z - a, d), (b, nk, z - a, dv)):
-                    half.append((total, shape))
-                    total += ops.round_up(math.prod(shape) * size, _ALIGN)
-                halves.append(tuple(half))
-            out_shape = (b, split.q_tokens[r], q.shape[2], dv)
-            outs.append((total, out_shape))
-            parts.append(tuple(halves))
-            nbytes = max(nbytes, total + math.prod(out_shape) * size)
-        return _Halves(tuple(q_cuts), tuple(kv_cuts), tuple(parts), tuple(outs), nbytes, kernel)
-
-    def sizes(self, cuts: tuple[tuple[int, int, int], ...]) -> list[int]:
-        """The heads of every (rank, half) in order: a tensor's ``split`` into its 2P sources."""
-        return [n for a, m, z in cuts for n in (m - a, z - m)]
-
-
-_halves_kinds: dict[tuple[Any, ...], _Halves | None] = {}
-_halves_calls = 0  # calls that went in halves (the tests' evidence of the path)
+_halves_kinds: dict[tuple[Any, ...], Halves | None] = {}
 
 
 def _halves(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor,
-            split: _UlyssesSplit) -> _Halves | None:
-    """The call's :class:`_Halves`, made once per kind, or None where Ulysses moves every head
+            split: UlyssesSplit) -> Halves | None:
+    """The call's :class:`Halves`, made once per kind, or None where Ulysses moves every head
     at once: ``SAGEATTN_PEER_MEMORY=copy``, a mask, a rank with one key head, a call that the
     Hopper kernel does not serve or that is too short to gain (``_HALVES_MIN_WORK``), the CPU."""
     if (call.peer_memory != _PEER_HALVES or q.device.type != "cuda" or call.attn_mask is not None
@@ -792,11 +597,12 @@ def _halves(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor,
         hash(key)
     except TypeError:  # (an unhashable option)
         return None
-    return _kept(_halves_kinds, key, lambda: _plan_halves(call, q, k, v, split))
+    return kept(_halves_kinds, key, lambda: _plan_halves(call, q, k, v, split))
 
 
 def _plan_halves(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor,
-                 split: _UlyssesSplit) -> _Halves | None:
+                 split: UlyssesSplit) -> Halves | None:
+    """:func:`_halves`' decision at a kind's first call: the plan of the first rank's share."""
     b, d, dv = q.shape[0], q.shape[3], v.shape[3]
     nq, nk = sum(split.q_tokens), sum(split.k_tokens)
     # The plan reads shapes, dtypes and the device only: views of the first rank's received
@@ -814,89 +620,7 @@ def _plan_halves(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor,
     if (not decision.quantized or decision.choice.kernel != "wgmma" or shard_call.bottom_right
             or 4 * b * nq * nk * split.q_heads[0] * d < _HALVES_MIN_WORK):
         return None
-    return _Halves.of(q, k, v, split, _execute.KernelCall.of(shard_call, decision.choice))
-
-
-def _on(stream: Any) -> Any:
-    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
-
-
-def _wait(stream: Any, other: Any) -> None:
-    """``stream`` waits for the work enqueued on ``other`` so far (CUDA streams; None: the CPU)."""
-    if stream is not None:
-        stream.wait_stream(other)
-
-
-def _ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: _PeerMemory, halves: _Halves,
-                       split: _UlyssesSplit, return_lse: bool,
-                       attend: Callable[[Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] | None = None,
-                       ) -> tuple[Tensor, Tensor | None]:
-    """Ulysses through the peers' memory in two halves of the heads: (this rank's tokens of
-    every head's output ``[B, S, H, Dv]``; with ``return_lse`` the LSE of its heads ``[B, H_r,
-    N]``, else None). The copy engines move each half's q, k and v into their owners'
-    buffers (a barrier on their stream each: every rank's half has arrived), so that the second
-    half crosses while the first half's kernel runs, which holds every SM; the second half's
-    kernel runs on its own stream and fills the first one's tail; each half's output rows go
-    back to their owners by the copy engines too, the first half's beside the second's kernel
-    (D54: on 2 H200s a call 3.0 % (Wan), 4.0 % (Flux) faster than every head at once). A
-    half's kernel reads only its own heads, so the output is the one-GPU output bit for bit.
-    ``attend``: the halves' attention, ``[B, H, N, D]`` views in, NHD-memory output and LSE out
-    (the kernel call; the threads test's exact stand-in)."""
-    global _halves_calls
-    _halves_calls += 1
-    p, me = len(memory.buffers), memory.rank
-    owners = [(me + step) % p for step in range(p)]
-    tensors = ((q, split.q_tokens), (k, split.k_tokens), (v, split.k_tokens))
-
-    def build() -> tuple[list[tuple[list[Tensor], list[Tensor]]], list[list[Tensor]], list[list[Tensor]], Tensor]:
-        ins = []
-        for j in (0, 1):
-            remote, local = [], []
-            for i, (x, tokens) in enumerate(tensors):
-                row, mine = sum(tokens[:me]), tokens[me]
-                for owner in owners:
-                    view = memory.view(owner, *halves.parts[owner][j][i], x.dtype)[:, row:row + mine]
-                    (local if owner == me else remote).append(view)
-            ins.append((remote, local))
-        received = [[memory.view(me, *where, x.dtype) for where, (x, _) in zip(halves.parts[me][j], tensors)]
-                    for j in (0, 1)]
-        cut = halves.q_cuts[me]
-        back = [[memory.view(owner, *halves.out[owner], q.dtype)[:, :, cut[j]:cut[j + 1]]
-                 for owner in owners] for j in (0, 1)]
-        return ins, received, back, memory.view(me, *halves.out[me], q.dtype)
-
-    ins, received, back, mine = memory.views(("halves", halves, q.dtype), build)
-    sources = [x.split(halves.sizes(cuts), dim=2) for x, cuts in
-               ((q, halves.q_cuts), (k, halves.kv_cuts), (v, halves.kv_cuts))]
-    copies, local, second, returns = memory.streams()
-    main = torch.cuda.current_stream(q.device) if copies is not None else None
-    memory.barrier(0)  # every rank's kernels have read the last call's inputs and its output is out
-    _wait(copies, main)
-    _wait(local, main)
-    for j, compute in ((0, main), (1, second)):
-        remote_dsts, local_dsts = ins[j]
-        remote_srcs = [parts[2 * owner + j] for parts in sources for owner in owners[1:]]
-        with _on(local):
-            ops.copy_many_(local_dsts, [parts[2 * me + j] for parts in sources], by_copy_engine=True)
-        with _on(copies):
-            ops.copy_many_(remote_dsts, remote_srcs, by_copy_engine=True)
-            _wait(copies, local)
-            memory.barrier(1 + j)  # every rank's half j has arrived
-        _wait(compute, copies)
-    lses = []
-    for j, compute in ((0, main), (1, second)):
-        with _on(compute):
-            out, lse = (attend or halves.kernel)(*(t.transpose(1, 2) for t in received[j]))
-        lses.append(lse)
-        _wait(returns, compute)
-        with _on(returns):
-            rows = out.transpose(1, 2).split(split.q_tokens, dim=1)
-            ops.copy_many_(back[j], [rows[owner] for owner in owners], by_copy_engine=True)
-    with _on(returns):
-        memory.barrier(3)  # every rank's output rows have arrived
-    _wait(main, returns)
-    _wait(main, second)
-    return mine.clone(), torch.cat(lses, dim=1) if return_lse else None  # (the buffer is the next call's)
+    return Halves.of(q, k, v, split, _execute.KernelCall.of(shard_call, decision.choice))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -919,12 +643,12 @@ class _Packed(NamedTuple):
                 layout.append(None)
                 continue
             layout.append((total, t.dtype, tuple(t.shape)))
-            total += ops.round_up(t.numel() * t.element_size(), _ALIGN)
+            total += ops.round_up(t.numel() * t.element_size(), ALIGN)
         device = next(t.device for t in parts if t is not None)
         buffer = torch.empty(total, dtype=torch.uint8, device=device)
         for t, where in zip(parts, layout):
             if t is not None and where is not None:
-                _bytes_as(buffer, where[0], where[2], where[1]).copy_(t)
+                bytes_as(buffer, where[0], where[2], where[1]).copy_(t)
         return _Packed(buffer, layout)
 
     def unpack(self, row: Tensor) -> list[Tensor | None]:
@@ -935,7 +659,7 @@ class _Packed(NamedTuple):
                 out.append(None)
                 continue
             offset, dtype, shape = where
-            out.append(_bytes_as(row, offset, shape, dtype))
+            out.append(bytes_as(row, offset, shape, dtype))
         return out
 
 
@@ -1167,7 +891,7 @@ def context_parallel_attention(
         halves = _halves(call, q, k, v, split) if call.ring is None else None
         memory = _peer_memory(call, max(nbytes, 0 if halves is None else halves.nbytes), q.device)
         if halves is not None and memory is not None:
-            out, lse = _ulysses_in_halves(q, k, v, memory, halves, split, return_lse)
+            out, lse = ulysses_in_halves(q, k, v, memory, halves, split, return_lse)
             if lse is not None:
                 lse = _lse_heads_to_tokens(lse.contiguous(), call.ulysses, split)
             return _in_layout(out, lse, tensor_layout, return_lse)

@@ -780,16 +780,30 @@ def _agreement_ignores_peers(patch: pytest.MonkeyPatch) -> None:
     _wrap(patch, parallel._HostMesh, "max", lambda real, self, values: list(values))
 
 
+def _next_rank_for_own(patch: pytest.MonkeyPatch, exchange: str) -> None:
+    """``_peer_exchange.<exchange>(q, k, v, memory, ...)`` given the next rank's index for this
+    rank's (and no views kept from a right call)."""
+    from sageattention2 import _peer_exchange
+
+    _wrap(patch, _peer_exchange, exchange, lambda real, q, k, v, memory, *rest: real(
+        q, k, v, dataclasses.replace(memory, rank=(memory.rank + 1) % len(memory.buffers), layouts={}),
+        *rest))
+
+
 @mutant("ulysses-peers-rank-off-by-one",
         "Ulysses through the peers' memory takes the next rank's index for its own: its rows land "
         "in another rank's place and it reads another rank's heads",
         "test_parallel.py::test_ulysses_through_peer_memory")
 def _ulysses_peers_rank_off_by_one(patch: pytest.MonkeyPatch) -> None:
-    from sageattention2 import parallel
+    _next_rank_for_own(patch, "tokens_to_heads")
 
-    _wrap(patch, parallel, "_tokens_to_heads_in_peers", lambda real, q, k, v, memory, *layout: real(
-        q, k, v, dataclasses.replace(memory, rank=(memory.rank + 1) % len(memory.buffers), layouts={}),
-        *layout))
+
+@mutant("ulysses-halves-rank-off-by-one",
+        "Ulysses in halves of the heads takes the next rank's index for its own: its rows and its "
+        "output land in another rank's place",
+        "test_parallel.py::test_ulysses_in_halves_through_peer_memory")
+def _ulysses_halves_rank_off_by_one(patch: pytest.MonkeyPatch) -> None:
+    _next_rank_for_own(patch, "ulysses_in_halves")
 
 
 @mutant("merge-parts-weights-by-first-lse",

@@ -298,13 +298,13 @@ def gpu_ulysses_bit_exact() -> None:
     (each head's attention is computed alone either way), also over shards of different lengths
     and heads that do not divide among the ranks; through the peers' memory in halves of the
     heads (every call here, however short) where the ranks have it."""
-    from sageattention2 import parallel
+    from sageattention2 import _peer_exchange, parallel
 
     with halves_for_every_call():
-        calls = parallel._halves_calls
+        calls = _peer_exchange.halves_calls
         ulysses_bit_exact()
         if parallel._peer_memories:
-            assert parallel._halves_calls > calls, "no call went in halves"
+            assert _peer_exchange.halves_calls > calls, "no call went in halves"
 
 
 @contextlib.contextmanager
@@ -357,7 +357,7 @@ def gpu_ulysses_through_peer_memory() -> None:
     leave to the copy kernel; GQA, batch 2, an odd shard length, poisoned memory; and value
     head_dim 64 under head_dim 128, which no kernel serves: every head at once); a rank whose
     environment disables it while another's does not raises on every rank."""
-    from sageattention2 import parallel
+    from sageattention2 import _peer_exchange, parallel
     from sageattention2.testing import poison_cuda_allocator
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -379,9 +379,9 @@ def gpu_ulysses_through_peer_memory() -> None:
                 if allowed.endswith("poisoned"):
                     assert memory, "the peers' memory was not mapped on 2 GPUs of one host"
                     memory.buffers[memory.rank].fill_(255)  # (NaN in bf16: every byte read must be written)
-                calls = parallel._halves_calls
+                calls = _peer_exchange.halves_calls
                 results[allowed] = run(args=args, ulysses_group=group, **options)
-                in_halves = parallel._halves_calls > calls
+                in_halves = _peer_exchange.halves_calls > calls
                 assert in_halves == (allowed.startswith("1") and value_dim == 128), (allowed, value_dim)
         os.environ.pop(parallel.PEER_MEMORY_ENVIRONMENT)
         want = whole(q, k, v[..., :value_dim], **options)

@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any, Callable, NamedTuple
 
 import pytest
 import torch
@@ -160,6 +161,46 @@ def test_a_kind_of_call_is_checked_once() -> None:
     parallel._checked_kinds.clear()
 
 
+class _ThreadRanks(NamedTuple):
+    """Ulysses' inputs for the tests where threads stand in for the ranks: every rank's token
+    count and first row, the whole q, k and v (NHD views of HND tensors, batch 2), each rank's
+    shards of them, the split, and the generator (for what a test draws next)."""
+
+    tokens: list[int]
+    starts: list[int]
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    shards: list[list[torch.Tensor]]
+    split: Any
+    generator: torch.Generator
+
+    @staticmethod
+    def of(world: int, even: bool, hq: int, hkv: int, dtype: torch.dtype, head_dim: int,
+           value_dim: int) -> _ThreadRanks:
+        """Shards of one length, or (uneven) of different lengths, on 4 ranks one empty."""
+        from sageattention2 import _peer_exchange
+
+        tokens = [6] * world if even else ([7, 4] if world == 2 else [3, 0, 5, 2])
+        starts = [sum(tokens[:r]) for r in range(world + 1)]
+        g = torch.Generator().manual_seed(world + head_dim)
+        q, k, v = (torch.randn(2, h, starts[-1], d, generator=g).to(dtype).transpose(1, 2)
+                   for h, d in ((hq, head_dim), (hkv, head_dim), (hkv, value_dim)))
+        shards = [[t[:, starts[r]:starts[r + 1]] for t in (q, k, v)] for r in range(world)]
+        split = _peer_exchange.UlyssesSplit.of(tuple(tokens), tuple(tokens), hq, hkv)
+        return _ThreadRanks(tokens, starts, q, k, v, shards, split, g)
+
+    def run(self, rank: Callable[[int], None]) -> None:
+        """``rank(r)`` on a thread per rank, all at once (their barriers meet), to the end."""
+        import threading
+
+        threads = [threading.Thread(target=rank, args=(r,)) for r in range(len(self.tokens))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype, head_dim, value_dim", [(torch.bfloat16, 128, 128),
                                                         (torch.float16, 64, 128),
@@ -175,22 +216,14 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
     4 ranks one empty) and key heads that do not divide among the ranks."""
     import threading
 
-    from sageattention2 import parallel
+    from sageattention2 import _peer_exchange
 
-    b = 2
-    tokens = [6] * world if even else ([7, 4] if world == 2 else [3, 0, 5, 2])
     hq, hkv = (2 * world, world) if even else (2 * (world + 1), world + 1)
-    starts = [sum(tokens[:r]) for r in range(world + 1)]
-    n = starts[-1]
-    g = torch.Generator().manual_seed(world + head_dim)
-    q = torch.randn(b, hq, n, head_dim, generator=g).to(dtype).transpose(1, 2)  # NHD views
-    k = torch.randn(b, hkv, n, head_dim, generator=g).to(dtype).transpose(1, 2)
-    v = torch.randn(b, hkv, n, value_dim, generator=g).to(dtype).transpose(1, 2)
-    out = torch.randn(b, n, hq, value_dim, generator=g).to(dtype)
-    shards = [[t[:, starts[r]:starts[r + 1]] for t in (q, k, v)] for r in range(world)]
-    split = parallel._UlyssesSplit.of(tuple(tokens), tuple(tokens), hq, hkv)
+    case = _ThreadRanks.of(world, even, hq, hkv, dtype, head_dim, value_dim)
+    q, k, v, shards, split, starts = case.q, case.k, case.v, case.shards, case.split, case.starts
+    out = torch.randn(2, starts[-1], hq, value_dim, generator=case.generator).to(dtype)
     assert sum(split.q_heads) == hq and sum(split.kv_heads) == hkv
-    layouts, nbytes = parallel._peer_layouts(*shards[0], split)
+    layouts, nbytes = _peer_exchange.peer_layouts(*shards[0], split)
     buffers = [torch.full((nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
     barrier = threading.Barrier(world, timeout=60)
     got: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
@@ -199,23 +232,19 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
         return slice(sum(counts[:r]), sum(counts[:r + 1]))
 
     def rank(r: int) -> None:
-        memory = parallel._PeerMemory(r, buffers, lambda channel=0: barrier.wait())
-        assert parallel._peer_layouts(*shards[r], split) == (layouts, nbytes)
+        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait())
+        assert _peer_exchange.peer_layouts(*shards[r], split) == (layouts, nbytes)
         # The second call reuses the first call's views of the buffers (memory.layouts): it
         # must move the second call's tensors (the first's negated), all of them.
         for sign in (-1, 1):
             mine = [sign * t for t in shards[r]]
             heads = [sign * t.clone() for t in
-                     parallel._tokens_to_heads_in_peers(*mine, memory, layouts, split)]
-            back = sign * parallel._heads_to_tokens_in_peers(
+                     _peer_exchange.tokens_to_heads(*mine, memory, layouts, split)]
+            back = sign * _peer_exchange.heads_to_tokens(
                 sign * out[:, :, heads_of(r, split.q_heads)], memory, split)
         got[r] = heads, back
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    case.run(rank)
     assert sorted(got) == list(range(world))
     for r, (heads, back) in got.items():
         for name, whole, part, counts in zip("qkv", (q, k, v), heads,
@@ -251,40 +280,28 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
     rank's halves 2 + 1 heads)."""
     import threading
 
-    from sageattention2 import parallel
+    from sageattention2 import _peer_exchange
 
-    b = 2
-    tokens = [6] * world if even else ([7, 4] if world == 2 else [3, 0, 5, 2])
     hkv = 2 * world + (0 if even else 1)
     hq = 2 * hkv
-    starts = [sum(tokens[:r]) for r in range(world + 1)]
-    n = starts[-1]
-    g = torch.Generator().manual_seed(world + head_dim)
-    q = torch.randn(b, hq, n, head_dim, generator=g).to(dtype).transpose(1, 2)  # NHD views
-    k = torch.randn(b, hkv, n, head_dim, generator=g).to(dtype).transpose(1, 2)
-    v = torch.randn(b, hkv, n, value_dim, generator=g).to(dtype).transpose(1, 2)
-    shards = [[t[:, starts[r]:starts[r + 1]] for t in (q, k, v)] for r in range(world)]
-    split = parallel._UlyssesSplit.of(tuple(tokens), tuple(tokens), hq, hkv)
-    halves = parallel._Halves.of(*shards[0], split, None)
+    case = _ThreadRanks.of(world, even, hq, hkv, dtype, head_dim, value_dim)
+    q, k, v, shards, split, starts = case.q, case.k, case.v, case.shards, case.split, case.starts
+    halves = _peer_exchange.Halves.of(*shards[0], split, None)
     assert [c[2] - c[0] for c in halves.kv_cuts] == list(split.kv_heads)
     buffers = [torch.full((halves.nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
     barrier = threading.Barrier(world, timeout=60)
     got: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def rank(r: int) -> None:
-        memory = parallel._PeerMemory(r, buffers, lambda channel=0: barrier.wait())
-        assert parallel._Halves.of(*shards[r], split, None) == halves
+        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait())
+        assert _peer_exchange.Halves.of(*shards[r], split, None) == halves
         got[r] = []
         for sign in (-1, 1):  # (the second call through the first's views: it must move all)
-            out, lse = parallel._ulysses_in_halves(*(sign * t for t in shards[r]), memory, halves,
-                                                   split, sign > 0, _exact_halves_attention)
+            out, lse = _peer_exchange.ulysses_in_halves(*(sign * t for t in shards[r]), memory,
+                                                        halves, split, sign > 0, _exact_halves_attention)
             got[r].append((sign * out, lse))
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    case.run(rank)
     assert sorted(got) == list(range(world))
     for call, sign in enumerate((-1, 1)):
         # Every half of every rank's heads over all tokens, as the kernel call would give it.
@@ -298,7 +315,7 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
                     sign * v.transpose(1, 2)[:, kv]))
         for r in range(world):
             out, lse = got[r][call]
-            assert out.shape == (b, tokens[r], hq, value_dim)
+            assert out.shape == (2, case.tokens[r], hq, value_dim)
             for (owner, half), (a, z, want, _) in wants.items():
                 assert torch.equal(out[:, :, a:z], sign * want.transpose(1, 2)[:, starts[r]:starts[r + 1]]), \
                     (r, owner, half)
@@ -312,14 +329,14 @@ def test_a_kind_of_ulysses_call_is_laid_out_once() -> None:
     """The split and the peers' layouts of a Ulysses call are made at the first call of its kind
     (shapes, dtype, the ranks' token counts) and reused; another kind gets its own; past 64 kinds
     the kept ones are dropped, not grown without end."""
-    from sageattention2 import parallel
+    from sageattention2 import _peer_exchange, parallel
 
     parallel._ulysses_layouts.clear()
     q, k, v = (torch.zeros(1, 5, h, 8, dtype=torch.float16) for h in (4, 2, 2))
     first = parallel._ulysses_layout(q, k, v, (5, 3), (5, 3))
     split, layouts, nbytes = first
-    assert split == parallel._UlyssesSplit.of((5, 3), (5, 3), 4, 2)
-    assert (layouts, nbytes) == parallel._peer_layouts(q, k, v, split)
+    assert split == _peer_exchange.UlyssesSplit.of((5, 3), (5, 3), 4, 2)
+    assert (layouts, nbytes) == _peer_exchange.peer_layouts(q, k, v, split)
     assert parallel._ulysses_layout(q.clone(), k, v, (5, 3), (5, 3)) is first
     other = parallel._ulysses_layout(q, k, v, (5, 4), (5, 4))
     assert other is not first and other[0].q_tokens == (5, 4)
@@ -337,9 +354,9 @@ def test_a_kind_of_ulysses_call_is_laid_out_once() -> None:
 def test_peer_memory_keeps_views_per_layout() -> None:
     """An exchange's views are built at its layout's first call and reused after; past 64
     layouts (a server seeing many shapes) the kept ones are dropped, not grown without end."""
-    from sageattention2 import parallel
+    from sageattention2 import _peer_exchange
 
-    memory = parallel._PeerMemory(0, [torch.zeros(16, dtype=torch.uint8)], lambda: None)
+    memory = _peer_exchange.PeerMemory(0, [torch.zeros(16, dtype=torch.uint8)], lambda: None)
     built: list[int] = []
 
     def views(layout: int) -> object:
