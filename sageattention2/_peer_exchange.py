@@ -18,12 +18,14 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["ALIGN", "Halves", "PeerMemory", "UlyssesSplit", "bytes_as", "heads_to_tokens", "kept",
-           "peer_layouts", "tokens_to_heads", "ulysses_in_halves"]
+__all__ = ["ALIGN", "FLAG_CHANNELS", "Halves", "PeerMemory", "UlyssesSplit", "bytes_as", "heads_to_tokens",
+           "kept", "peer_layouts", "tokens_to_heads", "ulysses_in_halves"]
 
 ALIGN = 256  # every part of an exchanged buffer starts 256-byte aligned (the kernels read 16 B)
 
 KEPT = 64  # entries a per-kind cache keeps
+
+FLAG_CHANNELS = 3  # PeerMemory's signal channels: the halves' inputs (one per half), their outputs
 
 
 def kept(cache: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
@@ -74,6 +76,31 @@ class PeerMemory:
     keep: Any = None                # what keeps the mappings alive (the allocation and its handle)
     layouts: dict[Any, Any] = field(default_factory=dict)  # :meth:`views`' keys and views
     side_streams: list[Any] | None = None  # the halves' streams (:meth:`streams`)
+    # int32 [FLAG_CHANNELS, P] per rank, mapped like the buffers: [channel, r] counts rank r's
+    # signals on the channel (:meth:`signal`, :meth:`wait`); zero on every rank before any signal
+    flags: list[Tensor] | None = None
+    counts: list[int] = field(default_factory=lambda: [0] * (2 * FLAG_CHANNELS))  # signals, waits
+
+    def _slots(self, toward_peers: bool, channel: int) -> list[Tensor]:
+        assert self.flags is not None, "signals need the flags (PeerMemory.flags)"
+        me, ranks = self.rank, range(len(self.flags))
+        return kept(self.layouts, ("flags", toward_peers, channel), lambda: [
+            self.flags[r][channel, me:me + 1] if toward_peers else self.flags[me][channel, r:r + 1]
+            for r in ranks if r != me])
+
+    def signal(self, channel: int) -> None:
+        """Tells every peer, on the current stream once its work so far has landed (a peer then
+        sees every byte it wrote into the peer's buffer), that this rank passed ``channel`` once
+        more. No SM: a stream memory operation, so that a signal beside a kernel that holds every
+        SM is not held up until that kernel's tail as a barrier kernel is."""
+        self.counts[channel] += 1
+        ops.signal_flags_(self._slots(True, channel), self.counts[channel])
+
+    def wait(self, channel: int) -> None:
+        """The current stream waits, no SM, until every peer has signalled ``channel`` as many
+        times as this rank has waited on it (this wait included)."""
+        self.counts[FLAG_CHANNELS + channel] += 1
+        ops.wait_flags_(self._slots(False, channel), self.counts[FLAG_CHANNELS + channel])
 
     def view(self, owner: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return bytes_as(self.buffers[owner], offset, shape, dtype)
@@ -195,6 +222,8 @@ class Halves(NamedTuple):
         q_cuts, kv_cuts, parts, outs, nbytes = [], [], [], [], 0
         for r, heads in enumerate(split.kv_heads):
             start = sum(split.kv_heads[:r])
+            # (an even cut: a first quarter, exposing less of its inputs and more of the second
+            # part's output, was no faster on 2 H200s, session 52)
             cut = (start, start + (heads + 1) // 2, start + heads)
             kv_cuts.append(cut)
             q_cuts.append((cut[0] * group, cut[1] * group, cut[2] * group))
@@ -236,12 +265,15 @@ def ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: PeerMemory, halve
     """Ulysses through the peers' memory in two halves of the heads: (this rank's tokens of
     every head's output ``[B, S, H, Dv]``; with ``return_lse`` the LSE of its heads ``[B, H_r,
     N]``, else None). The copy engines move each half's q, k and v into their owners'
-    buffers (a barrier on their stream each: every rank's half has arrived), so that the second
-    half crosses while the first half's kernel runs, which holds every SM; the second half's
-    kernel runs on its own stream and fills the first one's tail; each half's output rows go
-    back to their owners by the copy engines too, the first half's beside the second's kernel
-    (D54: on 2 H200s a call 3.0 % (Wan), 4.0 % (Flux) faster than every head at once). A
-    half's kernel reads only its own heads, so the output is the one-GPU output bit for bit.
+    buffers, each rank then signalling every peer (:meth:`PeerMemory.signal`: no SM), so that
+    the second half crosses while the first half's kernel runs, which holds every SM; the
+    second half's kernel waits for its signals on its own stream (no SM either) and fills the
+    first one's tail; each half's output rows go back to their owners by the copy engines too,
+    the first half's beside the second's kernel (D54: on 2 H200s a call 4 % (Wan), 5 % (Flux)
+    faster than every head at once). A half's kernel reads only its own heads, so the output is
+    the one-GPU output bit for bit. Every signal is enqueued before every wait of the call: two
+    streams that share a hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) then serialise, but
+    no wait is queued ahead of the signal it needs.
     ``attend``: the halves' attention, ``[B, H, N, D]`` views in, NHD-memory output and LSE out
     (the kernel call; the threads test's exact stand-in)."""
     global halves_calls
@@ -250,7 +282,8 @@ def ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: PeerMemory, halve
     owners = [(me + step) % p for step in range(p)]
     tensors = ((q, split.q_tokens), (k, split.k_tokens), (v, split.k_tokens))
 
-    def build() -> tuple[list[tuple[list[Tensor], list[Tensor]]], list[list[Tensor]], list[list[Tensor]], Tensor]:
+    def build() -> tuple[list[tuple[list[Tensor], list[Tensor]]], list[list[Tensor]], list[list[Tensor]], Tensor,
+                         bool]:
         ins = []
         for j in (0, 1):
             remote, local = [], []
@@ -265,37 +298,55 @@ def ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: PeerMemory, halve
         cut = halves.q_cuts[me]
         back = [[memory.view(owner, *halves.out[owner], q.dtype)[:, :, cut[j]:cut[j + 1]]
                  for owner in owners] for j in (0, 1)]
-        return ins, received, back, memory.view(me, *halves.out[me], q.dtype)
+        dsts = [t for remote, local in ins for t in remote + local] + [t for ts in back for t in ts]
+        return (ins, received, back, memory.view(me, *halves.out[me], q.dtype),
+                all(ops.moved_as_words(t) for t in dsts))
 
-    ins, received, back, mine = memory.views(("halves", halves, q.dtype), build)
+    ins, received, back, mine, dsts_as_words = memory.views(("halves", halves, q.dtype), build)
+    # (the sources are head or token slices of q, k, v and the kernel's output: asked of their
+    # parents once, not of the six launches' 24-odd tensors; copy_many_'s note)
+    ins_as_words = dsts_as_words and all(map(ops.moved_as_words, (q, k, v)))
     sources = [x.split(halves.sizes(cuts), dim=2) for x, cuts in
                ((q, halves.q_cuts), (k, halves.kv_cuts), (v, halves.kv_cuts))]
     copies, local, second, returns = memory.streams()
     main = torch.cuda.current_stream(q.device) if copies is not None else None
+    computes = (main, second)
     memory.barrier(0)  # every rank's kernels have read the last call's inputs and its output is out
     _wait(copies, main)
     _wait(local, main)
-    for j, compute in ((0, main), (1, second)):
+    for j in (0, 1):
         remote_dsts, local_dsts = ins[j]
         remote_srcs = [parts[2 * owner + j] for parts in sources for owner in owners[1:]]
         with _on(local):
-            ops.copy_many_(local_dsts, [parts[2 * me + j] for parts in sources], by_copy_engine=True)
+            ops.copy_many_(local_dsts, [parts[2 * me + j] for parts in sources], as_words=ins_as_words,
+                           by_copy_engine=True)
+        _wait(computes[j], local)
         with _on(copies):
-            ops.copy_many_(remote_dsts, remote_srcs, by_copy_engine=True)
-            _wait(copies, local)
-            memory.barrier(1 + j)  # every rank's half j has arrived
-        _wait(compute, copies)
+            ops.copy_many_(remote_dsts, remote_srcs, as_words=ins_as_words, by_copy_engine=True)
+            memory.signal(j)  # this rank's rows of half j are in every peer's buffer
     lses = []
-    for j, compute in ((0, main), (1, second)):
-        with _on(compute):
+    for j in (0, 1):
+        with _on(computes[j]):
+            memory.wait(j)  # every peer's rows of half j are here (no SM: not held up by half 0's kernel)
             out, lse = (attend or halves.kernel)(*(t.transpose(1, 2) for t in received[j]))
         lses.append(lse)
-        _wait(returns, compute)
+        tokens_first = out.transpose(1, 2)
+        rows = tokens_first.split(split.q_tokens, dim=1)
+        as_words = dsts_as_words and ops.moved_as_words(tokens_first)
+        # The peers' rows by the copy engines beside the next kernel; this rank's own on their own
+        # stream: a copy within one GPU takes SMs, and would hold the peers' rows back until the
+        # second half's kernel frees them (session 52's trace).
+        _wait(returns, computes[j])
         with _on(returns):
-            rows = out.transpose(1, 2).split(split.q_tokens, dim=1)
-            ops.copy_many_(back[j], [rows[owner] for owner in owners], by_copy_engine=True)
+            ops.copy_many_(back[j][1:], [rows[owner] for owner in owners[1:]], as_words=as_words,
+                           by_copy_engine=True)
+        _wait(local, computes[j])
+        with _on(local):
+            ops.copy_many_(back[j][:1], [rows[me]], as_words=as_words, by_copy_engine=True)
     with _on(returns):
-        memory.barrier(3)  # every rank's output rows have arrived
+        memory.signal(2)  # this rank's output rows are in every peer's buffer
+    memory.wait(2)  # every peer's output rows are here
     _wait(main, returns)
+    _wait(main, local)
     _wait(main, second)
     return mine.clone(), torch.cat(lses, dim=1) if return_lse else None  # (the buffer is the next call's)

@@ -29,6 +29,7 @@ import math
 import os
 import re
 import sys
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -133,7 +134,9 @@ __all__ = [
     "sageattn_mma_varlen",
     "sageattn_wgmma",
     "sageattn_wgmma_varlen",
+    "signal_flags_",
     "smoothing_stats",
+    "wait_flags_",
 ]
 
 NAMESPACE = "sageattention2"
@@ -220,7 +223,7 @@ _OP_HANDLES: dict[str, Any] = {}
 # torch.compile'd caller (dynamo guards on it) is not recompiled when an op is first used.
 if HAS_EXTENSION:
     for _name in (*OP_NAMES, "attention_mma", "attention_wgmma", "sageattn_wgmma", "sageattn_wgmma_varlen",
-                  "sageattn_mma", "sageattn_mma_varlen", "copy_many_",
+                  "sageattn_mma", "sageattn_mma_varlen", "copy_many_", "signal_flags_", "wait_flags_",
                   "merge_attention_parts"):
         if hasattr(getattr(torch.ops, NAMESPACE), _name):
             _OP_HANDLES[_name] = getattr(getattr(torch.ops, NAMESPACE), _name).default
@@ -641,6 +644,38 @@ def copy_many_(dsts: Sequence[Tensor], srcs: Sequence[Tensor], *,
         return
     for dst, src in zip(dsts, srcs):
         dst.copy_(src)
+
+
+def _flag_value(value: int) -> int:
+    """A counter as the int32 a flag holds (counters wrap around; the wait compares modulo 2**32)."""
+    return (value + 2**31) % 2**32 - 2**31
+
+
+def signal_flags_(flags: Sequence[Tensor], value: int) -> None:
+    """Every one of ``flags`` (one-element int32 tensors: this rank's or, mapped, a peer's) set to
+    ``value`` on the current stream, once its work so far has landed: ``cuStreamWriteValue32``
+    after a system-wide fence, no SM (so a signal is not held up by a kernel that holds every
+    SM). CPU tensors (the threads tests' ranks): set at once."""
+    if flags and flags[0].is_cuda:
+        _op("signal_flags_")(list(flags), _flag_value(value))
+        return
+    for flag in flags:
+        flag.fill_(_flag_value(value))
+
+
+def wait_flags_(flags: Sequence[Tensor], value: int, timeout_s: float = 300.0) -> None:
+    """The current stream waits, no SM (``cuStreamWaitValue32``), until every one of ``flags``
+    holds ``value`` or a later count (compared modulo 2**32). CPU tensors: this thread waits,
+    at most ``timeout_s``."""
+    if flags and flags[0].is_cuda:
+        _op("wait_flags_")(list(flags), _flag_value(value))
+        return
+    deadline = time.monotonic() + timeout_s
+    for flag in flags:
+        while _flag_value(int(flag.item()) - value) < 0:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"wait_flags_: a flag still holds {int(flag.item())}, waited for {value}")
+            time.sleep(1e-4)
 
 
 def merges_in_one_pass(outs: Sequence[Tensor], lses: Sequence[Tensor]) -> bool:

@@ -51,7 +51,7 @@ from torch import Tensor
 
 from . import _execute, _peer_exchange, ops
 from ._call import AttentionCall, validate
-from ._peer_exchange import (ALIGN, Halves, PeerMemory, UlyssesSplit, bytes_as, kept, peer_layouts,
+from ._peer_exchange import (ALIGN, FLAG_CHANNELS, Halves, PeerMemory, UlyssesSplit, bytes_as, kept, peer_layouts,
                              ulysses_in_halves)
 from .api import sageattn
 
@@ -544,7 +544,9 @@ def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> PeerMemor
     try:
         from torch.distributed import _symmetric_memory as symmetric
 
-        local: Tensor | None = symmetric.empty(nbytes, dtype=torch.uint8, device=device)
+        p = dist.get_world_size(group)
+        flag_bytes = ops.round_up(FLAG_CHANNELS * p * 4, ALIGN)  # (the signals' flags, after the buffer)
+        local: Tensor | None = symmetric.empty(nbytes + flag_bytes, dtype=torch.uint8, device=device)
     except Exception:  # noqa: BLE001 (no symmetric memory in this build or on this device)
         local = None
     host = _digest(socket.gethostname())
@@ -552,9 +554,15 @@ def _map_peer_memory(group: Any, nbytes: int, device: torch.device) -> PeerMemor
     if seen[0] != -1 or seen[1] != -seen[2]:  # a rank without it, or ranks on several hosts
         return None
     handle = symmetric.rendezvous(local, group)
-    buffers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in range(dist.get_world_size(group))]
-    return PeerMemory(dist.get_rank(group), buffers,
-                       lambda channel=0: handle.barrier(channel=channel), (local, handle))
+    ranks = range(dist.get_world_size(group))
+    buffers = [handle.get_buffer(r, (nbytes,), torch.uint8) for r in ranks]
+    flags = [handle.get_buffer(r, (FLAG_CHANNELS, len(ranks)), torch.int32, storage_offset=nbytes // 4)
+             for r in ranks]
+    me = dist.get_rank(group)
+    flags[me].zero_()
+    handle.barrier(channel=0)  # (every rank's flags are zero before any peer signals)
+    return PeerMemory(me, buffers, lambda channel=0: handle.barrier(channel=channel), (local, handle),
+                      flags=flags)
 
 
 _ulysses_layouts: dict[tuple[Any, ...], tuple[UlyssesSplit, tuple[Any, ...], int]] = {}

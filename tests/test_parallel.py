@@ -272,12 +272,12 @@ def _exact_halves_attention(q: torch.Tensor, k: torch.Tensor,
 def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, head_dim: int,
                                                value_dim: int, even: bool) -> None:
     """Ulysses in two halves of the heads, threads standing in for the ranks (their buffers in
-    one process, poisoned; a threading barrier for every channel's; the exact attention for the
-    kernel): every rank gets its tokens of every head's output, each head attended over all
-    tokens, and its heads' LSE, exactly as the halves' attention gives them on the whole
-    tensors; in two calls (the second through the first's views). Uneven: shards of different
-    lengths (on 4 ranks one empty) and key heads that do not divide among the ranks (the first
-    rank's halves 2 + 1 heads)."""
+    one process, poisoned; a threading barrier for the GPU's, the signals' flags in shared CPU
+    tensors, each wait a thread's; the exact attention for the kernel): every rank gets its
+    tokens of every head's output, each head attended over all tokens, and its heads' LSE,
+    exactly as the halves' attention gives them on the whole tensors; in two calls (the second
+    through the first's views). Uneven: shards of different lengths (on 4 ranks one empty) and
+    key heads that do not divide among the ranks (the first rank's halves 2 + 1 heads)."""
     import threading
 
     from sageattention2 import _peer_exchange
@@ -289,11 +289,21 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
     halves = _peer_exchange.Halves.of(*shards[0], split, None)
     assert [c[2] - c[0] for c in halves.kv_cuts] == list(split.kv_heads)
     buffers = [torch.full((halves.nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
+    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
     barrier = threading.Barrier(world, timeout=60)
     got: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def rank(r: int) -> None:
-        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait())
+        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait(), flags=flags)
+        signal = memory.signal
+
+        def late_after_signalling(channel: int) -> None:
+            # (every rank but the first goes on late after each signal: its next copies come
+            # after the first rank's next steps, unless the first rank waits for them)
+            signal(channel)
+            time.sleep(0.02 if r else 0.0)
+
+        memory.signal = late_after_signalling  # type: ignore[method-assign]
         assert _peer_exchange.Halves.of(*shards[r], split, None) == halves
         got[r] = []
         for sign in (-1, 1):  # (the second call through the first's views: it must move all)
@@ -499,6 +509,69 @@ def test_copy_many_on_the_gpu() -> None:
     dsts, srcs, _ = _copy_pairs("cuda")
     torch.library.opcheck(torch.ops.sageattention2.copy_many_.default, (dsts[:5], srcs[:5]))
     torch.library.opcheck(torch.ops.sageattention2.copy_many_.default, (dsts[:5], srcs[:5], True))
+
+
+def test_flags_refusals_and_the_cpu_stand_in() -> None:
+    """signal_flags_ / wait_flags_: the ops' checks (Meta) name the flag and what is allowed; on
+    CPU tensors (the threads tests' ranks) a signal sets the flags and a wait returns once every
+    flag holds the count or a later one, modulo 2**32, and times out otherwise."""
+    from sageattention2 import ops
+
+    flags = [torch.zeros(1, dtype=torch.int32) for _ in range(2)]
+    ops.signal_flags_(flags, 2**32 + 5)  # (a count past 2**32 wraps around)
+    assert [int(f) for f in flags] == [5, 5]
+    ops.wait_flags_(flags, 2**32 + 5)
+    ops.wait_flags_(flags, 3)  # (an earlier count)
+    flags[1].fill_(2**31 - 1)
+    ops.wait_flags_(flags[1:], 2**31 - 2)
+    ops.signal_flags_(flags[1:], 2**31)  # (int32's largest, then its smallest: still later)
+    assert int(flags[1]) == -(2**31)
+    ops.wait_flags_(flags[1:], 2**31 - 1)
+    with pytest.raises(TimeoutError, match="holds 5, waited for 6"):
+        ops.wait_flags_(flags, 6, timeout_s=0.05)
+    if not ops.has_op("signal_flags_"):
+        pytest.skip("the extension has no signal_flags_ op")
+    meta = torch.empty(1, dtype=torch.int32, device="meta")
+    for name in ("signal_flags_", "wait_flags_"):
+        op = getattr(torch.ops.sageattention2, name)
+        with pytest.raises(RuntimeError, match=rf"{name}: flags\[1\] must be a one-element int32 tensor"):
+            op([meta, torch.empty(2, dtype=torch.int32, device="meta")], 1)
+        with pytest.raises(RuntimeError, match="one-element int32 tensor, got Long"):
+            op([torch.empty(1, dtype=torch.int64, device="meta")], 1)
+        op([meta, meta], 1)  # a good call passes
+
+
+@pytest.mark.gpu
+def test_flags_order_streams_on_the_gpu() -> None:
+    """A stream that waits on a flag runs what follows only once another stream, which first
+    sleeps and then writes, has signalled it: what it reads is the written value, not the old
+    one; counts past 2**31 still order; opcheck."""
+    from sageattention2 import ops
+
+    if not torch.cuda.is_available() or not ops.has_op("signal_flags_"):
+        pytest.skip("needs a CUDA GPU and the signal_flags_ op")
+    for count in (1, 2**31 + 3):
+        flags = torch.full((2,), ops._flag_value(count - 1), dtype=torch.int32, device="cuda")
+        written = torch.zeros(1 << 20, dtype=torch.float32, device="cuda")
+        seen = torch.empty_like(written)
+        torch.cuda.synchronize()
+        writer, reader = torch.cuda.Stream(), torch.cuda.Stream()
+        # (the writer first: two streams may share a hardware queue, where a wait enqueued before
+        # its signal would never see it; the product enqueues every signal before its waits)
+        with torch.cuda.stream(writer):
+            torch.cuda._sleep(int(5e7))  # (~25 ms: the reader is waiting by then)
+            written.fill_(7.0)
+            ops.signal_flags_([flags[0:1]], count)
+            torch.cuda._sleep(int(2e7))
+            ops.signal_flags_([flags[1:2]], count)
+        with torch.cuda.stream(reader):
+            ops.wait_flags_([flags[0:1], flags[1:2]], count)
+            seen.copy_(written)
+        torch.cuda.synchronize()
+        assert bool((seen == 7.0).all()), count
+        assert [int(f) for f in flags.cpu()] == [ops._flag_value(count)] * 2
+    torch.library.opcheck(torch.ops.sageattention2.signal_flags_.default, ([flags[0:1]], 9))  # (then 9)
+    torch.library.opcheck(torch.ops.sageattention2.wait_flags_.default, ([flags[0:1]], 9))
 
 
 def _merge_parts_case(device: str, parts: int, dtype: torch.dtype, head_dim: int, nhd: bool,

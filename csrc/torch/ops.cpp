@@ -112,6 +112,9 @@ TORCH_LIBRARY(sageattention2, m) {
   m.def("center_keys(Tensor q, Tensor k, Tensor lse, Tensor k_mean, float scale) -> (Tensor k_centered, "
         "Tensor lse_centered)");
   m.def("copy_many_(Tensor(a!)[] dsts, Tensor[] srcs, bool by_copy_engine=False) -> ()");
+  // (wait_flags_ reads its flags; marked as written so that no graph reorders or drops the wait)
+  m.def("signal_flags_(Tensor(a!)[] flags, int value) -> ()");
+  m.def("wait_flags_(Tensor(a!)[] flags, int value) -> ()");
   m.def("merge_attention_parts(Tensor[] outs, Tensor[] lses, bool out_nhd) -> (Tensor out, Tensor lse)");
   m.def(
       "attention_mma(Tensor q, Tensor? q_mean, Tensor k_codes, Tensor k_scale, Tensor? delta_s, Tensor v, "
@@ -145,6 +148,8 @@ TORCH_LIBRARY_IMPL(sageattention2, CUDA, m) {
   m.impl("quantize_kv", &sageattention2::quantize_kv_cuda);
   m.impl("center_keys", &sageattention2::center_keys_cuda);
   m.impl("copy_many_", &sageattention2::copy_many_cuda);
+  m.impl("signal_flags_", &sageattention2::signal_flags_cuda);
+  m.impl("wait_flags_", &sageattention2::wait_flags_cuda);
   m.impl("merge_attention_parts", &sageattention2::merge_parts_cuda);
   m.impl("attention_mma", &sageattention2::attention_mma_cuda);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_cuda);
@@ -159,6 +164,8 @@ TORCH_LIBRARY_IMPL(sageattention2, Meta, m) {
   m.impl("quantize_kv", &sageattention2::quantize_kv_meta);
   m.impl("center_keys", &sageattention2::center_keys_meta);
   m.impl("copy_many_", &sageattention2::copy_many_meta);
+  m.impl("signal_flags_", &sageattention2::signal_flags_meta);
+  m.impl("wait_flags_", &sageattention2::wait_flags_meta);
   m.impl("merge_attention_parts", &sageattention2::merge_parts_meta);
   m.impl("attention_mma", &sageattention2::attention_mma_meta);
   m.impl("attention_wgmma", &sageattention2::attention_wgmma_meta);

@@ -3,6 +3,7 @@
 #include <ATen/ops/empty.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
+#include <cudaTypedefs.h>  // PFN_cuStreamWriteValue32, PFN_cuStreamWaitValue32
 
 #include <algorithm>
 #include <cstdint>
@@ -163,6 +164,66 @@ void copy_many_cuda(at::TensorList dsts, at::TensorList srcs, bool by_copy_engin
   const c10::cuda::CUDAGuard guard(dsts[0].device());
   C10_CUDA_CHECK(launch_copy_many(p, dsts[0].get_device(), at::cuda::getCurrentCUDAStream()));
 }
+
+void check_flags(at::TensorList flags, const char* op) {
+  for (size_t i = 0; i < flags.size(); ++i) {
+    const at::Tensor& flag = flags[i];
+    TORCH_CHECK(flag.scalar_type() == at::kInt && flag.sym_numel() == 1, op, ": flags[", i,
+                "] must be a one-element int32 tensor, got ", flag.scalar_type(), " of shape ", flag.sym_sizes());
+    TORCH_CHECK(flag.device() == flags[0].device(), op, ": flags[", i, "] is on ", flag.device(), ", flags[0] on ",
+                flags[0].device());
+  }
+}
+
+namespace {
+
+// Stream memory operations (CUDA driver API, "Stream Memory Operations"), looked up once through
+// the runtime's driver entry point (no link against libcuda): the front end of the stream runs
+// them, no SM, so they signal and wait beside a kernel that holds every SM (a barrier kernel
+// would wait for that kernel's tail: 0.7 ms a Wan2.1-14B-like call on 2 H200s, session 52).
+template <typename Fn>
+Fn driver_function(const char* name) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found{};
+  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
+      found != cudaDriverEntryPointSuccess)
+    fn = nullptr;
+  TORCH_CHECK(fn != nullptr, "the CUDA driver has no ", name, " (stream memory operations)");
+  return reinterpret_cast<Fn>(fn);
+}
+
+// One stream memory operation per flag, on the current stream of the flags' device.
+template <typename Fn>
+void on_each_flag(at::TensorList flags, int64_t value, const char* op, const char* driver_name, Fn fn,
+                  unsigned int mode) {
+  check_flags(flags, op);
+  if (flags.empty()) return;
+  const c10::cuda::CUDAGuard guard(flags[0].device());
+  const CUstream stream = at::cuda::getCurrentCUDAStream().stream();
+  for (const at::Tensor& flag : flags) {
+    const CUresult result =
+        fn(stream, reinterpret_cast<CUdeviceptr>(flag.data_ptr()), static_cast<cuuint32_t>(value), mode);
+    TORCH_CHECK(result == CUDA_SUCCESS, op, ": ", driver_name, " failed with CUresult ", static_cast<int>(result));
+  }
+}
+
+}  // namespace
+
+// CU_STREAM_WRITE_VALUE_DEFAULT: a system-wide fence before the write, so that a peer that sees
+// the value also sees every byte this stream wrote before it (into its memory, by the copy engines).
+void signal_flags_cuda(at::TensorList flags, int64_t value) {
+  static const auto write = driver_function<PFN_cuStreamWriteValue32_v11070>("cuStreamWriteValue32");
+  on_each_flag(flags, value, "signal_flags_", "cuStreamWriteValue32", write, CU_STREAM_WRITE_VALUE_DEFAULT);
+}
+
+// GEQ compares (int32_t)(*flag - value) >= 0: counts that wrap around still order.
+void wait_flags_cuda(at::TensorList flags, int64_t value) {
+  static const auto wait = driver_function<PFN_cuStreamWaitValue32_v11070>("cuStreamWaitValue32");
+  on_each_flag(flags, value, "wait_flags_", "cuStreamWaitValue32", wait, CU_STREAM_WAIT_VALUE_GEQ);
+}
+
+void signal_flags_meta(at::TensorList flags, int64_t /*value*/) { check_flags(flags, "signal_flags_"); }
+void wait_flags_meta(at::TensorList flags, int64_t /*value*/) { check_flags(flags, "wait_flags_"); }
 
 // SymInt-aware like check_copy_many.
 void check_merge_parts(at::TensorList outs, at::TensorList lses) {
