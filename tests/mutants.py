@@ -806,6 +806,17 @@ def _ulysses_halves_rank_off_by_one(patch: pytest.MonkeyPatch) -> None:
     _next_rank_for_own(patch, "ulysses_in_halves")
 
 
+@mutant("halves-second-half-not-awaited",
+        "Ulysses in halves runs the second half's kernel without waiting for the peers' signals "
+        "(PeerMemory.wait on its channel does nothing): it reads rows not yet written",
+        "test_parallel.py::test_ulysses_in_halves_through_peer_memory")
+def _halves_second_half_not_awaited(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import _peer_exchange
+
+    _wrap(patch, _peer_exchange.PeerMemory, "wait",
+          lambda real, memory, channel: None if channel == 1 else real(memory, channel))
+
+
 @mutant("merge-parts-weights-by-first-lse",
         "merging attention parts weighs every part by the first part's LSE (the parts as if they "
         "saw equally many keys)",
