@@ -18,7 +18,9 @@ lengths under Ulysses alone or the ring alone (diffusers' ``ulysses_anything`` a
   back beside the next (``SAGEATTN_PEER_MEMORY=copy``: every head at once).
 - **Ring** (``ring_group``): every rank's K and V shard goes to every rank of the group in one
   all-gather, started before the kernel runs on the local shard, so that the bytes travel while
-  the kernel runs; each rank attends its queries to every shard, and the partial outputs are
+  the kernel runs (where NCCL's all-gather kernel gets SMs first: at Wan2.1-14B's length the
+  local kernel took them all and the gather waited for its tail, ~2 ms a call on 2 H200s,
+  session 52; D47); each rank attends its queries to every shard, and the partial outputs are
   merged by their LSE in float32. Where the Hopper kernel serves the call (no mask), K and V are
   quantized **once**, by the rank that holds them, exactly as :func:`sageattn` quantizes them on
   that shard (INT8 K with its per-thread scales and smoothing mean, FP8 V with its tile scales and
