@@ -1,10 +1,12 @@
-"""Ulysses' exchanges through the peers' memory (one host): every rank's buffer mapped into every
-other rank's address space, each rank copying its tokens of the other ranks' heads straight into
-their buffers, at its own token rows (docs/DECISIONS.md#d54); every head at once
-(:func:`tokens_to_heads` and :func:`heads_to_tokens`, one ``copy_many_`` launch each) or in two
-halves of the heads, each half's exchange beside the other half's kernel
-(:func:`ulysses_in_halves`, by the copy engines). :mod:`.parallel` maps the buffers, agrees on
-them and decides which way a call goes.
+"""Context parallelism's exchanges through the peers' memory (one host): every rank's buffer
+mapped into every other rank's address space. Ulysses: each rank copies its tokens of the other
+ranks' heads straight into their buffers, at its own token rows (docs/DECISIONS.md#d54); every
+head at once (:func:`tokens_to_heads` and :func:`heads_to_tokens`, one ``copy_many_`` launch
+each) or in two halves of the heads, each half's exchange beside the other half's kernel
+(:func:`ulysses_in_halves`, by the copy engines). The ring: each rank's packed K and V shard
+into a row of every peer's buffer by the copy engines, beside the kernel on the local shard
+(:func:`start_all_gather`). :mod:`.parallel` maps the buffers, agrees on them and decides which
+way a call goes.
 """
 from __future__ import annotations
 
@@ -18,14 +20,16 @@ from torch import Tensor
 
 from . import ops
 
-__all__ = ["ALIGN", "FLAG_CHANNELS", "Halves", "PeerMemory", "UlyssesSplit", "bytes_as", "heads_to_tokens",
-           "kept", "peer_layouts", "tokens_to_heads", "ulysses_in_halves"]
+__all__ = ["ALIGN", "FLAG_CHANNELS", "RING_CHANNEL", "Halves", "PeerMemory", "UlyssesSplit", "bytes_as",
+           "end_all_gather", "gathered_rows", "heads_to_tokens", "kept", "peer_layouts", "start_all_gather",
+           "tokens_to_heads", "ulysses_in_halves"]
 
 ALIGN = 256  # every part of an exchanged buffer starts 256-byte aligned (the kernels read 16 B)
 
 KEPT = 64  # entries a per-kind cache keeps
 
-FLAG_CHANNELS = 3  # PeerMemory's signal channels: the halves' inputs (one per half), their outputs
+FLAG_CHANNELS = 4  # PeerMemory's signal channels: the halves' inputs (one per half), their
+RING_CHANNEL = 3   # outputs; the ring's all-gather
 
 
 def kept(cache: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
@@ -350,3 +354,38 @@ def ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: PeerMemory, halve
     _wait(main, local)
     _wait(main, second)
     return mine.clone(), torch.cat(lses, dim=1) if return_lse else None  # (the buffer is the next call's)
+
+
+def gathered_rows(memory: PeerMemory, nbytes: int) -> Tensor:
+    """This rank's buffer as the ring's ``[P, nbytes]`` rows: row r holds rank r's packed shard
+    once gathered. The caller packs its own shard into its own row, on the current stream, then
+    calls :func:`start_all_gather`."""
+    return memory.view(memory.rank, 0, (len(memory.buffers), nbytes), torch.uint8)
+
+
+def start_all_gather(memory: PeerMemory, nbytes: int) -> None:
+    """Sends this rank's row of :func:`gathered_rows` into the same row of every peer's buffer,
+    by the copy engines on a side stream, then signals ``RING_CHANNEL``. A barrier first (on the
+    current stream, after the packing): every rank has read the last gather's rows. Not by
+    NCCL's all-gather: its kernel needs SMs, and where the kernel on the local shard got them
+    first, the gather waited for that kernel's tail (2.0 ms a Wan2.1-14B-like ring call on 2
+    H200s, session 52). The caller waits (``memory.wait(RING_CHANNEL)``) before it reads a
+    peer's row, and ends the call with :func:`end_all_gather`."""
+    p, me = len(memory.buffers), memory.rank
+    dsts = memory.views(("ring", nbytes), lambda: [
+        memory.view(owner, me * nbytes, (nbytes,), torch.uint8) for owner in range(p) if owner != me])
+    copies = memory.streams()[0]
+    main = torch.cuda.current_stream(memory.buffers[me].device) if copies is not None else None
+    memory.barrier(0)
+    _wait(copies, main)
+    with _on(copies):
+        source = gathered_rows(memory, nbytes)[me]
+        ops.copy_many_(dsts, [source] * len(dsts), as_words=source.is_cuda, by_copy_engine=True)
+        memory.signal(RING_CHANNEL)  # this rank's shard is in every peer's buffer
+
+
+def end_all_gather(memory: PeerMemory) -> None:
+    """The current stream waits for this rank's sends (its row is packed again next call)."""
+    copies = memory.streams()[0]
+    if copies is not None:
+        torch.cuda.current_stream(memory.buffers[memory.rank].device).wait_stream(copies)

@@ -18,10 +18,12 @@ lengths under Ulysses alone or the ring alone (diffusers' ``ulysses_anything`` a
   back beside the next (``SAGEATTN_PEER_MEMORY=copy``: every head at once).
 - **Ring** (``ring_group``): every rank's K and V shard goes to every rank of the group in one
   all-gather, started before the kernel runs on the local shard, so that the bytes travel while
-  the kernel runs (where NCCL's all-gather kernel gets SMs first: at Wan2.1-14B's length the
-  local kernel took them all and the gather waited for its tail, ~2 ms a call on 2 H200s,
-  session 52; D47); each rank attends its queries to every shard, and the partial outputs are
-  merged by their LSE in float32. Where the Hopper kernel serves the call (no mask), K and V are
+  the kernel runs. On one host (CUDA, NCCL) the shard is packed into this rank's row of its
+  peers' memory buffer and the copy engines send it into the same row of every peer's, which
+  needs no SM (NCCL's all-gather kernel needs SMs: at Wan2.1-14B's length the local kernel took
+  them all and the gather waited for its tail, ~2 ms a call on 2 H200s, session 52; D47;
+  ``SAGEATTN_PEER_MEMORY=0`` keeps NCCL's); each rank attends its queries to every shard, and
+  the partial outputs are merged by their LSE in float32. Where the Hopper kernel serves the call (no mask), K and V are
   quantized **once**, by the rank that holds them, exactly as :func:`sageattn` quantizes them on
   that shard (INT8 K with its per-thread scales and smoothing mean, FP8 V with its tile scales and
   mean), and the codes travel instead of the 16-bit tensors: about half the bytes. Each shard's
@@ -53,16 +55,18 @@ from torch import Tensor
 
 from . import _execute, _peer_exchange, ops
 from ._call import AttentionCall, validate
-from ._peer_exchange import (ALIGN, FLAG_CHANNELS, Halves, PeerMemory, UlyssesSplit, bytes_as, kept, peer_layouts,
+from ._peer_exchange import (ALIGN, FLAG_CHANNELS, RING_CHANNEL, Halves, PeerMemory, UlyssesSplit, bytes_as,
+                             end_all_gather, gathered_rows, kept, peer_layouts, start_all_gather,
                              ulysses_in_halves)
 from .api import sageattn
 
 __all__ = ["EXCHANGES", "context_parallel_attention", "last_ring_bytes"]
 
 EXCHANGES = ("auto", "quantized", "input")
-PEER_MEMORY_ENVIRONMENT = "SAGEATTN_PEER_MEMORY"  # "0": Ulysses through NCCL's all-to-all only
+PEER_MEMORY_ENVIRONMENT = "SAGEATTN_PEER_MEMORY"  # "0": NCCL's all-to-all and all-gather only
 # How Ulysses moves the heads (SAGEATTN_PEER_MEMORY): NCCL's all-to-all ("0"), the peers' memory
 # with every head at once ("copy"), or in two halves where the Hopper kernel runs (the default).
+# The ring gathers through the peers' memory unless "0".
 _PEER_NONE, _PEER_COPIES, _PEER_HALVES = range(3)
 _OPTION_NAMES = ("qk_quant", "pv_quant", "smooth_k", "smooth_q", "smooth_v", "strict")
 _last_ring_bytes = 0
@@ -302,7 +306,8 @@ class ParallelCall:
     options: dict[str, Any]
     ulysses: Any
     ring: Any
-    peer_memory: int  # how Ulysses moves the heads: _PEER_NONE, _PEER_COPIES or _PEER_HALVES
+    peer_memory: int  # how Ulysses moves the heads: _PEER_NONE, _PEER_COPIES or _PEER_HALVES;
+    # the ring gathers through the peers' memory unless _PEER_NONE
 
     @property
     def shards_of_any_length(self) -> bool:
@@ -384,7 +389,7 @@ def _check(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, dropout_p:
     return ParallelCall(qn, kn, vn, mask, is_causal, scale, enable_gqa, tensor_layout, return_lse,
                         exchange, dict(options), ulysses if p_u > 1 else None,
                         ring if p_r > 1 else None,
-                        peer_memory if p_u > 1 else _PEER_NONE)
+                        peer_memory if p_u > 1 or p_r > 1 else _PEER_NONE)
 
 
 def _as_4d_key_mask(mask: Tensor | None) -> Tensor | None:
@@ -522,13 +527,12 @@ _GRANULE = 2 << 20  # peer buffers grow in 2 MiB steps (the driver maps whole pa
 _peer_memories: dict[tuple[str, int], PeerMemory | None] = {}
 
 
-def _peer_memory(call: ParallelCall, nbytes: int, device: torch.device) -> PeerMemory | None:
-    """The Ulysses group's peer buffers, at least ``nbytes`` each, or None where NCCL's
-    all-to-all carries Ulysses (not CUDA, not NCCL, ``SAGEATTN_PEER_MEMORY=0``, ranks on several
+def _peer_memory(call: ParallelCall, group: Any, nbytes: int, device: torch.device) -> PeerMemory | None:
+    """``group``'s peer buffers (Ulysses' or the ring's), at least ``nbytes`` each, or None where
+    NCCL carries the exchange (not CUDA, not NCCL, ``SAGEATTN_PEER_MEMORY=0``, ranks on several
     hosts, or no symmetric memory here). Every rank reaches the same answer: the record agreed on
     the environment variable, and a first allocation is agreed on by one host all-reduce before
     the collective rendezvous."""
-    group = call.ulysses
     if device.type != "cuda" or not call.peer_memory or dist.get_backend(group) != "nccl":
         return None
     key = (_group_name(group), device.index)
@@ -537,6 +541,8 @@ def _peer_memory(call: ParallelCall, nbytes: int, device: torch.device) -> PeerM
         return None
     if memory is not False and memory.buffers[memory.rank].numel() >= nbytes:
         return memory
+    if memory is not False:  # (the last call's kernels and copies may still use the old buffer)
+        torch.cuda.synchronize(device)
     _peer_memories[key] = None  # (the old buffer is released before a larger one is mapped)
     _peer_memories[key] = _map_peer_memory(group, ops.round_up(nbytes, _GRANULE), device)
     return _peer_memories[key]
@@ -645,7 +651,8 @@ class _Packed(NamedTuple):
     layout: list[tuple[int, torch.dtype, tuple[int, ...]] | None]   # offset, dtype, shape
 
     @staticmethod
-    def of(parts: list[Tensor | None]) -> _Packed:
+    def layout_of(parts: list[Tensor | None]) -> tuple[list[tuple[int, torch.dtype, tuple[int, ...]] | None], int]:
+        """Where each part lands, and the bytes of them all."""
         layout: list[tuple[int, torch.dtype, tuple[int, ...]] | None] = []
         total = 0
         for t in parts:
@@ -654,8 +661,15 @@ class _Packed(NamedTuple):
                 continue
             layout.append((total, t.dtype, tuple(t.shape)))
             total += ops.round_up(t.numel() * t.element_size(), ALIGN)
-        device = next(t.device for t in parts if t is not None)
-        buffer = torch.empty(total, dtype=torch.uint8, device=device)
+        return layout, total
+
+    @staticmethod
+    def of(parts: list[Tensor | None], buffer: Tensor | None = None) -> _Packed:
+        """``parts`` copied into ``buffer`` (uint8, :meth:`layout_of`'s bytes; None: a new one)."""
+        layout, total = _Packed.layout_of(parts)
+        if buffer is None:
+            device = next(t.device for t in parts if t is not None)
+            buffer = torch.empty(total, dtype=torch.uint8, device=device)
         for t, where in zip(parts, layout):
             if t is not None and where is not None:
                 bytes_as(buffer, where[0], where[2], where[1]).copy_(t)
@@ -775,12 +789,18 @@ def _ring(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
         pad = max(k_tokens) - local_keys
         local = [torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t.contiguous()
                  for t in (k, v)]
-    packed = _Packed.of(local)
     global _last_ring_bytes
-    _last_ring_bytes = packed.buffer.numel()
-    received = torch.empty(p * packed.buffer.numel(), dtype=torch.uint8, device=q.device)
-    work = dist.all_gather_into_tensor(received, packed.buffer, group=group, async_op=True)
-    received = received.view(p, -1)
+    _, _last_ring_bytes = _Packed.layout_of(local)
+    memory = _peer_memory(call, group, p * _last_ring_bytes, q.device)
+    if memory is not None:  # (one host: by the copy engines, no SM, into the peers' memory)
+        received = gathered_rows(memory, _last_ring_bytes)
+        packed = _Packed.of(local, received[rank])
+        start_all_gather(memory, _last_ring_bytes)
+    else:
+        packed = _Packed.of(local)
+        received = torch.empty(p * _last_ring_bytes, dtype=torch.uint8, device=q.device)
+        work = dist.all_gather_into_tensor(received, packed.buffer, group=group, async_op=True)
+        received = received.view(p, -1)
     if mask is not None and mask.shape[-1] == local_keys and p > 1:
         mask = _all_keys_mask(mask, local_keys, group)
 
@@ -802,10 +822,15 @@ def _ring(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
 
     # Every part is kept and merged once at the end, in one pass (_execute.merge_parts).
     parts = [attend(local, rank)]
-    work.wait()
+    if memory is not None:
+        memory.wait(RING_CHANNEL)  # every peer's shard is here
+    else:
+        work.wait()
     for step in range(1, p):
         owner = (rank + step) % p
         parts.append(attend(packed.unpack(received[owner]), owner))
+    if memory is not None:
+        end_all_gather(memory)
     seen = [part for part in parts if part is not None]
     assert seen  # the local shard always contributes
     out, lse = _execute.merge_parts([o for o, _ in seen], [l for _, l in seen], True)
@@ -899,7 +924,8 @@ def context_parallel_attention(
         split, layouts, nbytes = _ulysses_layout(q, k, v, q_tokens, k_tokens)
         mask = _all_keys_mask(mask, k.shape[1], call.ulysses)
         halves = _halves(call, q, k, v, split) if call.ring is None else None
-        memory = _peer_memory(call, max(nbytes, 0 if halves is None else halves.nbytes), q.device)
+        memory = _peer_memory(call, call.ulysses, max(nbytes, 0 if halves is None else halves.nbytes),
+                              q.device)
         if halves is not None and memory is not None:
             out, lse = ulysses_in_halves(q, k, v, memory, halves, split, return_lse)
             if lse is not None:

@@ -817,6 +817,17 @@ def _halves_second_half_not_awaited(patch: pytest.MonkeyPatch) -> None:
           lambda real, memory, channel: None if channel == 1 else real(memory, channel))
 
 
+@mutant("ring-gather-not-awaited",
+        "the ring's gather through the peers' memory reads the peers' rows without waiting for "
+        "their signals (PeerMemory.wait on the ring's channel does nothing)",
+        "test_parallel.py::test_ring_all_gather_through_peer_memory")
+def _ring_gather_not_awaited(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import _peer_exchange
+
+    _wrap(patch, _peer_exchange.PeerMemory, "wait", lambda real, memory, channel: None
+          if channel == _peer_exchange.RING_CHANNEL else real(memory, channel))
+
+
 @mutant("merge-parts-weights-by-first-lse",
         "merging attention parts weighs every part by the first part's LSE (the parts as if they "
         "saw equally many keys)",

@@ -243,9 +243,10 @@ def quantized_exchange_plumbing() -> None:
 def gpu_quantized_ring() -> None:
     """On the GPUs (bf16, K with channel offsets, an odd shard length): the quantized exchange's
     output and LSE are bit for bit the 16-bit exchange's (each shard's part is sageattn's on that
-    shard either way), within the 8-bit bound of float64 attention, close to the one-GPU call;
-    its bytes at most 0.55x the 16-bit ones. Shards of different lengths: within the same
-    bounds."""
+    shard either way) and, gathered through the peers' memory (poisoned first), NCCL's
+    all-gather's; within the 8-bit bound of float64 attention, close to the one-GPU call; its
+    bytes at most 0.55x the 16-bit ones. Shards of different lengths: within the same bounds,
+    and the peers' memory's bits NCCL's."""
     from sageattention2 import parallel, reference
     from sageattention2.testing import relative_l1 as rel_l1
 
@@ -254,9 +255,34 @@ def gpu_quantized_ring() -> None:
     (q, k, v), local = whole_and_shard(1, n, 8, 8, 128, 21, rank, world, dtype=torch.bfloat16)
     rows = slice(rank * 3001, (rank + 1) * 3001)
     group = GROUPS["world"]
+
+    def through_nccl(**kwargs: Any) -> Any:
+        os.environ[parallel.PEER_MEMORY_ENVIRONMENT] = "0"
+        try:
+            return run(ring_group=group, **kwargs)
+        finally:
+            os.environ.pop(parallel.PEER_MEMORY_ENVIRONMENT)
+
+    def poisoned() -> None:
+        memory = parallel._peer_memories.get((parallel._group_name(group), DEVICE.index))
+        assert memory, "the ring's peers' memory was not mapped on 2 GPUs of one host"
+        memory.buffers[memory.rank].fill_(255)  # (every byte read must be written)
+
+    def gathers() -> int:  # the ring's gathers through this group's peers' memory so far
+        memory = parallel._peer_memories[(parallel._group_name(group), DEVICE.index)]
+        return memory.counts[parallel.RING_CHANNEL]
+
     for causal in (False, True):
         options = dict(is_causal=causal, return_lse=True, qk_quant="int8")
+        run(args=local, ring_group=group, exchange="quantized", **options)  # (maps the memory)
+        poisoned()
+        before = gathers()
         out_q, lse_q = run(args=local, ring_group=group, exchange="quantized", **options)
+        assert gathers() == before + 1, "the ring did not gather through the peers' memory"
+        out_n, lse_n = through_nccl(args=local, exchange="quantized", **options)
+        assert gathers() == before + 1, "SAGEATTN_PEER_MEMORY=0 still gathered through the peers' memory"
+        assert torch.equal(out_q, out_n) and torch.equal(lse_q, lse_n), f"NCCL, causal={causal}"
+        poisoned()
         out_i, lse_i = run(args=local, ring_group=group, exchange="input", **options)
         assert torch.equal(out_q, out_i) and torch.equal(lse_q, lse_i), f"causal={causal}"
         want, want_lse = reference.exact_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
@@ -275,6 +301,8 @@ def gpu_quantized_ring() -> None:
     for causal in (False, True):
         options = dict(is_causal=causal, return_lse=True, qk_quant="int8")
         out, lse = run(args=tuple(t[:, rows] for t in (q, k, v)), ring_group=group, **options)
+        out_n, lse_n = through_nccl(args=tuple(t[:, rows] for t in (q, k, v)), **options)
+        assert torch.equal(out, out_n) and torch.equal(lse, lse_n), f"uneven, NCCL, causal={causal}"
         want, want_lse = reference.exact_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
                                                    is_causal=causal, return_lse=True)
         one_gpu = whole(q, k, v, **options)[0][:, rows]

@@ -335,6 +335,55 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
                 assert torch.equal(lse, torch.cat([wants[r, half][3] for half in range(2)], dim=1)), r
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_all_gather_through_peer_memory(world: int) -> None:
+    """The ring's all-gather through the peers' memory, threads standing in for the ranks (their
+    buffers in one process, poisoned; a threading barrier for the GPU's, the flags in shared CPU
+    tensors; every rank but the first late after each barrier and before it reads, so that a
+    rank that read before its wait would read rows not yet written, and a rank that wrote before
+    the barrier would overwrite rows not yet read): after the wait, row r of every rank's buffer
+    holds rank r's packed bytes, in two calls whose bytes differ."""
+    import threading
+
+    from sageattention2 import _peer_exchange
+
+    nbytes = 2 * _peer_exchange.ALIGN
+    buffers = [torch.full((world * nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
+    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    barrier = threading.Barrier(world, timeout=60)
+    got: dict[int, list[torch.Tensor]] = {}
+
+    def packed(r: int, call: int) -> torch.Tensor:
+        return torch.arange(nbytes, dtype=torch.int64).add(97 * r + 31 * call).remainder(251).to(torch.uint8)
+
+    def rank(r: int) -> None:
+        def late_after_the_barrier(channel: int = 0) -> None:
+            barrier.wait()
+            time.sleep(0.02 if r else 0.0)
+
+        memory = _peer_exchange.PeerMemory(r, buffers, late_after_the_barrier, flags=flags)
+        got[r] = []
+        for call in range(2):
+            rows = _peer_exchange.gathered_rows(memory, nbytes)
+            assert rows.shape == (world, nbytes) and rows.data_ptr() == buffers[r].data_ptr()
+            rows[r].copy_(packed(r, call))
+            _peer_exchange.start_all_gather(memory, nbytes)
+            memory.wait(_peer_exchange.RING_CHANNEL)
+            time.sleep(0.02 if r else 0.0)  # (a rank reading late: no peer writes the next call's rows yet)
+            got[r].append(rows.clone())
+            _peer_exchange.end_all_gather(memory)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(got) == list(range(world))
+    for r in range(world):
+        for call in range(2):
+            assert torch.equal(got[r][call], torch.stack([packed(o, call) for o in range(world)])), (r, call)
+
+
 def test_a_kind_of_ulysses_call_is_laid_out_once() -> None:
     """The split and the peers' layouts of a Ulysses call are made at the first call of its kind
     (shapes, dtype, the ranks' token counts) and reused; another kind gets its own; past 64 kinds
