@@ -23,11 +23,12 @@ lengths under Ulysses alone or the ring alone (diffusers' ``ulysses_anything`` a
   needs no SM (NCCL's all-gather kernel needs SMs: at Wan2.1-14B's length the local kernel took
   them all and the gather waited for its tail, ~2 ms a call on 2 H200s, session 52; D47;
   ``SAGEATTN_PEER_MEMORY=0`` keeps NCCL's); each rank attends its queries to every shard, and
-  the partial outputs are merged by their LSE in float32. Where the Hopper kernel serves the call (no mask), K and V are
-  quantized **once**, by the rank that holds them, exactly as :func:`sageattn` quantizes them on
-  that shard (INT8 K with its per-thread scales and smoothing mean, FP8 V with its tile scales and
-  mean), and the codes travel instead of the 16-bit tensors: about half the bytes. Each shard's
-  partial output is then bit for bit ``sageattn(q, k_shard, v_shard, return_lse=True)``.
+  the partial outputs are merged by their LSE in float32. Where the Hopper kernel serves the
+  call (no mask), K and V are quantized **once**, by the rank that holds them, exactly as
+  :func:`sageattn` quantizes them on that shard (INT8 K with its per-thread scales and smoothing
+  mean, FP8 V with its tile scales and mean), and the codes travel instead of the 16-bit
+  tensors: about half the bytes. Each shard's partial output is then bit for bit
+  ``sageattn(q, k_shard, v_shard, return_lse=True)``.
 - **Both** (USP): Ulysses inside the ulysses group, then the ring over the ring group.
 
 Every rank checks its own arguments; then the ranks exchange a short record of what each was

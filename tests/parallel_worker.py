@@ -274,7 +274,7 @@ def gpu_quantized_ring() -> None:
 
     for causal in (False, True):
         options = dict(is_causal=causal, return_lse=True, qk_quant="int8")
-        run(args=local, ring_group=group, exchange="quantized", **options)  # (maps the memory)
+        run(args=local, ring_group=group, exchange="input", **options)  # (maps the memory, its largest)
         poisoned()
         before = gathers()
         out_q, lse_q = run(args=local, ring_group=group, exchange="quantized", **options)
@@ -284,6 +284,7 @@ def gpu_quantized_ring() -> None:
         assert torch.equal(out_q, out_n) and torch.equal(lse_q, lse_n), f"NCCL, causal={causal}"
         poisoned()
         out_i, lse_i = run(args=local, ring_group=group, exchange="input", **options)
+        assert gathers() == before + 2, "the 16-bit ring did not gather through the peers' memory"
         assert torch.equal(out_q, out_i) and torch.equal(lse_q, lse_i), f"causal={causal}"
         want, want_lse = reference.exact_attention(*(t.transpose(1, 2).double() for t in (q, k, v)),
                                                    is_causal=causal, return_lse=True)

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "common/driver_entry.h"
 #include "parallel/copy_many.h"
 #include "parallel/merge_parts.h"
 #include "torch/parallel.h"
@@ -177,19 +178,15 @@ void check_flags(at::TensorList flags, const char* op) {
 
 namespace {
 
-// Stream memory operations (CUDA driver API, "Stream Memory Operations"), looked up once through
-// the runtime's driver entry point (no link against libcuda): the front end of the stream runs
-// them, no SM, so they signal and wait beside a kernel that holds every SM (a barrier kernel
-// would wait for that kernel's tail: 0.7 ms a Wan2.1-14B-like call on 2 H200s, session 52).
+// Stream memory operations (CUDA driver API, "Stream Memory Operations"), looked up once: the
+// front end of the stream runs them, no SM, so they signal and wait beside a kernel that holds
+// every SM (a barrier kernel would wait for that kernel's tail: 0.7 ms a Wan2.1-14B-like call on
+// 2 H200s, session 52).
 template <typename Fn>
 Fn driver_function(const char* name) {
-  void* fn = nullptr;
-  cudaDriverEntryPointQueryResult found{};
-  if (cudaGetDriverEntryPointByVersion(name, &fn, 12000, cudaEnableDefault, &found) != cudaSuccess ||
-      found != cudaDriverEntryPointSuccess)
-    fn = nullptr;
+  const Fn fn = driver_entry_point<Fn>(name);
   TORCH_CHECK(fn != nullptr, "the CUDA driver has no ", name, " (stream memory operations)");
-  return reinterpret_cast<Fn>(fn);
+  return fn;
 }
 
 // One stream memory operation per flag, on the current stream of the flags' device.
