@@ -849,6 +849,11 @@ def last_ring_bytes() -> int:
 # ------------------------------------------------------------------------------------------------
 
 
+# Under torch.compile the call is one opaque eager step: traced, Dynamo would specialise on the
+# peers' memory's signal counts (a recompile at every call, then eager past the recompile limit),
+# trace the agreement's sockets piecewise, and fuse the merge differently from the eager call
+# (the ring's output moved by ~1e-7); the kernel inside is one op either way.
+@torch.compiler.disable
 def context_parallel_attention(
     query: Tensor,
     key: Tensor,

@@ -70,7 +70,7 @@ def test_two_ranks_on_the_cpu() -> None:
               "ulysses_matches_one_process", "ulysses_causal_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
               "bad_input_on_one_rank_raises_everywhere", "bad_input_raises_everywhere_through_gloo",
-              "quantized_exchange_plumbing", "shards_of_any_length")
+              "quantized_exchange_plumbing", "shards_of_any_length", "compiled_calls_run_eagerly")
 
 
 def test_ulysses_and_ring_on_four_cpu_ranks() -> None:
@@ -765,7 +765,7 @@ def test_two_gpus(attention_kernel: None) -> None:
     run_ranks(2, "nccl", "ring_matches_one_process", "ulysses_matches_one_process",
               "ring_key_mask_local_and_global", "ulysses_key_mask_local",
               "bad_input_on_one_rank_raises_everywhere", "gpu_quantized_ring", "gpu_ulysses_bit_exact",
-              "gpu_ulysses_through_peer_memory", "shards_of_any_length")
+              "gpu_ulysses_through_peer_memory", "shards_of_any_length", "compiled_calls_run_eagerly")
 
 
 @pytest.mark.gpu
