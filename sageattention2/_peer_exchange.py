@@ -372,15 +372,19 @@ def start_all_gather(memory: PeerMemory, nbytes: int) -> None:
     H200s, session 52). The caller waits (``memory.wait(RING_CHANNEL)``) before it reads a
     peer's row, and ends the call with :func:`end_all_gather`."""
     p, me = len(memory.buffers), memory.rank
-    dsts = memory.views(("ring", nbytes), lambda: [
-        memory.view(owner, me * nbytes, (nbytes,), torch.uint8) for owner in range(p) if owner != me])
+
+    def build() -> tuple[list[Tensor], list[Tensor], bool]:
+        dsts = [memory.view(owner, me * nbytes, (nbytes,), torch.uint8) for owner in range(p) if owner != me]
+        sources = [gathered_rows(memory, nbytes)[me]] * len(dsts)
+        return dsts, sources, all(map(ops.moved_as_words, dsts + sources[:1]))
+
+    dsts, sources, as_words = memory.views(("ring", nbytes), build)
     copies = memory.streams()[0]
     main = torch.cuda.current_stream(memory.buffers[me].device) if copies is not None else None
     memory.barrier(0)
     _wait(copies, main)
     with _on(copies):
-        source = gathered_rows(memory, nbytes)[me]
-        ops.copy_many_(dsts, [source] * len(dsts), as_words=source.is_cuda, by_copy_engine=True)
+        ops.copy_many_(dsts, sources, as_words=as_words, by_copy_engine=True)
         memory.signal(RING_CHANNEL)  # this rank's shard is in every peer's buffer
 
 
@@ -388,4 +392,4 @@ def end_all_gather(memory: PeerMemory) -> None:
     """The current stream waits for this rank's sends (its row is packed again next call)."""
     copies = memory.streams()[0]
     if copies is not None:
-        torch.cuda.current_stream(memory.buffers[memory.rank].device).wait_stream(copies)
+        _wait(torch.cuda.current_stream(memory.buffers[memory.rank].device), copies)

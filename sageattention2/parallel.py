@@ -664,17 +664,12 @@ class _Packed(NamedTuple):
             total += ops.round_up(t.numel() * t.element_size(), ALIGN)
         return layout, total
 
-    @staticmethod
-    def of(parts: list[Tensor | None], buffer: Tensor | None = None) -> _Packed:
-        """``parts`` copied into ``buffer`` (uint8, :meth:`layout_of`'s bytes; None: a new one)."""
-        layout, total = _Packed.layout_of(parts)
-        if buffer is None:
-            device = next(t.device for t in parts if t is not None)
-            buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        for t, where in zip(parts, layout):
+    def filled(self, parts: list[Tensor | None]) -> _Packed:
+        """This packing with ``parts`` (those :meth:`layout_of` laid out) copied into its buffer."""
+        for t, where in zip(parts, self.layout):
             if t is not None and where is not None:
-                bytes_as(buffer, where[0], where[2], where[1]).copy_(t)
-        return _Packed(buffer, layout)
+                bytes_as(self.buffer, where[0], where[2], where[1]).copy_(t)
+        return self
 
     def unpack(self, row: Tensor) -> list[Tensor | None]:
         """The parts, as views of ``row`` (a buffer of this layout)."""
@@ -791,14 +786,15 @@ def _ring(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
         local = [torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) if pad else t.contiguous()
                  for t in (k, v)]
     global _last_ring_bytes
-    _, _last_ring_bytes = _Packed.layout_of(local)
+    layout, _last_ring_bytes = _Packed.layout_of(local)
     memory = _peer_memory(call, group, p * _last_ring_bytes, q.device)
     if memory is not None:  # (one host: by the copy engines, no SM, into the peers' memory)
         received = gathered_rows(memory, _last_ring_bytes)
-        packed = _Packed.of(local, received[rank])
+        packed = _Packed(received[rank], layout).filled(local)
         start_all_gather(memory, _last_ring_bytes)
     else:
-        packed = _Packed.of(local)
+        buffer = torch.empty(_last_ring_bytes, dtype=torch.uint8, device=q.device)
+        packed = _Packed(buffer, layout).filled(local)
         received = torch.empty(p * _last_ring_bytes, dtype=torch.uint8, device=q.device)
         work = dist.all_gather_into_tensor(received, packed.buffer, group=group, async_op=True)
         received = received.view(p, -1)
