@@ -12,24 +12,26 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 from torch import Tensor
 
 from . import ops
 
-__all__ = ["ALIGN", "FLAG_CHANNELS", "RING_CHANNEL", "Halves", "PeerMemory", "UlyssesSplit", "bytes_as",
-           "end_all_gather", "gathered_rows", "heads_to_tokens", "kept", "peer_layouts", "start_all_gather",
-           "tokens_to_heads", "ulysses_in_halves"]
+__all__ = ["ALIGN", "FLAG_CHANNELS", "READ_CHANNEL", "RING_CHANNEL", "Halves", "PeerMemory", "UlyssesSplit",
+           "bytes_as", "end_all_gather", "gathered_rows", "heads_to_tokens", "kept", "peer_layouts",
+           "start_all_gather", "tokens_to_heads", "ulysses_in_halves", "wait_for_row"]
 
 ALIGN = 256  # every part of an exchanged buffer starts 256-byte aligned (the kernels read 16 B)
 
 KEPT = 64  # entries a per-kind cache keeps
 
-FLAG_CHANNELS = 4  # PeerMemory's signal channels: the halves' inputs (one per half), their
-RING_CHANNEL = 3   # outputs; the ring's all-gather
+FLAG_CHANNELS = 5  # PeerMemory's signal channels: 0 and 1 the halves' inputs (one per half),
+RING_CHANNEL = 3   # 2 their outputs, 3 the ring's all-gather (peer by peer), 4 an exchange's
+READ_CHANNEL = 4   # reads of this rank's buffer done (PeerMemory.done_reading)
 
 
 def kept(cache: dict[Any, Any], key: Any, build: Callable[[], Any]) -> Any:
@@ -81,30 +83,66 @@ class PeerMemory:
     layouts: dict[Any, Any] = field(default_factory=dict)  # :meth:`views`' keys and views
     side_streams: list[Any] | None = None  # the halves' streams (:meth:`streams`)
     # int32 [FLAG_CHANNELS, P] per rank, mapped like the buffers: [channel, r] counts rank r's
-    # signals on the channel (:meth:`signal`, :meth:`wait`); zero on every rank before any signal
+    # signals to this rank on the channel (:meth:`signal`, :meth:`wait`); zero on every rank
+    # before any signal
     flags: list[Tensor] | None = None
-    counts: list[int] = field(default_factory=lambda: [0] * (2 * FLAG_CHANNELS))  # signals, waits
+    # ("signal" or "wait", channel, peer): this rank's signals to the peer, its waits on it
+    counts: Counter[tuple[str, int, int]] = field(default_factory=Counter)
 
-    def _slots(self, toward_peers: bool, channel: int) -> list[Tensor]:
+    def _peers(self, peers: Sequence[int] | None) -> list[int]:
         assert self.flags is not None, "signals need the flags (PeerMemory.flags)"
-        me, ranks = self.rank, range(len(self.flags))
-        return kept(self.layouts, ("flags", toward_peers, channel), lambda: [
-            self.flags[r][channel, me:me + 1] if toward_peers else self.flags[me][channel, r:r + 1]
-            for r in ranks if r != me])
+        return [r for r in range(len(self.flags)) if r != self.rank] if peers is None else list(peers)
 
-    def signal(self, channel: int) -> None:
-        """Tells every peer, on the current stream once its work so far has landed (a peer then
-        sees every byte it wrote into the peer's buffer), that this rank passed ``channel`` once
-        more. No SM: a stream memory operation, so that a signal beside a kernel that holds every
-        SM is not held up until that kernel's tail as a barrier kernel is."""
-        self.counts[channel] += 1
-        ops.signal_flags_(self._slots(True, channel), self.counts[channel])
+    def _slot(self, toward_peer: bool, channel: int, peer: int) -> Tensor:
+        assert self.flags is not None
+        me = self.rank
+        return kept(self.layouts, ("flag", toward_peer, channel, peer), lambda: (
+            self.flags[peer][channel, me:me + 1] if toward_peer else self.flags[me][channel, peer:peer + 1]))
 
-    def wait(self, channel: int) -> None:
-        """The current stream waits, no SM, until every peer has signalled ``channel`` as many
-        times as this rank has waited on it (this wait included)."""
-        self.counts[FLAG_CHANNELS + channel] += 1
-        ops.wait_flags_(self._slots(False, channel), self.counts[FLAG_CHANNELS + channel])
+    def _counted(self, kind: str, channel: int, peers: list[int]) -> dict[int, list[Tensor]]:
+        """Counts one more ``kind`` on ``channel`` toward each of ``peers``: the slots by their
+        new counts (one stream operation per count; peers told alike share one)."""
+        slots: dict[int, list[Tensor]] = {}
+        for peer in peers:
+            self.counts[kind, channel, peer] += 1
+            slots.setdefault(self.counts[kind, channel, peer], []).append(
+                self._slot(kind == "signal", channel, peer))
+        return slots
+
+    def signal(self, channel: int, peers: Sequence[int] | None = None) -> None:
+        """Tells every peer (or ``peers``), on the current stream once its work so far has
+        landed (a peer then sees every byte it wrote into the peer's buffer), that this rank
+        passed ``channel`` toward it once more. No SM: a stream memory operation, so that a
+        signal beside a kernel that holds every SM is not held up until that kernel's tail as a
+        barrier kernel is. A channel's signals and waits are counted per peer: a channel may be
+        passed toward the peers one by one (the ring's gather)."""
+        for count, slots in self._counted("signal", channel, self._peers(peers)).items():
+            ops.signal_flags_(slots, count)
+
+    def wait(self, channel: int, peers: Sequence[int] | None = None) -> None:
+        """The current stream waits, no SM, until every peer (or each of ``peers``) has
+        signalled ``channel`` toward this rank as many times as this rank has waited on it
+        (this wait included)."""
+        for count, slots in self._counted("wait", channel, self._peers(peers)).items():
+            ops.wait_flags_(slots, count)
+
+    def wait_caught_up(self, channel: int) -> None:
+        """The current stream waits, no SM, until every peer has signalled ``channel`` toward
+        this rank as many times as this rank has signalled it toward that peer: for a channel
+        that every rank passes once at the end of each call (:data:`READ_CHANNEL`), every peer
+        has ended the calls this rank has ended. Counts nothing; nothing to wait for before
+        the first signal."""
+        for peer in self._peers(None):
+            if self.counts["signal", channel, peer]:
+                ops.wait_flags_([self._slot(False, channel, peer)], self.counts["signal", channel, peer])
+
+    def done_reading(self) -> None:
+        """Tells every peer, once this rank's work so far on the current stream has landed, that
+        this call has read all it reads of this rank's buffer: a peer's next writes into it may
+        go (:meth:`wait_caught_up` on :data:`READ_CHANNEL`). Every exchange through the buffer
+        ends with it, so that the ring's gather, which takes no barrier, also waits for the
+        last Ulysses call's readers."""
+        self.signal(READ_CHANNEL)
 
     def view(self, owner: int, offset: int, shape: tuple[int, ...], dtype: torch.dtype) -> Tensor:
         return bytes_as(self.buffers[owner], offset, shape, dtype)
@@ -201,7 +239,9 @@ def heads_to_tokens(x: Tensor, memory: PeerMemory, split: UlyssesSplit) -> Tenso
     ops.copy_many_(dsts, [tokens[owner] for owner in owners],
                    as_words=dsts_as_words and ops.moved_as_words(x))
     memory.barrier()
-    return received.clone()  # (the buffer is the next call's)
+    out = received.clone()  # (the buffer is the next call's)
+    memory.done_reading()
+    return out
 
 
 class Halves(NamedTuple):
@@ -353,7 +393,9 @@ def ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: PeerMemory, halve
     _wait(main, returns)
     _wait(main, local)
     _wait(main, second)
-    return mine.clone(), torch.cat(lses, dim=1) if return_lse else None  # (the buffer is the next call's)
+    out = mine.clone()  # (the buffer is the next call's)
+    memory.done_reading()
+    return out, torch.cat(lses, dim=1) if return_lse else None
 
 
 def gathered_rows(memory: PeerMemory, nbytes: int) -> Tensor:
@@ -363,33 +405,53 @@ def gathered_rows(memory: PeerMemory, nbytes: int) -> Tensor:
     return memory.view(memory.rank, 0, (len(memory.buffers), nbytes), torch.uint8)
 
 
+def _senders_first(memory: PeerMemory) -> list[int]:
+    """The peers in the order this rank sends them its row: the one whose ring takes this
+    rank's shard first (rank r attends owners r+1, r+2, ...: rank me - 1 takes mine first)."""
+    p, me = len(memory.buffers), memory.rank
+    return [(me - step) % p for step in range(1, p)]
+
+
 def start_all_gather(memory: PeerMemory, nbytes: int) -> None:
     """Sends this rank's row of :func:`gathered_rows` into the same row of every peer's buffer,
-    by the copy engines on a side stream, then signals ``RING_CHANNEL``. A barrier first (on the
-    current stream, after the packing): every rank has read the last gather's rows. Not by
-    NCCL's all-gather: its kernel needs SMs, and where the kernel on the local shard got them
-    first, the gather waited for that kernel's tail (2.0 ms a Wan2.1-14B-like ring call on 2
-    H200s, session 52). The caller waits (``memory.wait(RING_CHANNEL)``) before it reads a
-    peer's row, and ends the call with :func:`end_all_gather`."""
-    p, me = len(memory.buffers), memory.rank
+    by the copy engines on a side stream, telling each peer on ``RING_CHANNEL`` as its row
+    lands (first the peer that attends this shard first), so that a rank's kernel on an
+    owner's shard waits for that owner's row only (:func:`wait_for_row`). The copy stream first
+    waits for the packing, and until every peer has ended its last call through the buffer
+    (:meth:`PeerMemory.done_reading`); the current stream goes on at once to the kernel on the
+    local shard: no barrier ahead of it, which had waited for the slowest rank there (0.95 ms
+    of a Wan2.1-14B-like call on 2 H200s, session 53). Not by NCCL's all-gather: its kernel
+    needs SMs, and where the kernel on the local shard got them first, the gather waited for
+    that kernel's tail (2.0 ms of the same call, session 52). The call ends with
+    :func:`end_all_gather`."""
+    me = memory.rank
 
-    def build() -> tuple[list[Tensor], list[Tensor], bool]:
-        dsts = [memory.view(owner, me * nbytes, (nbytes,), torch.uint8) for owner in range(p) if owner != me]
-        sources = [gathered_rows(memory, nbytes)[me]] * len(dsts)
-        return dsts, sources, all(map(ops.moved_as_words, dsts + sources[:1]))
+    def build() -> tuple[list[int], list[Tensor], Tensor, bool]:
+        peers = _senders_first(memory)
+        dsts = [memory.view(peer, me * nbytes, (nbytes,), torch.uint8) for peer in peers]
+        source = gathered_rows(memory, nbytes)[me]
+        return peers, dsts, source, all(map(ops.moved_as_words, [*dsts, source]))
 
-    dsts, sources, as_words = memory.views(("ring", nbytes), build)
+    peers, dsts, source, as_words = memory.views(("ring", nbytes), build)
     copies = memory.streams()[0]
-    main = torch.cuda.current_stream(memory.buffers[me].device) if copies is not None else None
-    memory.barrier(0)
-    _wait(copies, main)
+    _wait(copies, torch.cuda.current_stream(memory.buffers[me].device) if copies is not None else None)
     with _on(copies):
-        ops.copy_many_(dsts, sources, as_words=as_words, by_copy_engine=True)
-        memory.signal(RING_CHANNEL)  # this rank's shard is in every peer's buffer
+        memory.wait_caught_up(READ_CHANNEL)  # every peer has read the last call's rows
+        for peer, dst in zip(peers, dsts):
+            ops.copy_many_([dst], [source], as_words=as_words, by_copy_engine=True)
+            memory.signal(RING_CHANNEL, (peer,))  # this rank's shard is in the peer's buffer
+
+
+def wait_for_row(memory: PeerMemory, owner: int) -> None:
+    """The current stream waits, no SM, until ``owner``'s row of :func:`gathered_rows` has
+    arrived."""
+    memory.wait(RING_CHANNEL, (owner,))
 
 
 def end_all_gather(memory: PeerMemory) -> None:
-    """The current stream waits for this rank's sends (its row is packed again next call)."""
+    """The current stream waits for this rank's sends (its row is packed again next call); once
+    the kernels on the peers' rows have run, every peer may send the next call's rows."""
     copies = memory.streams()[0]
     if copies is not None:
         _wait(torch.cuda.current_stream(memory.buffers[memory.rank].device), copies)
+    memory.done_reading()

@@ -58,7 +58,7 @@ from . import _execute, _peer_exchange, ops
 from ._call import AttentionCall, validate
 from ._peer_exchange import (ALIGN, FLAG_CHANNELS, RING_CHANNEL, Halves, PeerMemory, UlyssesSplit, bytes_as,
                              end_all_gather, gathered_rows, kept, peer_layouts, start_all_gather,
-                             ulysses_in_halves)
+                             ulysses_in_halves, wait_for_row)
 from .api import sageattn
 
 __all__ = ["EXCHANGES", "context_parallel_attention", "last_ring_bytes"]
@@ -819,12 +819,12 @@ def _ring(call: ParallelCall, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | No
 
     # Every part is kept and merged once at the end, in one pass (_execute.merge_parts).
     parts = [attend(local, rank)]
-    if memory is not None:
-        memory.wait(RING_CHANNEL)  # every peer's shard is here
-    else:
+    if memory is None:
         work.wait()
     for step in range(1, p):
         owner = (rank + step) % p
+        if memory is not None:
+            wait_for_row(memory, owner)  # (each owner's row as it lands: no wait for the last)
         parts.append(attend(packed.unpack(received[owner]), owner))
     if memory is not None:
         end_all_gather(memory)

@@ -814,7 +814,7 @@ def _halves_second_half_not_awaited(patch: pytest.MonkeyPatch) -> None:
     from sageattention2 import _peer_exchange
 
     _wrap(patch, _peer_exchange.PeerMemory, "wait",
-          lambda real, memory, channel: None if channel == 1 else real(memory, channel))
+          lambda real, memory, channel, peers=None: None if channel == 1 else real(memory, channel, peers))
 
 
 @mutant("ring-gather-not-awaited",
@@ -824,8 +824,29 @@ def _halves_second_half_not_awaited(patch: pytest.MonkeyPatch) -> None:
 def _ring_gather_not_awaited(patch: pytest.MonkeyPatch) -> None:
     from sageattention2 import _peer_exchange
 
-    _wrap(patch, _peer_exchange.PeerMemory, "wait", lambda real, memory, channel: None
-          if channel == _peer_exchange.RING_CHANNEL else real(memory, channel))
+    _wrap(patch, _peer_exchange.PeerMemory, "wait", lambda real, memory, channel, peers=None: None
+          if channel == _peer_exchange.RING_CHANNEL else real(memory, channel, peers))
+
+
+@mutant("ring-gather-awaits-first-owner-only",
+        "the ring's kernels on every peer's shard wait only for the first owner's row (the one "
+        "each rank attends first), not for each owner's own",
+        "test_parallel.py::test_ring_all_gather_through_peer_memory")
+def _ring_gather_awaits_first_owner_only(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import _peer_exchange
+
+    _wrap(patch, _peer_exchange, "wait_for_row", lambda real, memory, owner: real(memory, owner)
+          if owner == (memory.rank + 1) % len(memory.buffers) else None)
+
+
+@mutant("ring-sends-before-peers-read",
+        "the ring's gather sends a call's row into the peers' buffers without waiting until every "
+        "peer has read the last call's (the wait on the readers' channel does nothing)",
+        "test_parallel.py::test_ring_all_gather_through_peer_memory")
+def _ring_sends_before_peers_read(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import _peer_exchange
+
+    _wrap(patch, _peer_exchange.PeerMemory, "wait_caught_up", lambda real, memory, channel: None)
 
 
 @mutant("merge-parts-weights-by-first-lse",

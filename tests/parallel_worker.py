@@ -300,7 +300,7 @@ def gpu_quantized_ring() -> None:
 
     def gathers() -> int:  # the ring's gathers through this group's peers' memory so far
         memory = parallel._peer_memories[(parallel._group_name(group), DEVICE.index)]
-        return memory.counts[parallel.RING_CHANNEL]
+        return memory.counts["signal", parallel.RING_CHANNEL, (rank + 1) % world]
 
     for causal in (False, True):
         options = dict(is_causal=causal, return_lse=True, qk_quant="int8")

@@ -225,6 +225,7 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
     assert sum(split.q_heads) == hq and sum(split.kv_heads) == hkv
     layouts, nbytes = _peer_exchange.peer_layouts(*shards[0], split)
     buffers = [torch.full((nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
+    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
     barrier = threading.Barrier(world, timeout=60)
     got: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
@@ -232,7 +233,7 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
         return slice(sum(counts[:r]), sum(counts[:r + 1]))
 
     def rank(r: int) -> None:
-        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait())
+        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait(), flags=flags)
         assert _peer_exchange.peer_layouts(*shards[r], split) == (layouts, nbytes)
         # The second call reuses the first call's views of the buffers (memory.layouts): it
         # must move the second call's tensors (the first's negated), all of them.
@@ -242,6 +243,9 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
                      _peer_exchange.tokens_to_heads(*mine, memory, layouts, split)]
             back = sign * _peer_exchange.heads_to_tokens(
                 sign * out[:, :, heads_of(r, split.q_heads)], memory, split)
+        # (each call told every peer that it had read its buffer: the ring's gather waits so)
+        assert all(memory.counts["signal", _peer_exchange.READ_CHANNEL, peer] == 2
+                   for peer in range(world) if peer != r), r
         got[r] = heads, back
 
     case.run(rank)
@@ -297,10 +301,10 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
         memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait(), flags=flags)
         signal = memory.signal
 
-        def late_after_signalling(channel: int) -> None:
+        def late_after_signalling(channel: int, peers: Any = None) -> None:
             # (every rank but the first goes on late after each signal: its next copies come
             # after the first rank's next steps, unless the first rank waits for them)
-            signal(channel)
+            signal(channel, peers)
             time.sleep(0.02 if r else 0.0)
 
         memory.signal = late_after_signalling  # type: ignore[method-assign]
@@ -310,6 +314,8 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
             out, lse = _peer_exchange.ulysses_in_halves(*(sign * t for t in shards[r]), memory,
                                                         halves, split, sign > 0, _exact_halves_attention)
             got[r].append((sign * out, lse))
+        assert all(memory.counts["signal", _peer_exchange.READ_CHANNEL, peer] == 2
+                   for peer in range(world) if peer != r), r
 
     case.run(rank)
     assert sorted(got) == list(range(world))
@@ -338,11 +344,12 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_all_gather_through_peer_memory(world: int) -> None:
     """The ring's all-gather through the peers' memory, threads standing in for the ranks (their
-    buffers in one process, poisoned; a threading barrier for the GPU's, the flags in shared CPU
-    tensors; every rank but the first late after each barrier and before it reads, so that a
-    rank that read before its wait would read rows not yet written, and a rank that wrote before
-    the barrier would overwrite rows not yet read): after the wait, row r of every rank's buffer
-    holds rank r's packed bytes, in two calls whose bytes differ."""
+    buffers in one process, poisoned; the flags in shared CPU tensors; no barrier: the gather
+    takes none): a rank reads each owner's row, in the ring's order, after its wait for that
+    owner; every rank but the first is late before each read, so that a rank that read before
+    its wait would read a row not yet written, and a rank that sent its next call's row before
+    its peers had read the last one would overwrite a row not yet read. Row r of what every
+    rank read holds rank r's packed bytes, in three calls whose bytes differ."""
     import threading
 
     from sageattention2 import _peer_exchange
@@ -350,27 +357,38 @@ def test_ring_all_gather_through_peer_memory(world: int) -> None:
     nbytes = 2 * _peer_exchange.ALIGN
     buffers = [torch.full((world * nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
     flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
-    barrier = threading.Barrier(world, timeout=60)
     got: dict[int, list[torch.Tensor]] = {}
+    calls = 3
 
     def packed(r: int, call: int) -> torch.Tensor:
         return torch.arange(nbytes, dtype=torch.int64).add(97 * r + 31 * call).remainder(251).to(torch.uint8)
 
+    def no_barrier(channel: int = 0) -> None:
+        raise AssertionError("the ring's gather took a barrier")
+
     def rank(r: int) -> None:
-        def late_after_the_barrier(channel: int = 0) -> None:
-            barrier.wait()
+        memory = _peer_exchange.PeerMemory(r, buffers, no_barrier, flags=flags)
+        signal = memory.signal
+
+        def late_after_signalling(channel: int, peers: Any = None) -> None:
+            # (every rank but the first is late after each send: its rows land one by one)
+            signal(channel, peers)
             time.sleep(0.02 if r else 0.0)
 
-        memory = _peer_exchange.PeerMemory(r, buffers, late_after_the_barrier, flags=flags)
+        memory.signal = late_after_signalling  # type: ignore[method-assign]
         got[r] = []
-        for call in range(2):
+        for call in range(calls):
             rows = _peer_exchange.gathered_rows(memory, nbytes)
             assert rows.shape == (world, nbytes) and rows.data_ptr() == buffers[r].data_ptr()
             rows[r].copy_(packed(r, call))
             _peer_exchange.start_all_gather(memory, nbytes)
-            memory.wait(_peer_exchange.RING_CHANNEL)
-            time.sleep(0.02 if r else 0.0)  # (a rank reading late: no peer writes the next call's rows yet)
-            got[r].append(rows.clone())
+            read = rows[r].clone().expand(world, nbytes).clone()
+            for step in range(1, world):
+                owner = (r + step) % world
+                _peer_exchange.wait_for_row(memory, owner)
+                time.sleep(0.02 if r else 0.0)  # (a rank reading late)
+                read[owner] = rows[owner]
+            got[r].append(read)
             _peer_exchange.end_all_gather(memory)
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
@@ -380,7 +398,8 @@ def test_ring_all_gather_through_peer_memory(world: int) -> None:
         t.join()
     assert sorted(got) == list(range(world))
     for r in range(world):
-        for call in range(2):
+        assert len(got[r]) == calls, r
+        for call in range(calls):
             assert torch.equal(got[r][call], torch.stack([packed(o, call) for o in range(world)])), (r, call)
 
 
