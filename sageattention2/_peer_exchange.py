@@ -88,16 +88,23 @@ class PeerMemory:
     flags: list[Tensor] | None = None
     # ("signal" or "wait", channel, peer): this rank's signals to the peer, its waits on it
     counts: Counter[tuple[str, int, int]] = field(default_factory=Counter)
+    slots: dict[tuple[bool, int, int], Tensor] = field(default_factory=dict)  # :meth:`_slot`'s
 
     def _peers(self, peers: Sequence[int] | None) -> list[int]:
         assert self.flags is not None, "signals need the flags (PeerMemory.flags)"
         return [r for r in range(len(self.flags)) if r != self.rank] if peers is None else list(peers)
 
     def _slot(self, toward_peer: bool, channel: int, peer: int) -> Tensor:
-        assert self.flags is not None
-        me = self.rank
-        return kept(self.layouts, ("flag", toward_peer, channel, peer), lambda: (
-            self.flags[peer][channel, me:me + 1] if toward_peer else self.flags[me][channel, peer:peer + 1]))
+        """The flag this rank writes for ``peer`` (in the peer's flags) or reads of it (in its
+        own), made once: at most 2 x FLAG_CHANNELS x P of them, apart from the views (whose
+        cache is dropped whole when full)."""
+        key = (toward_peer, channel, peer)
+        if key not in self.slots:
+            assert self.flags is not None
+            me = self.rank
+            self.slots[key] = (self.flags[peer][channel, me:me + 1] if toward_peer
+                               else self.flags[me][channel, peer:peer + 1])
+        return self.slots[key]
 
     def _counted(self, kind: str, channel: int, peers: list[int]) -> dict[int, list[Tensor]]:
         """Counts one more ``kind`` on ``channel`` toward each of ``peers``: the slots by their
