@@ -9,7 +9,8 @@ context-parallel mode the GPU count allows (Ulysses over all N, the ring over al
 N = 4 ring 2 x Ulysses 2), each with diffusers' native backends that support it (``native``:
 Ulysses only, it has no LSE for the ring; ``_native_cudnn``) and ours (``exchange="quantized"``
 and ``"input"`` in the ring), and the authors' package through diffusers' ``sage`` backend where
-it is installed (``authors_version``), each on a fresh model with the same weights. Reported per
+it is installed (``authors_version``; in the ring on inputs of their own storage,
+``inputs_on_their_own_storage``), each on a fresh model with the same weights. Reported per
 row: the median forward (ms, every rank starting together, the slowest rank's time), the
 speedup over the best native row of that model, the scaling over our one-GPU forward, the bytes
 each rank sends per ring call (ours), and the output's relative L1 distance to our one-GPU
@@ -19,12 +20,13 @@ native row; with matplotlib, the [models] extra) to --out.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -74,6 +76,28 @@ def _backends(ring: int) -> list[tuple[str, str, dict[str, Any]]]:
     if authors_version():
         rows.append((AUTHORS, "sage", {}))
     return rows
+
+
+@contextlib.contextmanager
+def inputs_on_their_own_storage(module: Any) -> Iterator[None]:
+    """While active, ``module.sageattn`` (diffusers' handle on the authors' kernel) gets every
+    tensor argument that is a view at a storage offset as a clone. Under diffusers' ring, K and V
+    of the later steps are such views of the all-gathered buffer, and the authors' kernel reads
+    outside them: an illegal memory access that kills the process (Flux at 2048 px on 2 H200s,
+    diffusers 0.42.1, session 54; diffusers issue 13506). With the clones, the fix diffusers'
+    pull request 13507 proposes, their ring runs; the clones' time counts as theirs."""
+    real = module.sageattn
+
+    def on_own_storage(*args: Any, **kwargs: Any) -> Any:
+        def own(x: Any) -> Any:
+            return x.clone() if isinstance(x, torch.Tensor) and x.storage_offset() else x
+        return real(*map(own, args), **{name: own(x) for name, x in kwargs.items()})
+
+    module.sageattn = on_own_storage
+    try:
+        yield
+    finally:
+        module.sageattn = real
 
 
 def versus_authors(rows: list[tuple[Any, ...]]) -> str | None:
@@ -143,6 +167,7 @@ def _worker(rank: int, gpus: int, port: str, keys: list[str], reps: int, out_dir
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=gpus, device_id=torch.device("cuda", rank))
     from diffusers import ContextParallelConfig
+    from diffusers.models import attention_dispatch
 
     from .integrations import diffusers as sage_diffusers
     from . import parallel
@@ -183,8 +208,11 @@ def _worker(rank: int, gpus: int, port: str, keys: list[str], reps: int, out_dir
                 model.set_attention_backend(backend)
                 model.enable_parallelism(config=ContextParallelConfig(ring_degree=ring,
                                                                       ulysses_degree=ulysses))
+                authors_ring = backend == "sage" and ring > 1 and hasattr(attention_dispatch, "sageattn")
                 try:
-                    ms, out = _forward_ms(model, inputs, reps, dist.group.WORLD)
+                    with (inputs_on_their_own_storage(attention_dispatch) if authors_ring
+                          else contextlib.nullcontext()):
+                        ms, out = _forward_ms(model, inputs, reps, dist.group.WORLD)
                     if backend == "sageattention2" and ring > 1:
                         traffic[label] = parallel.last_ring_bytes()
                 except Exception as error:  # noqa: BLE001 (a backend that cannot run this mode)

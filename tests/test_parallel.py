@@ -858,3 +858,34 @@ def test_bench_rows_of_the_authors_package(monkeypatch: pytest.MonkeyPatch) -> N
     assert bench.versus_authors(rows) == ("wan, 2 GPUs: our best 36.7 ms, the authors' best "
                                           "41.2 ms: 1.12x")
     assert bench.versus_authors(rows[:2]) is None
+
+
+def test_bench_gives_the_authors_ring_inputs_on_their_own_storage() -> None:
+    """Under the ring, ``bench --gpus`` hands the authors' kernel (diffusers' ``sageattn``) a
+    clone of every tensor that is a view at a storage offset (their kernel reads outside such
+    views: an illegal memory access, diffusers issue 13506), the other arguments as they are,
+    and puts the real function back afterwards, also after an error."""
+    import types
+
+    from sageattention2 import _bench_parallel as bench
+
+    seen: list[tuple[Any, ...]] = []
+
+    def sageattn(q: Any, k: Any, v: Any, **kwargs: Any) -> str:
+        seen.append((q, k, v, kwargs))
+        return "out"
+
+    module = types.SimpleNamespace(sageattn=sageattn)
+    gathered = torch.arange(24.0)
+    q, k, v = torch.ones(4), gathered[8:16], gathered[16:24]
+    with bench.inputs_on_their_own_storage(module):
+        assert module.sageattn(q, k, v=v, tensor_layout="NHD", sm_scale=0.5) == "out"
+    (q_in, k_in, v_in, kwargs), = seen
+    assert q_in is q and kwargs == {"tensor_layout": "NHD", "sm_scale": 0.5}
+    for view, got in ((k, k_in), (v, v_in)):
+        assert got.storage_offset() == 0 and got.data_ptr() != view.data_ptr() and torch.equal(got, view)
+    assert module.sageattn is sageattn
+    with pytest.raises(RuntimeError, match="in the forward"):
+        with bench.inputs_on_their_own_storage(module):
+            raise RuntimeError("in the forward")
+    assert module.sageattn is sageattn
