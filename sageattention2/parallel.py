@@ -542,8 +542,12 @@ def _peer_memory(call: ParallelCall, group: Any, nbytes: int, device: torch.devi
         return None
     if memory is not False and memory.buffers[memory.rank].numel() >= nbytes:
         return memory
-    if memory is not False:  # (the last call's kernels and copies may still use the old buffer)
+    if memory is not False:
+        # The last call's kernels and copies may still use the old buffer, and a peer's last
+        # "done reading" signal (awaited only at the next call) may still be on its way into
+        # it: every rank's device finishes, then the old buffer goes.
         torch.cuda.synchronize(device)
+        _host_max([0], group)
     _peer_memories[key] = None  # (the old buffer is released before a larger one is mapped)
     _peer_memories[key] = _map_peer_memory(group, ops.round_up(nbytes, _GRANULE), device)
     return _peer_memories[key]
