@@ -849,6 +849,16 @@ def _ring_sends_before_peers_read(patch: pytest.MonkeyPatch) -> None:
     _wrap(patch, _peer_exchange.PeerMemory, "wait_caught_up", lambda real, memory, channel: None)
 
 
+@mutant("exchanges-end-without-done-reading",
+        "no exchange through the peers' memory tells the peers it has read its buffer (done_reading "
+        "does nothing): the ring's gather after a Ulysses call sends into buffers still being read",
+        "test_parallel.py::test_ring_after_ulysses_waits_for_its_readers")
+def _exchanges_end_without_done_reading(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import _peer_exchange
+
+    patch.setattr(_peer_exchange.PeerMemory, "done_reading", lambda memory: None)
+
+
 @mutant("merge-parts-weights-by-first-lse",
         "merging attention parts weighs every part by the first part's LSE (the parts as if they "
         "saw equally many keys)",

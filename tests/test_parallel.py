@@ -320,25 +320,38 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
     case.run(rank)
     assert sorted(got) == list(range(world))
     for call, sign in enumerate((-1, 1)):
-        # Every half of every rank's heads over all tokens, as the kernel call would give it.
-        wants = {}
-        for owner in range(world):
-            for half in range(2):
-                a, z = halves.q_cuts[owner][half:half + 2]
-                kv = slice(*halves.kv_cuts[owner][half:half + 2])
-                wants[owner, half] = (a, z, *_exact_halves_attention(
-                    sign * q.transpose(1, 2)[:, a:z], sign * k.transpose(1, 2)[:, kv],
-                    sign * v.transpose(1, 2)[:, kv]))
+        wants = _halves_wanted(case, halves, sign)
         for r in range(world):
             out, lse = got[r][call]
-            assert out.shape == (2, case.tokens[r], hq, value_dim)
-            for (owner, half), (a, z, want, _) in wants.items():
-                assert torch.equal(out[:, :, a:z], sign * want.transpose(1, 2)[:, starts[r]:starts[r + 1]]), \
-                    (r, owner, half)
+            _assert_halves_output(out, case, wants, r, sign)
             if sign < 0:  # (this call without return_lse)
                 assert lse is None
             else:
                 assert torch.equal(lse, torch.cat([wants[r, half][3] for half in range(2)], dim=1)), r
+
+
+def _halves_wanted(case: _ThreadRanks, halves: Any, sign: int) -> dict[tuple[int, int], tuple[Any, ...]]:
+    """Every half of every rank's heads over all tokens of ``sign`` times the case's q, k and v,
+    as the kernel call would give it: (owner, half) -> (first and end query head, output
+    ``[B, H, N, D]``, LSE)."""
+    wants = {}
+    for owner in range(len(case.tokens)):
+        for half in range(2):
+            a, z = halves.q_cuts[owner][half:half + 2]
+            kv = slice(*halves.kv_cuts[owner][half:half + 2])
+            wants[owner, half] = (a, z, *_exact_halves_attention(
+                sign * case.q.transpose(1, 2)[:, a:z], sign * case.k.transpose(1, 2)[:, kv],
+                sign * case.v.transpose(1, 2)[:, kv]))
+    return wants
+
+
+def _assert_halves_output(out: torch.Tensor, case: _ThreadRanks, wants: dict[tuple[int, int], tuple[Any, ...]],
+                          r: int, sign: int) -> None:
+    """Rank r's output (``sign`` times what it got) is its tokens of every head's output."""
+    assert out.shape == (*case.q.shape[:1], case.tokens[r], case.q.shape[2], case.v.shape[3])
+    rows = slice(case.starts[r], case.starts[r + 1])
+    for (owner, half), (a, z, want, _) in wants.items():
+        assert torch.equal(out[:, :, a:z], sign * want.transpose(1, 2)[:, rows]), (r, owner, half)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -401,6 +414,57 @@ def test_ring_all_gather_through_peer_memory(world: int) -> None:
         assert len(got[r]) == calls, r
         for call in range(calls):
             assert torch.equal(got[r][call], torch.stack([packed(o, call) for o in range(world)])), (r, call)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_after_ulysses_waits_for_its_readers(world: int) -> None:
+    """A ring call after a Ulysses call through the same peers' memory (one group, both modes),
+    threads standing in for the ranks: the ring's gather takes no barrier, so it must wait until
+    every peer has ended its Ulysses call (every exchange signals "done reading" at its end).
+    Every rank but the first is late between its last wait of the Ulysses call and its copy of
+    the output out of its buffer, and the first rank's ring row covers that output: sent early,
+    it would overwrite the output before the late rank had copied it."""
+    import threading
+
+    from sageattention2 import _peer_exchange, ops
+
+    case = _ThreadRanks.of(world, True, 4 * world, 2 * world, torch.float32, 8, 8)
+    halves = _peer_exchange.Halves.of(*case.shards[0], case.split, None)
+    nbytes = ops.round_up(halves.nbytes, _peer_exchange.ALIGN)  # (row 0 covers every output)
+    buffers = [torch.full((world * nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
+    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    barrier = threading.Barrier(world, timeout=60)
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def packed(r: int) -> torch.Tensor:
+        return torch.arange(nbytes, dtype=torch.int64).add(89 * r).remainder(241).to(torch.uint8)
+
+    def rank(r: int) -> None:
+        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait(), flags=flags)
+        wait = memory.wait
+
+        def late_after_the_outputs(channel: int, peers: Any = None) -> None:
+            wait(channel, peers)
+            if channel == 2:  # (every peer's output rows are here; the copy out comes late)
+                time.sleep(0.1 if r else 0.0)
+
+        memory.wait = late_after_the_outputs  # type: ignore[method-assign]
+        out, _ = _peer_exchange.ulysses_in_halves(*case.shards[r], memory, halves, case.split, False,
+                                                  _exact_halves_attention)
+        rows = _peer_exchange.gathered_rows(memory, nbytes)
+        rows[r].copy_(packed(r))
+        _peer_exchange.start_all_gather(memory, nbytes)
+        for step in range(1, world):
+            _peer_exchange.wait_for_row(memory, (r + step) % world)
+        got[r] = out, rows.clone()
+        _peer_exchange.end_all_gather(memory)
+
+    case.run(rank)
+    assert sorted(got) == list(range(world))
+    wants = _halves_wanted(case, halves, 1)
+    for r, (out, rows) in got.items():
+        _assert_halves_output(out, case, wants, r, 1)
+        assert torch.equal(rows, torch.stack([packed(o) for o in range(world)])), r
 
 
 def test_a_kind_of_ulysses_call_is_laid_out_once() -> None:
