@@ -89,10 +89,15 @@ class PeerMemory:
     # ("signal" or "wait", channel, peer): this rank's signals to the peer, its waits on it
     counts: Counter[tuple[str, int, int]] = field(default_factory=Counter)
     slots: dict[tuple[bool, int, int], Tensor] = field(default_factory=dict)  # :meth:`_slot`'s
+    others: tuple[int, ...] | None = None  # every rank but this one, once signals are used
 
-    def _peers(self, peers: Sequence[int] | None) -> list[int]:
-        assert self.flags is not None, "signals need the flags (PeerMemory.flags)"
-        return [r for r in range(len(self.flags)) if r != self.rank] if peers is None else list(peers)
+    def _peers(self, peers: Sequence[int] | None) -> Sequence[int]:
+        if peers is not None:
+            return peers
+        if self.others is None:
+            assert self.flags is not None, "signals need the flags (PeerMemory.flags)"
+            self.others = tuple(r for r in range(len(self.flags)) if r != self.rank)
+        return self.others
 
     def _slot(self, toward_peer: bool, channel: int, peer: int) -> Tensor:
         """The flag this rank writes for ``peer`` (in the peer's flags) or reads of it (in its
@@ -106,7 +111,7 @@ class PeerMemory:
                                else self.flags[me][channel, peer:peer + 1])
         return self.slots[key]
 
-    def _counted(self, kind: str, channel: int, peers: list[int]) -> dict[int, list[Tensor]]:
+    def _counted(self, kind: str, channel: int, peers: Sequence[int]) -> dict[int, list[Tensor]]:
         """Counts one more ``kind`` on ``channel`` toward each of ``peers``: the slots by their
         new counts (one stream operation per count; peers told alike share one)."""
         slots: dict[int, list[Tensor]] = {}
@@ -138,10 +143,13 @@ class PeerMemory:
         this rank as many times as this rank has signalled it toward that peer: for a channel
         that every rank passes once at the end of each call (:data:`READ_CHANNEL`), every peer
         has ended the calls this rank has ended. Counts nothing; nothing to wait for before
-        the first signal."""
+        the first signal. Peers owed alike share one stream operation."""
+        slots: dict[int, list[Tensor]] = {}
         for peer in self._peers(None):
-            if self.counts["signal", channel, peer]:
-                ops.wait_flags_([self._slot(False, channel, peer)], self.counts["signal", channel, peer])
+            if count := self.counts["signal", channel, peer]:
+                slots.setdefault(count, []).append(self._slot(False, channel, peer))
+        for count, owed in slots.items():
+            ops.wait_flags_(owed, count)
 
     def done_reading(self) -> None:
         """Tells every peer, once this rank's work so far on the current stream has landed, that

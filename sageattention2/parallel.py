@@ -56,7 +56,7 @@ from torch import Tensor
 
 from . import _execute, _peer_exchange, ops
 from ._call import AttentionCall, validate
-from ._peer_exchange import (ALIGN, FLAG_CHANNELS, RING_CHANNEL, Halves, PeerMemory, UlyssesSplit, bytes_as,
+from ._peer_exchange import (ALIGN, FLAG_CHANNELS, Halves, PeerMemory, UlyssesSplit, bytes_as,
                              end_all_gather, gathered_rows, kept, peer_layouts, start_all_gather,
                              ulysses_in_halves, wait_for_row)
 from .api import sageattn

@@ -277,7 +277,7 @@ def gpu_quantized_ring() -> None:
     all-gather's; within the 8-bit bound of float64 attention, close to the one-GPU call; its
     bytes at most 0.55x the 16-bit ones. Shards of different lengths: within the same bounds,
     and the peers' memory's bits NCCL's."""
-    from sageattention2 import parallel, reference
+    from sageattention2 import _peer_exchange, parallel, reference
     from sageattention2.testing import relative_l1 as rel_l1
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -300,7 +300,7 @@ def gpu_quantized_ring() -> None:
 
     def gathers() -> int:  # the ring's gathers through this group's peers' memory so far
         memory = parallel._peer_memories[(parallel._group_name(group), DEVICE.index)]
-        return memory.counts["signal", parallel.RING_CHANNEL, (rank + 1) % world]
+        return memory.counts["signal", _peer_exchange.RING_CHANNEL, (rank + 1) % world]
 
     for causal in (False, True):
         options = dict(is_causal=causal, return_lse=True, qk_quant="int8")
