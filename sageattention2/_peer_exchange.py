@@ -334,9 +334,11 @@ def ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: PeerMemory, halve
     first one's tail; each half's output rows go back to their owners by the copy engines too,
     the first half's beside the second's kernel (D54: on 2 H200s a call 4 % (Wan), 5 % (Flux)
     faster than every head at once). A half's kernel reads only its own heads, so the output is
-    the one-GPU output bit for bit. Every signal is enqueued before every wait of the call: two
-    streams that share a hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) then serialise, but
-    no wait is queued ahead of the signal it needs.
+    the one-GPU output bit for bit. No barrier: the copy stream first waits until every peer has
+    ended its last exchange through its buffer. Every signal is enqueued before every wait on
+    a signal of this call: two streams that share a hardware queue
+    (``CUDA_DEVICE_MAX_CONNECTIONS=1``) then serialise, but no wait is queued ahead of the
+    signal it needs.
     ``attend``: the halves' attention, ``[B, H, N, D]`` views in, NHD-memory output and LSE out
     (the kernel call; the threads test's exact stand-in)."""
     global halves_calls
@@ -374,9 +376,15 @@ def ulysses_in_halves(q: Tensor, k: Tensor, v: Tensor, memory: PeerMemory, halve
     copies, local, second, returns = memory.streams()
     main = torch.cuda.current_stream(q.device) if copies is not None else None
     computes = (main, second)
-    memory.barrier(0)  # every rank's kernels have read the last call's inputs and its output is out
+    # No barrier: the copies into a peer's buffer wait (no SM) until the peer has ended its last
+    # exchange through it (done_reading); after a halves call that holds anyway (this rank ended
+    # it once every peer's output rows came, which follow every peer's kernels), after a ring
+    # call it is the ring's readers; a peer's output region is written only after the peer's
+    # signal of this call, which follows its copy out of the last call's output.
     _wait(copies, main)
     _wait(local, main)
+    with _on(copies):
+        memory.wait_caught_up(READ_CHANNEL)
     for j in (0, 1):
         remote_dsts, local_dsts = ins[j]
         remote_srcs = [parts[2 * owner + j] for parts in sources for owner in owners[1:]]

@@ -849,6 +849,23 @@ def _ring_sends_before_peers_read(patch: pytest.MonkeyPatch) -> None:
     _wrap(patch, _peer_exchange.PeerMemory, "wait_caught_up", lambda real, memory, channel: None)
 
 
+@mutant("halves-send-before-peers-read",
+        "Ulysses in halves sends its rows into the peers' buffers without waiting until every peer "
+        "has ended its last exchange through them (its wait on the readers' channel does nothing)",
+        "test_parallel.py::test_ulysses_after_the_ring_waits_for_its_readers")
+def _halves_send_before_peers_read(patch: pytest.MonkeyPatch) -> None:
+    from sageattention2 import _peer_exchange
+
+    def without_the_wait(real: Any, q: Any, k: Any, v: Any, memory: Any, *args: Any, **kwargs: Any) -> Any:
+        memory.wait_caught_up = lambda channel: None
+        try:
+            return real(q, k, v, memory, *args, **kwargs)
+        finally:
+            del memory.wait_caught_up
+
+    _wrap(patch, _peer_exchange, "ulysses_in_halves", without_the_wait)
+
+
 @mutant("exchanges-end-without-done-reading",
         "no exchange through the peers' memory tells the peers it has read its buffer (done_reading "
         "does nothing): the ring's gather after a Ulysses call sends into buffers still being read",

@@ -269,6 +269,11 @@ def _exact_halves_attention(q: torch.Tensor, k: torch.Tensor,
     return out.transpose(1, 2).contiguous().transpose(1, 2), torch.logsumexp(scores, -1).float()
 
 
+def _no_barrier(channel: int = 0) -> None:
+    """The threads tests' barrier where the exchange under test takes none."""
+    raise AssertionError("the exchange took a barrier")
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("dtype, head_dim, value_dim", [(torch.bfloat16, 128, 128),
                                                         (torch.float32, 5, 3)])
@@ -276,14 +281,12 @@ def _exact_halves_attention(q: torch.Tensor, k: torch.Tensor,
 def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, head_dim: int,
                                                value_dim: int, even: bool) -> None:
     """Ulysses in two halves of the heads, threads standing in for the ranks (their buffers in
-    one process, poisoned; a threading barrier for the GPU's, the signals' flags in shared CPU
+    one process, poisoned; no barrier: the halves take none; the signals' flags in shared CPU
     tensors, each wait a thread's; the exact attention for the kernel): every rank gets its
     tokens of every head's output, each head attended over all tokens, and its heads' LSE,
     exactly as the halves' attention gives them on the whole tensors; in two calls (the second
     through the first's views). Uneven: shards of different lengths (on 4 ranks one empty) and
     key heads that do not divide among the ranks (the first rank's halves 2 + 1 heads)."""
-    import threading
-
     from sageattention2 import _peer_exchange
 
     hkv = 2 * world + (0 if even else 1)
@@ -294,11 +297,10 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
     assert [c[2] - c[0] for c in halves.kv_cuts] == list(split.kv_heads)
     buffers = [torch.full((halves.nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
     flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
-    barrier = threading.Barrier(world, timeout=60)
     got: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def rank(r: int) -> None:
-        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait(), flags=flags)
+        memory = _peer_exchange.PeerMemory(r, buffers, _no_barrier, flags=flags)
         signal = memory.signal
 
         def late_after_signalling(channel: int, peers: Any = None) -> None:
@@ -376,11 +378,8 @@ def test_ring_all_gather_through_peer_memory(world: int) -> None:
     def packed(r: int, call: int) -> torch.Tensor:
         return torch.arange(nbytes, dtype=torch.int64).add(97 * r + 31 * call).remainder(251).to(torch.uint8)
 
-    def no_barrier(channel: int = 0) -> None:
-        raise AssertionError("the ring's gather took a barrier")
-
     def rank(r: int) -> None:
-        memory = _peer_exchange.PeerMemory(r, buffers, no_barrier, flags=flags)
+        memory = _peer_exchange.PeerMemory(r, buffers, _no_barrier, flags=flags)
         signal = memory.signal
 
         def late_after_signalling(channel: int, peers: Any = None) -> None:
@@ -424,8 +423,6 @@ def test_ring_after_ulysses_waits_for_its_readers(world: int) -> None:
     Every rank but the first is late between its last wait of the Ulysses call and its copy of
     the output out of its buffer, and the first rank's ring row covers that output: sent early,
     it would overwrite the output before the late rank had copied it."""
-    import threading
-
     from sageattention2 import _peer_exchange, ops
 
     case = _ThreadRanks.of(world, True, 4 * world, 2 * world, torch.float32, 8, 8)
@@ -433,14 +430,13 @@ def test_ring_after_ulysses_waits_for_its_readers(world: int) -> None:
     nbytes = ops.round_up(halves.nbytes, _peer_exchange.ALIGN)  # (row 0 covers every output)
     buffers = [torch.full((world * nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
     flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
-    barrier = threading.Barrier(world, timeout=60)
     got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def packed(r: int) -> torch.Tensor:
         return torch.arange(nbytes, dtype=torch.int64).add(89 * r).remainder(241).to(torch.uint8)
 
     def rank(r: int) -> None:
-        memory = _peer_exchange.PeerMemory(r, buffers, lambda channel=0: barrier.wait(), flags=flags)
+        memory = _peer_exchange.PeerMemory(r, buffers, _no_barrier, flags=flags)
         wait = memory.wait
 
         def late_after_the_outputs(channel: int, peers: Any = None) -> None:
@@ -465,6 +461,51 @@ def test_ring_after_ulysses_waits_for_its_readers(world: int) -> None:
     for r, (out, rows) in got.items():
         _assert_halves_output(out, case, wants, r, 1)
         assert torch.equal(rows, torch.stack([packed(o) for o in range(world)])), r
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ulysses_after_the_ring_waits_for_its_readers(world: int) -> None:
+    """A Ulysses call in halves after a ring call through the same peers' memory, threads
+    standing in for the ranks, no barrier: the halves' copies into a peer's buffer must wait
+    until the peer has ended its ring call. Every rank but the first reads each owner's ring row
+    late, and the first rank's q rows of the halves land over the first ring row: sent early,
+    they would overwrite a row the late rank had not read yet."""
+    from sageattention2 import _peer_exchange
+
+    case = _ThreadRanks.of(world, True, 4 * world, 2 * world, torch.float32, 8, 8)
+    halves = _peer_exchange.Halves.of(*case.shards[0], case.split, None)
+    nbytes = 2 * _peer_exchange.ALIGN
+    assert halves.parts[1][0][0][0] == 0  # (a peer's half-0 q starts at 0, in row 0 of the ring)
+    size = max(world * nbytes, halves.nbytes)
+    buffers = [torch.full((size,), 255, dtype=torch.uint8) for _ in range(world)]
+    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def packed(r: int) -> torch.Tensor:
+        return torch.arange(nbytes, dtype=torch.int64).add(83 * r).remainder(239).to(torch.uint8)
+
+    def rank(r: int) -> None:
+        memory = _peer_exchange.PeerMemory(r, buffers, _no_barrier, flags=flags)
+        rows = _peer_exchange.gathered_rows(memory, nbytes)
+        rows[r].copy_(packed(r))
+        _peer_exchange.start_all_gather(memory, nbytes)
+        read = rows[r].clone().expand(world, nbytes).clone()
+        for step in range(1, world):
+            owner = (r + step) % world
+            _peer_exchange.wait_for_row(memory, owner)
+            time.sleep(0.1 if r else 0.0)  # (a rank reading late)
+            read[owner] = rows[owner]
+        _peer_exchange.end_all_gather(memory)
+        out, _ = _peer_exchange.ulysses_in_halves(*case.shards[r], memory, halves, case.split, False,
+                                                  _exact_halves_attention)
+        got[r] = read, out
+
+    case.run(rank)
+    assert sorted(got) == list(range(world))
+    wants = _halves_wanted(case, halves, 1)
+    for r, (read, out) in got.items():
+        assert torch.equal(read, torch.stack([packed(o) for o in range(world)])), r
+        _assert_halves_output(out, case, wants, r, 1)
 
 
 def test_a_kind_of_ulysses_call_is_laid_out_once() -> None:
