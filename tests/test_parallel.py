@@ -161,6 +161,43 @@ def test_a_kind_of_call_is_checked_once() -> None:
     parallel._checked_kinds.clear()
 
 
+def _peers_memory(world: int, nbytes: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The threads tests' peers' memory: every rank's buffer of ``nbytes``, poisoned (every byte
+    read must be written), and its signals' flags, zero."""
+    from sageattention2 import _peer_exchange
+
+    buffers = [torch.full((nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
+    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    return buffers, flags
+
+
+def _packed_row(nbytes: int, salt: int) -> torch.Tensor:
+    """A ring row of ``nbytes`` whose bytes differ with ``salt`` (a rank, a call)."""
+    return torch.arange(nbytes, dtype=torch.int64).add(salt).remainder(251).to(torch.uint8)
+
+
+def _ring_call_read_late(memory: Any, row: torch.Tensor, late: float) -> torch.Tensor:
+    """One ring gather through the threads' peers' memory: this rank's ``row`` packed and sent,
+    then each owner's row read after its wait, in the ring's order, ``late`` seconds after the
+    wait on every rank but the first (a read before its wait, or a peer's next write before the
+    read, would show). Every rank's row as this rank read it, ``[P, bytes]``."""
+    from sageattention2 import _peer_exchange
+
+    r, world, nbytes = memory.rank, len(memory.buffers), row.numel()
+    rows = _peer_exchange.gathered_rows(memory, nbytes)
+    assert rows.shape == (world, nbytes) and rows.data_ptr() == memory.buffers[r].data_ptr()
+    rows[r].copy_(row)
+    _peer_exchange.start_all_gather(memory, nbytes)
+    read = row.expand(world, nbytes).clone()
+    for step in range(1, world):
+        owner = (r + step) % world
+        _peer_exchange.wait_for_row(memory, owner)
+        time.sleep(late if r else 0.0)
+        read[owner] = rows[owner]
+    _peer_exchange.end_all_gather(memory)
+    return read
+
+
 class _ThreadRanks(NamedTuple):
     """Ulysses' inputs for the tests where threads stand in for the ranks: every rank's token
     count and first row, the whole q, k and v (NHD views of HND tensors, batch 2), each rank's
@@ -224,8 +261,7 @@ def test_ulysses_through_peer_memory(world: int, dtype: torch.dtype, head_dim: i
     out = torch.randn(2, starts[-1], hq, value_dim, generator=case.generator).to(dtype)
     assert sum(split.q_heads) == hq and sum(split.kv_heads) == hkv
     layouts, nbytes = _peer_exchange.peer_layouts(*shards[0], split)
-    buffers = [torch.full((nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
-    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    buffers, flags = _peers_memory(world, nbytes)
     barrier = threading.Barrier(world, timeout=60)
     got: dict[int, tuple[list[torch.Tensor], torch.Tensor]] = {}
 
@@ -295,8 +331,7 @@ def test_ulysses_in_halves_through_peer_memory(world: int, dtype: torch.dtype, h
     q, k, v, shards, split, starts = case.q, case.k, case.v, case.shards, case.split, case.starts
     halves = _peer_exchange.Halves.of(*shards[0], split, None)
     assert [c[2] - c[0] for c in halves.kv_cuts] == list(split.kv_heads)
-    buffers = [torch.full((halves.nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
-    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    buffers, flags = _peers_memory(world, halves.nbytes)
     got: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def rank(r: int) -> None:
@@ -370,13 +405,12 @@ def test_ring_all_gather_through_peer_memory(world: int) -> None:
     from sageattention2 import _peer_exchange
 
     nbytes = 2 * _peer_exchange.ALIGN
-    buffers = [torch.full((world * nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
-    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    buffers, flags = _peers_memory(world, world * nbytes)
     got: dict[int, list[torch.Tensor]] = {}
     calls = 3
 
     def packed(r: int, call: int) -> torch.Tensor:
-        return torch.arange(nbytes, dtype=torch.int64).add(97 * r + 31 * call).remainder(251).to(torch.uint8)
+        return _packed_row(nbytes, 97 * r + 31 * call)
 
     def rank(r: int) -> None:
         memory = _peer_exchange.PeerMemory(r, buffers, _no_barrier, flags=flags)
@@ -390,18 +424,7 @@ def test_ring_all_gather_through_peer_memory(world: int) -> None:
         memory.signal = late_after_signalling  # type: ignore[method-assign]
         got[r] = []
         for call in range(calls):
-            rows = _peer_exchange.gathered_rows(memory, nbytes)
-            assert rows.shape == (world, nbytes) and rows.data_ptr() == buffers[r].data_ptr()
-            rows[r].copy_(packed(r, call))
-            _peer_exchange.start_all_gather(memory, nbytes)
-            read = rows[r].clone().expand(world, nbytes).clone()
-            for step in range(1, world):
-                owner = (r + step) % world
-                _peer_exchange.wait_for_row(memory, owner)
-                time.sleep(0.02 if r else 0.0)  # (a rank reading late)
-                read[owner] = rows[owner]
-            got[r].append(read)
-            _peer_exchange.end_all_gather(memory)
+            got[r].append(_ring_call_read_late(memory, packed(r, call), 0.02))
 
     threads = [threading.Thread(target=rank, args=(r,)) for r in range(world)]
     for t in threads:
@@ -428,12 +451,11 @@ def test_ring_after_ulysses_waits_for_its_readers(world: int) -> None:
     case = _ThreadRanks.of(world, True, 4 * world, 2 * world, torch.float32, 8, 8)
     halves = _peer_exchange.Halves.of(*case.shards[0], case.split, None)
     nbytes = ops.round_up(halves.nbytes, _peer_exchange.ALIGN)  # (row 0 covers every output)
-    buffers = [torch.full((world * nbytes,), 255, dtype=torch.uint8) for _ in range(world)]
-    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    buffers, flags = _peers_memory(world, world * nbytes)
     got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def packed(r: int) -> torch.Tensor:
-        return torch.arange(nbytes, dtype=torch.int64).add(89 * r).remainder(241).to(torch.uint8)
+        return _packed_row(nbytes, 89 * r)
 
     def rank(r: int) -> None:
         memory = _peer_exchange.PeerMemory(r, buffers, _no_barrier, flags=flags)
@@ -477,25 +499,15 @@ def test_ulysses_after_the_ring_waits_for_its_readers(world: int) -> None:
     nbytes = 2 * _peer_exchange.ALIGN
     assert halves.parts[1][0][0][0] == 0  # (a peer's half-0 q starts at 0, in row 0 of the ring)
     size = max(world * nbytes, halves.nbytes)
-    buffers = [torch.full((size,), 255, dtype=torch.uint8) for _ in range(world)]
-    flags = [torch.zeros(_peer_exchange.FLAG_CHANNELS, world, dtype=torch.int32) for _ in range(world)]
+    buffers, flags = _peers_memory(world, size)
     got: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def packed(r: int) -> torch.Tensor:
-        return torch.arange(nbytes, dtype=torch.int64).add(83 * r).remainder(239).to(torch.uint8)
+        return _packed_row(nbytes, 83 * r + 7)
 
     def rank(r: int) -> None:
         memory = _peer_exchange.PeerMemory(r, buffers, _no_barrier, flags=flags)
-        rows = _peer_exchange.gathered_rows(memory, nbytes)
-        rows[r].copy_(packed(r))
-        _peer_exchange.start_all_gather(memory, nbytes)
-        read = rows[r].clone().expand(world, nbytes).clone()
-        for step in range(1, world):
-            owner = (r + step) % world
-            _peer_exchange.wait_for_row(memory, owner)
-            time.sleep(0.1 if r else 0.0)  # (a rank reading late)
-            read[owner] = rows[owner]
-        _peer_exchange.end_all_gather(memory)
+        read = _ring_call_read_late(memory, packed(r), 0.1)
         out, _ = _peer_exchange.ulysses_in_halves(*case.shards[r], memory, halves, case.split, False,
                                                   _exact_halves_attention)
         got[r] = read, out
